@@ -1,0 +1,31 @@
+"""Exception types and message helpers shared by every ampddp module.
+
+Errors name what the user passed and what would have been valid, so a bad setting is fixed from
+the message alone, without reading ampddp's source.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class ConfigError(ValueError):
+    """A setting has a value ampddp cannot use; raised before any work or state change."""
+
+
+class AmpUsageError(RuntimeError):
+    """The amp API was called in an order or with objects it cannot handle safely."""
+
+
+def closest(name: str, choices: Iterable[str]) -> str:
+    """Return ' (did you mean X?)' for the choice nearest to ``name``, or '' when none is near."""
+    match = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.5)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def choice_error(what: str, value: object, choices: Iterable[str]) -> ConfigError:
+    """Build the standard 'bad value, valid values are ...' error."""
+    options = list(choices)
+    hint = closest(str(value), options)
+    return ConfigError(f"{what}={value!r} is not valid{hint}; valid choices: {', '.join(options)}")

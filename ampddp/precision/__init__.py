@@ -1,0 +1,23 @@
+"""The precision engine: opt-level policies, loss scaling, master weights and op casting."""
+
+from ampddp.precision.engine import NATIVE_MODES, PRECISION_MODES, PrecisionEngine
+from ampddp.precision.factory import build_engine
+from ampddp.precision.policy import OPT_LEVELS, PrecisionPolicy, resolve_policy
+from ampddp.precision.registry import OpRegistry, bfloat16_function, float_function, half_function, promote_function
+from ampddp.precision.scaler import LossScaler
+
+__all__ = [
+    "NATIVE_MODES",
+    "OPT_LEVELS",
+    "PRECISION_MODES",
+    "LossScaler",
+    "OpRegistry",
+    "PrecisionEngine",
+    "PrecisionPolicy",
+    "bfloat16_function",
+    "build_engine",
+    "float_function",
+    "half_function",
+    "promote_function",
+    "resolve_policy",
+]

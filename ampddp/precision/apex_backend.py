@@ -1,0 +1,115 @@
+"""``impl="apex"``: delegate to NVIDIA apex's own ``apex.amp`` when an old build has it.
+
+apex removed ``apex.amp`` in May 2025 (last tag with it: 25.04). This backend exists for users who
+must reproduce numbers on an old container; everyone else uses the builtin engine, which needs no
+apex.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from ampddp.errors import ConfigError
+from ampddp.precision.engine import PrecisionEngine
+from ampddp.precision.registry import OpRegistry
+
+APEX_MISSING = (
+    "precision impl 'apex' needs NVIDIA apex with apex.amp, which apex removed upstream after tag 25.04 "
+    "(May 2025). To use it, build apex from that tag: pip install -v --no-build-isolation "
+    "git+https://github.com/NVIDIA/apex.git@25.04 (or use the ampddp Docker image built with "
+    "--build-arg WITH_APEX=1). Otherwise use impl='builtin' (the default): the same opt levels on "
+    "native PyTorch, on any device."
+)
+_REGISTER = {"half": "register_half_function", "float": "register_float_function", "promote": "register_promote_function"}
+
+
+def import_apex_amp() -> ModuleType:
+    """Return ``apex.amp`` or raise the migration message above."""
+    try:
+        module = importlib.import_module("apex.amp")
+    except ImportError as error:
+        raise ConfigError(f"{APEX_MISSING} (import failed: {error})") from None
+    if not hasattr(module, "initialize"):
+        raise ConfigError(f"{APEX_MISSING} (the installed apex has no apex.amp.initialize)")
+    return module
+
+
+class ApexEngine(PrecisionEngine):
+    """The engine interface over apex's process-global ``amp`` state."""
+
+    def __init__(self, mode: str, registry: OpRegistry | None = None, **overrides: Any) -> None:
+        self._amp = import_apex_amp()
+        self.mode = mode
+        self._overrides = overrides
+        self._registrations = registry.entries() if registry is not None else ()
+        self._optimizers: list[Optimizer] = []
+        self._skipped = 0
+        self._skip_pending = False
+
+    def setup(self, models: list[nn.Module], optimizers: list[Optimizer]) -> tuple[list[nn.Module], list[Optimizer]]:
+        for entry in self._registrations:
+            if entry.kind not in _REGISTER:
+                raise ConfigError(f"apex.amp cannot register {entry.kind!r} functions; valid with impl='apex': {', '.join(_REGISTER)}")
+            getattr(self._amp, _REGISTER[entry.kind])(entry.module, entry.name)
+        models, optimizers = self._amp.initialize(models, optimizers, opt_level=self.mode, **self._overrides)
+        self._optimizers = list(optimizers)
+        return models, optimizers
+
+    def forward_context(self) -> AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor, loss_id: int = 0) -> None:
+        with self.scale_loss(loss, self._optimizers, loss_id=loss_id) as scaled:
+            scaled.backward()
+
+    @contextlib.contextmanager
+    def scale_loss(
+        self, loss: torch.Tensor, optimizers: list[Optimizer], loss_id: int = 0, delay_unscale: bool = False
+    ) -> Iterator[torch.Tensor]:
+        """apex's own scale_loss; a drop in its scale on exit means it will skip the next step."""
+        before = self.loss_scale(loss_id)
+        with self._amp.scale_loss(loss, optimizers, loss_id=loss_id, delay_unscale=delay_unscale) as scaled:
+            yield scaled
+        if self.loss_scale(loss_id) < before:
+            self._skipped += 1
+            self._skip_pending = True
+
+    def unscale_(self, optimizer: Optimizer) -> None:
+        """apex unscales when scale_loss exits, so there is nothing left to do."""
+
+    def step(self, *optimizers: Optimizer) -> bool:
+        for optimizer in optimizers:
+            optimizer.step()
+        stepped, self._skip_pending = not self._skip_pending, False
+        return stepped
+
+    def master_params(self, optimizer: Optimizer) -> Iterator[nn.Parameter]:
+        return self._amp.master_params(optimizer)
+
+    def loss_scale(self, loss_id: int = 0) -> float:
+        return float(self._amp.state_dict()[f"loss_scaler{loss_id}"]["loss_scale"])
+
+    @property
+    def skipped_steps(self) -> int:
+        return self._skipped
+
+    def state_dict(self) -> dict[str, Any]:
+        apex_state = self._amp.state_dict()
+        scalers = [dict(apex_state[f"loss_scaler{i}"]) for i in range(len(apex_state))]
+        return {"mode": self.mode, "impl": "apex", "scalers": scalers, "skipped_steps": self._skipped}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        scalers = state.get("scalers", [])
+        self._amp.load_state_dict(
+            {f"loss_scaler{i}": {"loss_scale": s["loss_scale"], "unskipped": s["unskipped"]} for i, s in enumerate(scalers)}
+        )
+        self._skipped = int(state.get("skipped_steps", 0))

@@ -1,0 +1,200 @@
+"""The O1/O4 forward context: ops cast per ampddp's lists, only while the context is active.
+
+How: a ``torch.overrides.TorchFunctionMode`` sees every torch call made in the context (on this
+thread only) and casts the inputs of listed ops; device autocast runs underneath so the ops that
+composite Python functions call internally are lowered too. Registered functions that torch cannot
+intercept are swapped in their module for the context's duration and restored on exit. Nothing is
+left patched once the outermost context exits, and two contexts share no state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode, get_overridable_functions
+
+from ampddp.precision import op_lists
+from ampddp.precision.casting import map_tensors
+from ampddp.precision.registry import BFLOAT16, CAST_ATTRIBUTE, FP32, LOW, PROMOTE, Registration, tag_function
+
+BANNED = "banned"
+NAMESPACES = (torch, F, torch.Tensor)
+_LOW_TYPES = (torch.float16, torch.bfloat16)
+
+
+@functools.lru_cache(maxsize=1)
+def _overridable() -> frozenset[Any]:
+    return frozenset(fn for fns in get_overridable_functions().values() for fn in fns)
+
+
+def _lookup(names: tuple[str, ...] | list[str]) -> list[Any]:
+    found = []
+    for name in names:
+        for namespace in NAMESPACES:
+            fn = getattr(namespace, name, None)
+            if fn is not None:
+                found.append(fn)
+    return found
+
+
+@dataclass(frozen=True)
+class OpTable:
+    """Function -> cast kind, plus registrations that need a scoped swap in their module."""
+
+    kinds: dict[Any, str]
+    swaps: tuple[Registration, ...]
+    banned_messages: dict[Any, str]
+
+
+def build_op_table(registrations: tuple[Registration, ...]) -> OpTable:
+    """Built-in lists first, user registrations on top (so a registration can lift a ban)."""
+    kinds: dict[Any, str] = {}
+    for names, kind in ((op_lists.PROMOTE_OPS, PROMOTE), (op_lists.FP32_OPS, FP32), (op_lists.LOW_PRECISION_OPS, LOW)):
+        kinds.update(dict.fromkeys(_lookup(names), kind))
+    banned_messages: dict[Any, str] = {}
+    for name, message in op_lists.BANNED_OPS.items():
+        for fn in _lookup([name]):
+            kinds[fn] = BANNED
+            banned_messages[fn] = message
+    swaps = []
+    for entry in registrations:
+        fn = getattr(entry.module, entry.name)
+        if fn in _overridable():
+            kinds[fn] = entry.kind
+            if entry.module in (torch, F):
+                tensor_method = getattr(torch.Tensor, entry.name, None)
+                if tensor_method is not None:
+                    kinds[tensor_method] = entry.kind
+        else:
+            swaps.append(entry)
+    return OpTable(kinds, tuple(swaps), banned_messages)
+
+
+class _CastCache:
+    """Casts of fp32 leaf parameters, reused within one outermost context (weights shared by
+    several ops, RNN time steps) and dropped when it exits, as apex did per iteration."""
+
+    def __init__(self) -> None:
+        self._casts: dict[tuple[int, torch.dtype, bool], tuple[torch.Tensor, int, torch.Tensor]] = {}
+
+    def cast(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if not (tensor.is_leaf and tensor.requires_grad):
+            return tensor.to(dtype)
+        key = (id(tensor), dtype, torch.is_grad_enabled())
+        hit = self._casts.get(key)
+        if hit is not None and hit[0] is tensor and hit[1] == tensor._version:
+            return hit[2]
+        result = tensor.to(dtype)
+        self._casts[key] = (tensor, tensor._version, result)
+        return result
+
+    def clear(self) -> None:
+        self._casts.clear()
+
+
+def _floating_dtypes(args: Any, kwargs: dict[str, Any]) -> set[torch.dtype]:
+    seen: set[torch.dtype] = set()
+
+    def note(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.is_floating_point():
+            seen.add(tensor.dtype)
+        return tensor
+
+    map_tensors((args, kwargs), note)
+    return seen
+
+
+class _OpCastMode(TorchFunctionMode):
+    def __init__(self, table: OpTable, low_dtype: torch.dtype, device_types: tuple[str, ...], cache: _CastCache) -> None:
+        super().__init__()
+        self._kinds = table.kinds
+        self._banned = table.banned_messages
+        self._low = low_dtype
+        self._device_types = device_types
+        self._cache = cache
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        kind = self._kinds.get(func)
+        if kind is None:
+            kind = getattr(func, CAST_ATTRIBUTE, None)
+            if kind is None:
+                return func(*args, **kwargs)
+        if kind in (LOW, BFLOAT16):
+            target = self._low if kind == LOW else torch.bfloat16
+            return func(*self._cast(args, target), **self._cast(kwargs, target))
+        if kind == PROMOTE:
+            dtypes = _floating_dtypes(args, kwargs)
+            if len(dtypes) > 1 and torch.float64 not in dtypes:
+                return func(*self._cast(args, torch.float32), **self._cast(kwargs, torch.float32))
+            return func(*args, **kwargs)
+        if kind == BANNED and _floating_dtypes(args, kwargs) & set(_LOW_TYPES):
+            name = getattr(func, "__name__", str(func))
+            raise RuntimeError(f"{name} called with low-precision input under an op-casting opt level: {self._banned[func]}")
+        with self._autocast_off():
+            return func(*self._cast(args, torch.float32), **self._cast(kwargs, torch.float32))
+
+    def _cast(self, obj: Any, dtype: torch.dtype) -> Any:
+        def cast(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.dtype == dtype or not tensor.is_floating_point() or tensor.dtype == torch.float64:
+                return tensor
+            return self._cache.cast(tensor, dtype)
+
+        return map_tensors(obj, cast)
+
+    def _autocast_off(self) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        for device_type in self._device_types:
+            stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
+        return stack
+
+
+class OpCastContext:
+    """Re-entrant (per thread) context that applies an OpTable; reusable across iterations."""
+
+    def __init__(self, table: OpTable, low_dtype: torch.dtype, device_types: tuple[str, ...]) -> None:
+        self._table = table
+        self._low = low_dtype
+        self._device_types = device_types
+        self._local = threading.local()
+
+    @property
+    def active(self) -> bool:
+        """Whether this context is entered on the calling thread."""
+        return getattr(self._local, "depth", 0) > 0
+
+    def __enter__(self) -> OpCastContext:
+        depth = getattr(self._local, "depth", 0)
+        if depth == 0:
+            self._local.stack = self._open()
+        self._local.depth = depth + 1
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._local.depth -= 1
+        if self._local.depth == 0:
+            stack, self._local.stack = self._local.stack, None
+            stack.close()
+
+    def _open(self) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        try:
+            for device_type in self._device_types:
+                stack.enter_context(torch.autocast(device_type=device_type, dtype=self._low))
+            cache = _CastCache()
+            stack.callback(cache.clear)
+            stack.enter_context(_OpCastMode(self._table, self._low, self._device_types, cache))
+            for entry in self._table.swaps:
+                original = getattr(entry.module, entry.name)
+                setattr(entry.module, entry.name, tag_function(original, entry.kind))
+                stack.callback(setattr, entry.module, entry.name, original)
+        except BaseException:
+            stack.close()
+            raise
+        return stack

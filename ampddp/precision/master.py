@@ -1,0 +1,148 @@
+"""Per-optimizer gradient bookkeeping: fp32 master weights, unscaling, skipping.
+
+With master weights (O2/O5) the optimizer's param groups hold fp32 masters in place of the model's
+low-precision params; unscaled grads land in the masters' ``.grad`` (fp32) and, after a step, the
+masters are copied back into the model with one foreach call. Params that are already fp32 (e.g.
+BatchNorm kept fp32) are their own masters. Without master weights every param is its own master.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from ampddp.errors import AmpUsageError
+from ampddp.precision.scaler import LossScaler
+
+
+class OptimizerGrads:
+    """Masters, stashed grads and the pending-skip flag of one optimizer."""
+
+    def __init__(self, optimizer: Optimizer, make_masters: bool, fp32_data: dict[int, torch.Tensor] | None = None) -> None:
+        self.optimizer = optimizer
+        self.make_masters = make_masters
+        self.model_params: list[nn.Parameter] = []
+        self.masters: list[nn.Parameter] = []
+        self.in_place: list[nn.Parameter] = []
+        self._master_of: dict[int, nn.Parameter] = {}
+        self._groups_seen = 0
+        self._stash: list[torch.Tensor | None] = []
+        self.has_scaled_grads = False
+        self.skip_pending = False
+        self.found_inf: torch.Tensor | None = None
+        self.unscaled = False
+        self.sync_param_groups(fp32_data or {})
+
+    def sync_param_groups(self, fp32_data: dict[int, torch.Tensor] | None = None) -> None:
+        """Give params of groups added since the last call (``add_param_group``) their masters."""
+        groups = self.optimizer.param_groups
+        for group in groups[self._groups_seen :]:
+            for index, param in enumerate(group["params"]):
+                if self.make_masters and param.is_floating_point() and param.dtype != torch.float32:
+                    group["params"][index] = self._new_master(param, (fp32_data or {}).get(id(param)))
+                else:
+                    self.in_place.append(param)
+        self._groups_seen = len(groups)
+
+    def _new_master(self, param: nn.Parameter, fp32: torch.Tensor | None) -> nn.Parameter:
+        master = nn.Parameter(fp32 if fp32 is not None else param.detach().float(), requires_grad=param.requires_grad)
+        state = self.optimizer.state.pop(param, None)
+        if state is not None:
+            self.optimizer.state[master] = {
+                k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "step" else v for k, v in state.items()
+            }
+        self.model_params.append(param)
+        self.masters.append(master)
+        self._master_of[id(param)] = master
+        return master
+
+    def master_of(self, param: nn.Parameter) -> nn.Parameter | None:
+        return self._master_of.get(id(param))
+
+    def master_params(self) -> Iterator[nn.Parameter]:
+        """The params the optimizer actually steps, in param-group order."""
+        for group in self.optimizer.param_groups:
+            yield from group["params"]
+
+    def stash_grads(self) -> None:
+        """Set aside already-unscaled grads so the next backward's grads can be unscaled alone."""
+        if self.has_scaled_grads:
+            return
+        self._stash = [p.grad for p in self.in_place]
+        for param in self.in_place:
+            param.grad = None
+
+    def unscale_(self, scaler: LossScaler) -> None:
+        """Unscale the grads produced since the last unscale; add them to any stashed/master grads."""
+        new_in_place = [p.grad for p in self.in_place if p.grad is not None]
+        pairs = [(m, p.grad) for m, p in zip(self.masters, self.model_params) if p.grad is not None]
+        fp32_copies = [torch.empty_like(m) for m, _ in pairs]
+        if fp32_copies:
+            torch._foreach_copy_(fp32_copies, [g for _, g in pairs])
+        found = scaler.unscale_(new_in_place + fp32_copies)
+        self._accumulate_masters(pairs, fp32_copies)
+        self.restore_stash()
+        if found is not None:
+            self.found_inf = found if self.found_inf is None else self.found_inf + found
+        self.has_scaled_grads = False
+        self.unscaled = True
+
+    def _accumulate_masters(self, pairs: list[tuple[nn.Parameter, torch.Tensor]], fp32_grads: list[torch.Tensor]) -> None:
+        fresh, existing, added = [], [], []
+        for (master, _), grad in zip(pairs, fp32_grads):
+            if master.grad is None:
+                fresh.append((master, grad))
+            else:
+                existing.append(master.grad)
+                added.append(grad)
+        for master, grad in fresh:
+            master.grad = grad
+        if existing:
+            torch._foreach_add_(existing, added)
+        for param in self.model_params:
+            param.grad = None
+
+    def restore_stash(self) -> None:
+        for param, old in zip(self.in_place, self._stash):
+            if old is None:
+                continue
+            if param.grad is None:
+                param.grad = old
+            else:
+                param.grad.add_(old)
+        self._stash = []
+
+    def drop_grads(self) -> None:
+        """Make the next ``step`` a no-op: torch optimizers skip params whose grad is None."""
+        for param in self.master_params():
+            param.grad = None
+        for param in self.model_params:
+            param.grad = None
+
+    def check_ready_to_step(self) -> None:
+        if self.has_scaled_grads:
+            raise AmpUsageError(
+                "optimizer.step() called while gradients are still scaled: the last scale_loss used "
+                "delay_unscale=True. Finish the accumulation with a scale_loss(..., delay_unscale=False) call."
+            )
+        if any(p.grad is not None for p in self.model_params):
+            raise AmpUsageError(
+                "optimizer.step() found low-precision model gradients that were never unscaled into the fp32 "
+                "master weights: call backward inside `with amp.scale_loss(loss, optimizer) as scaled: "
+                "scaled.backward()` (or engine.backward(loss)) instead of loss.backward()."
+            )
+
+    @torch.no_grad()
+    def copy_masters_to_model(self) -> None:
+        if self.model_params:
+            torch._foreach_copy_(self.model_params, self.masters)
+            for master in self.masters:
+                master.grad = None
+
+    def reset_step_state(self) -> None:
+        self.skip_pending = False
+        self.found_inf = None
+        self.unscaled = False

@@ -1,0 +1,137 @@
+"""Native torch AMP (``torch.autocast`` + ``torch.amp.GradScaler``) behind the engine interface."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from ampddp.errors import AmpUsageError, ConfigError, closest
+from ampddp.precision.casting import device_types
+from ampddp.precision.engine import PrecisionEngine
+from ampddp.precision.opt_level import check_models_and_optimizers
+from ampddp.precision.policy import DYNAMIC
+from ampddp.precision.scaler import LossScaler
+
+NATIVE_SETTINGS = ("loss_scale", "init_loss_scale", "growth_factor", "backoff_factor", "growth_interval", "enabled")
+
+
+class NativeAmpEngine(PrecisionEngine):
+    """Autocast to ``dtype`` on the models' devices; a GradScaler when scaling is on.
+
+    ``loss_scale``: "dynamic" (default for float16) or None (default for bfloat16: no scaling).
+    """
+
+    def __init__(self, dtype: torch.dtype, **settings: Any) -> None:
+        unknown = [key for key in settings if key not in NATIVE_SETTINGS]
+        if unknown:
+            raise ConfigError(
+                f"unknown native AMP setting {unknown[0]!r}{closest(unknown[0], NATIVE_SETTINGS)}; valid: {', '.join(NATIVE_SETTINGS)}"
+            )
+        self.dtype = dtype
+        self.mode = "native-fp16" if dtype == torch.float16 else "native-bf16"
+        loss_scale = settings.get("loss_scale", DYNAMIC if dtype == torch.float16 else None)
+        if loss_scale not in (DYNAMIC, None, "none"):
+            raise ConfigError(f"loss_scale={loss_scale!r} is not valid for {self.mode}; valid: 'dynamic' or None (no scaling)")
+        self.enabled = settings.get("enabled", True)
+        if not isinstance(self.enabled, bool):
+            raise ConfigError(f"enabled={self.enabled!r} is not valid; valid: True or False")
+        reference = LossScaler(
+            dynamic=True,
+            init_scale=settings.get("init_loss_scale") or 2.0**16,
+            growth_factor=settings.get("growth_factor", 2.0),
+            backoff_factor=settings.get("backoff_factor", 0.5),
+            growth_interval=settings.get("growth_interval", 2000),
+        )
+        self._scaler_args = {
+            "init_scale": reference.loss_scale,
+            "growth_factor": reference.growth_factor,
+            "backoff_factor": reference.backoff_factor,
+            "growth_interval": reference.growth_interval,
+            "enabled": self.enabled and loss_scale == DYNAMIC,
+        }
+        self._device_types: tuple[str, ...] = ("cpu",)
+        self.scaler = torch.amp.GradScaler("cpu", **self._scaler_args)
+        self._optimizers: list[Optimizer] = []
+        self._unscaled: set[int] = set()
+        self._skipped = 0
+
+    def setup(self, models: list[nn.Module], optimizers: list[Optimizer]) -> tuple[list[nn.Module], list[Optimizer]]:
+        check_models_and_optimizers(models, optimizers)
+        self._device_types = device_types(models)
+        self.scaler = torch.amp.GradScaler(self._device_types[0], **self._scaler_args)
+        self._optimizers = list(optimizers)
+        return models, optimizers
+
+    def forward_context(self) -> AbstractContextManager[Any]:
+        stack = contextlib.ExitStack()
+        for device_type in self._device_types:
+            stack.enter_context(torch.autocast(device_type=device_type, dtype=self.dtype, enabled=self.enabled))
+        return stack
+
+    def backward(self, loss: torch.Tensor, loss_id: int = 0) -> None:
+        if loss_id != 0:
+            raise ConfigError(f"loss_id={loss_id!r} is not valid for {self.mode}: native AMP has one scaler (loss_id 0)")
+        self.scaler.scale(loss).backward()
+
+    def _check_known(self, optimizer: Optimizer) -> None:
+        if not any(optimizer is known for known in self._optimizers):
+            raise AmpUsageError("this optimizer was not passed to setup of this engine")
+
+    def unscale_(self, optimizer: Optimizer) -> None:
+        self._check_known(optimizer)
+        if id(optimizer) not in self._unscaled:
+            self.scaler.unscale_(optimizer)
+            self._unscaled.add(id(optimizer))
+
+    def step(self, *optimizers: Optimizer) -> bool:
+        for optimizer in optimizers:
+            self._check_known(optimizer)
+        before = self.scaler.get_scale()
+        for optimizer in optimizers:
+            self.scaler.step(optimizer)
+        self.scaler.update()
+        self._unscaled.clear()
+        skipped = self.scaler.is_enabled() and self.scaler.get_scale() < before
+        self._skipped += int(skipped)
+        return not skipped
+
+    def master_params(self, optimizer: Optimizer) -> Iterator[nn.Parameter]:
+        self._check_known(optimizer)
+        for group in optimizer.param_groups:
+            yield from group["params"]
+
+    def loss_scale(self, loss_id: int = 0) -> float:
+        return float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0
+
+    @property
+    def skipped_steps(self) -> int:
+        return self._skipped
+
+    def state_dict(self) -> dict[str, Any]:
+        scalers = []
+        if self.scaler.is_enabled():
+            state = self.scaler.state_dict()
+            scalers.append(
+                {"loss_scale": float(state["scale"]), "unskipped": int(state["_growth_tracker"]), "skipped_steps": self._skipped}
+            )
+        return {"mode": self.mode, "impl": "builtin", "scalers": scalers, "skipped_steps": self._skipped}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        scalers = state.get("scalers") if isinstance(state, dict) else None
+        expected = 1 if self.scaler.is_enabled() else 0
+        if not isinstance(scalers, list) or len(scalers) != expected:
+            count = len(scalers) if isinstance(scalers, list) else "no"
+            raise ConfigError(f"precision state has {count} loss scalers; {self.mode} here expects {expected}")
+        skipped = state.get("skipped_steps", 0)
+        if scalers:
+            parsed = LossScaler(dynamic=True, init_scale=1.0).parse_state(scalers[0], where="scalers[0]")
+            grad_scaler_state = dict(self.scaler.state_dict(), scale=parsed["loss_scale"], _growth_tracker=parsed["unskipped"])
+            self.scaler.load_state_dict(grad_scaler_state)
+            skipped = parsed["skipped_steps"]
+        self._skipped = int(skipped)

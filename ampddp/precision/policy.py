@@ -1,0 +1,208 @@
+"""Opt levels as data: one frozen PrecisionPolicy per apex level, overrides validated in one place.
+
+The table reproduces apex's O0-O3 properties and the ROCm fork's bfloat16 O4/O5. ``resolve_policy``
+applies ``amp.initialize``-style keyword overrides with ``dataclasses.replace`` and rejects every
+combination apex rejected (plus the ones apex accepted silently and then misbehaved on).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ampddp.errors import ConfigError, closest
+from ampddp.precision.dtypes import dtype_name, parse_float_dtype
+
+DYNAMIC = "dynamic"
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """Everything an opt level decides. Field names and meanings follow ``apex.amp.initialize``."""
+
+    opt_level: str
+    cast_model_type: torch.dtype | None
+    """dtype the model's params/buffers are cast to (None: left as they are)."""
+    patch_torch_functions: bool
+    """Whether ops are cast per the O1/O4 op lists inside the forward context."""
+    keep_batchnorm_fp32: bool | None
+    """Keep affine BatchNorm modules in fp32 when the model is cast."""
+    master_weights: bool | None
+    """Keep fp32 master copies of low-precision params; the optimizer steps those."""
+    loss_scale: float | str
+    """A fixed scale, or "dynamic"."""
+    op_cast_dtype: torch.dtype | None = None
+    """Low-precision dtype of the op lists (float16 for O1, bfloat16 for O4)."""
+    cast_model_outputs: torch.dtype | None = None
+    num_losses: int = 1
+    min_loss_scale: float | None = None
+    max_loss_scale: float = 2.0**24
+    init_loss_scale: float | None = None
+    """First dynamic scale; None means min(2**16, max_loss_scale) as in apex."""
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    hysteresis: int = 1
+    """Overflows tolerated before the scale backs off (1: every overflow, as in apex)."""
+    verbosity: int = 1
+    enabled: bool = True
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        return self.loss_scale == DYNAMIC
+
+    @property
+    def uses_master_weights(self) -> bool:
+        return bool(self.master_weights)
+
+    @property
+    def first_loss_scale(self) -> float:
+        """The scale a fresh scaler starts at."""
+        if not self.dynamic_loss_scale:
+            return float(self.loss_scale)
+        if self.init_loss_scale is not None:
+            return self.init_loss_scale
+        return min(2.0**16, self.max_loss_scale)
+
+    def describe(self) -> dict[str, Any]:
+        """Plain-data view (dtypes as strings) for logs, checkpoints and `inspect`."""
+        out = dataclasses.asdict(self)
+        for key in ("cast_model_type", "op_cast_dtype", "cast_model_outputs"):
+            out[key] = dtype_name(out[key])
+        return out
+
+
+OPT_LEVELS: dict[str, PrecisionPolicy] = {
+    "O0": PrecisionPolicy("O0", torch.float32, False, None, False, 1.0),
+    "O1": PrecisionPolicy("O1", None, True, None, None, DYNAMIC, op_cast_dtype=torch.float16),
+    "O2": PrecisionPolicy("O2", torch.float16, False, True, True, DYNAMIC),
+    "O3": PrecisionPolicy("O3", torch.float16, False, False, False, 1.0),
+    "O4": PrecisionPolicy("O4", None, True, None, None, 1.0, op_cast_dtype=torch.bfloat16),
+    "O5": PrecisionPolicy("O5", torch.bfloat16, False, True, True, 1.0),
+}
+OP_CASTING_LEVELS = ("O1", "O4")
+
+
+def check_opt_level(opt_level: object) -> str:
+    """Return the level name or raise, stressing the letter O that apex users often mistype."""
+    if isinstance(opt_level, str) and opt_level in OPT_LEVELS:
+        return opt_level
+    raise ConfigError(
+        f"opt_level={opt_level!r} is not valid{closest(str(opt_level), OPT_LEVELS)}; valid choices: "
+        f"{', '.join(OPT_LEVELS)} (the letter 'O' followed by a digit, not the digit zero)"
+    )
+
+
+def _bool(name: str, value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value in ("True", "False"):
+        return value == "True"
+    raise ConfigError(f"{name}={value!r} is not valid; valid: True, False, 'True' or 'False'")
+
+
+def _positive(name: str, value: object) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+        if math.isfinite(number) and number > 0:
+            return number
+    raise ConfigError(f"{name}={value!r} is not valid; it must be a finite number > 0")
+
+
+def _count(name: str, value: object, minimum: int = 1) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= minimum:
+        return value
+    raise ConfigError(f"{name}={value!r} is not valid; it must be an integer >= {minimum}")
+
+
+def _loss_scale(name: str, value: object) -> float | str:
+    if value == DYNAMIC:
+        return DYNAMIC
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise ConfigError(
+                f"loss_scale={value!r} is not valid; valid: 'dynamic', or a number > 0 (as a float or a numeric string)"
+            ) from None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
+        return float(value)
+    raise ConfigError(f"loss_scale={value!r} is not valid; valid: 'dynamic', or a number > 0 (as a float or a numeric string)")
+
+
+def _check_op_casting_level(level: str, given: dict[str, Any]) -> None:
+    """O1/O4 cast ops, not the model: apex refused model-level settings there."""
+    cast = given.get("cast_model_type")
+    if cast not in (None, torch.float32):
+        raise ConfigError(
+            f"cast_model_type={dtype_name(cast)} is not valid with opt_level {level}: {level} keeps the model "
+            "weights fp32 and casts ops instead; valid: None or torch.float32. To cast the model use "
+            "O2/O3 (float16) or O5 (bfloat16)."
+        )
+    for key in ("keep_batchnorm_fp32", "master_weights"):
+        if given.get(key) is not None:
+            raise ConfigError(
+                f"{key}={given[key]!r} is not valid with opt_level {level}: {level} leaves the model fp32, "
+                "so there is no batchnorm to keep in fp32 and no master copy; valid: None"
+            )
+
+
+_PARSERS: dict[str, Callable[[str, Any], Any]] = {
+    "cast_model_type": parse_float_dtype,
+    "patch_torch_functions": _bool,
+    "keep_batchnorm_fp32": _bool,
+    "master_weights": _bool,
+    "loss_scale": _loss_scale,
+    "cast_model_outputs": parse_float_dtype,
+    "num_losses": _count,
+    "min_loss_scale": _positive,
+    "max_loss_scale": _positive,
+    "init_loss_scale": _positive,
+    "growth_factor": _positive,
+    "backoff_factor": _positive,
+    "growth_interval": _count,
+    "hysteresis": _count,
+    "verbosity": lambda name, value: _count(name, value, minimum=0),
+    "enabled": _bool,
+}
+OVERRIDE_KEYS = tuple(_PARSERS)
+
+
+def resolve_policy(opt_level: str = "O1", **overrides: Any) -> PrecisionPolicy:
+    """Return the policy for ``opt_level`` with apex-style keyword overrides applied.
+
+    An override of None keeps the level's default, as in ``apex.amp.initialize``.
+    """
+    level = check_opt_level(opt_level)
+    unknown = [key for key in overrides if key not in _PARSERS]
+    if unknown:
+        key = unknown[0]
+        raise ConfigError(f"unknown precision setting {key!r}{closest(key, OVERRIDE_KEYS)}; valid settings: {', '.join(OVERRIDE_KEYS)}")
+    given = {key: _PARSERS[key](key, value) for key, value in overrides.items() if value is not None}
+    if given.get("patch_torch_functions") and level not in OP_CASTING_LEVELS:
+        raise ConfigError(
+            f"patch_torch_functions=True is not valid with opt_level {level}; op-level casting exists only in "
+            f"{' and '.join(OP_CASTING_LEVELS)}. Use opt_level='O1' (float16) or 'O4' (bfloat16)."
+        )
+    if level in OP_CASTING_LEVELS:
+        _check_op_casting_level(level, given)
+    policy = dataclasses.replace(OPT_LEVELS[level], **given)
+    _check_scale_bounds(policy)
+    return policy
+
+
+def _check_scale_bounds(policy: PrecisionPolicy) -> None:
+    low, high = policy.min_loss_scale or 0.0, policy.max_loss_scale
+    if low > high:
+        raise ConfigError(f"min_loss_scale={policy.min_loss_scale} is larger than max_loss_scale={high}; min must be <= max")
+    if policy.init_loss_scale is not None and not low <= policy.init_loss_scale <= high:
+        raise ConfigError(f"init_loss_scale={policy.init_loss_scale} must lie between min_loss_scale={low} and max_loss_scale={high}")
+    if policy.growth_factor <= 1.0:
+        raise ConfigError(f"growth_factor={policy.growth_factor} is not valid; it must be > 1")
+    if policy.backoff_factor >= 1.0:
+        raise ConfigError(f"backoff_factor={policy.backoff_factor} is not valid; it must lie in (0, 1)")
