@@ -1,0 +1,28 @@
+"""Shared fixtures: deterministic seeds and a guard that no test leaves torch patched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo  # noqa: F401 - torch wraps some of its own functions when this loads lazily; load it up front
+import torch.nn.functional as F
+
+WATCHED_NAMESPACES = (torch, F, torch.Tensor)
+
+
+def namespace_snapshot() -> dict[tuple[int, str], object]:
+    return {(id(ns), name): getattr(ns, name) for ns in WATCHED_NAMESPACES for name in dir(ns) if not name.startswith("__")}
+
+
+@pytest.fixture(autouse=True)
+def _isolated_torch_state():
+    """Each test starts from seed 0 and must leave torch's namespaces and default dtype as it found them."""
+    torch.manual_seed(0)
+    dtype = torch.get_default_dtype()
+    before = namespace_snapshot()
+    yield
+    torch.set_default_dtype(dtype)
+    after = namespace_snapshot()
+    changed = [name for key, name in ((k, k[1]) for k in before) if after.get(key) is not before[key]]
+    assert not changed, f"test left torch attributes patched: {changed[:10]}"
+    assert not torch.overrides._is_torch_function_mode_enabled(), "a torch function mode was left active"

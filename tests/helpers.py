@@ -1,0 +1,33 @@
+"""Small models and data shared by the numerics tests (linear layers: fp16 on CPU is fast for those)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def make_mlp(seed: int = 0, width: int = 32, batchnorm: bool = True) -> nn.Module:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = [nn.Linear(16, width)]
+    if batchnorm:
+        layers.append(nn.BatchNorm1d(width))
+    layers += [nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 4)]
+    return nn.Sequential(*layers)
+
+
+def make_batches(count: int, batch: int = 32, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    teacher = torch.randn(16, 4, generator=generator)
+    batches = []
+    for _ in range(count):
+        x = torch.randn(batch, 16, generator=generator)
+        batches.append((x, (x @ teacher).argmax(1)))
+    return batches
+
+
+def max_relative_difference(params_a, params_b) -> float:
+    worst = 0.0
+    for a, b in zip(params_a, params_b):
+        a, b = a.detach().float(), b.detach().float()
+        worst = max(worst, ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item())
+    return worst
