@@ -69,6 +69,7 @@ class OptimizerGrads:
 
     def stash_grads(self) -> None:
         """Set aside already-unscaled grads so the next backward's grads can be unscaled alone."""
+        self.sync_param_groups()
         if self.has_scaled_grads:
             return
         self._stash = [p.grad for p in self.in_place]
@@ -77,6 +78,7 @@ class OptimizerGrads:
 
     def unscale_(self, scaler: LossScaler) -> None:
         """Unscale the grads produced since the last unscale; add them to any stashed/master grads."""
+        self.sync_param_groups()
         new_in_place = [p.grad for p in self.in_place if p.grad is not None]
         pairs = [(m, p.grad) for m, p in zip(self.masters, self.model_params) if p.grad is not None]
         fp32_copies = [torch.empty_like(m) for m, _ in pairs]
