@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch._dynamo  # noqa: F401 - torch wraps some of its own functions when this loads lazily; load it up front
+import torch._dynamo
 import torch.nn.functional as F
 
 WATCHED_NAMESPACES = (torch, F, torch.Tensor)

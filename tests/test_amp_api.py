@@ -234,7 +234,7 @@ def test_misuse_gets_clear_errors():
         amp.initialize(model, [optimizer, optimizer], opt_level="O1")
     with pytest.raises(AmpUsageError, match="already wrapped in DataParallel"):
         amp.initialize(nn.DataParallel(model), optimizer, opt_level="O1")
-    with pytest.raises(AmpUsageError, match="'0.weight' is torch.float16"):
+    with pytest.raises(AmpUsageError, match=r"'0\.weight' is torch\.float16"):
         amp.initialize(make_mlp().half(), opt_level="O2")
     with pytest.raises(AmpUsageError, match="models must be a Module"):
         amp.initialize("model", opt_level="O1")

@@ -80,7 +80,7 @@ def test_o2_clipping_acts_on_unscaled_fp32_masters_and_matches_fp32():
 
 
 def test_unknown_optimizer_and_mixed_loss_ids_are_errors():
-    engine, model, optimizer = setup("O1", num_losses=2, verbosity=0)
+    engine, model, _ = setup("O1", num_losses=2, verbosity=0)
     stranger = torch.optim.SGD(make_mlp().parameters(), lr=0.1)
     with pytest.raises(AmpUsageError, match="not passed"):
         engine.step(stranger)
