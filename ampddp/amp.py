@@ -21,7 +21,7 @@ from torch.optim import Optimizer
 from ampddp.errors import AmpUsageError, ConfigError
 from ampddp.precision.apex_backend import ApexEngine
 from ampddp.precision.factory import build_engine
-from ampddp.precision.opt_level import OptLevelEngine
+from ampddp.precision.opt_level import OptLevelEngine, check_models_and_optimizers
 from ampddp.precision.policy import check_opt_level
 from ampddp.precision.registry import (
     BFLOAT16,
@@ -91,6 +91,7 @@ class Amp:
         model_list, models_were_list = _as_list(models, nn.Module, "models")
         optimizer_list, optimizers_were_list = ([], False) if optimizers is None else _as_list(optimizers, Optimizer, "optimizers")
         engine = build_engine(check_opt_level(opt_level), impl=impl, registry=self._registry, enabled=enabled, **overrides)
+        check_models_and_optimizers(model_list, optimizer_list)
         if self._engine is not None:
             self._engine.teardown()
             self._engine = None

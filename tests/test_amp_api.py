@@ -47,6 +47,24 @@ def test_disabled_amp_leaves_everything_untouched():
         assert scaled is loss
 
 
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_disabled_engine_trains_like_plain_fp32(level):
+    from ampddp import build_engine
+
+    model, reference = make_mlp(), make_mlp()
+    optimizer, ref_optimizer = sgd(model), sgd(reference)
+    engine = build_engine(level, enabled=False)
+    engine.setup([model], [optimizer])
+    for x, y in make_batches(3):
+        optimizer.zero_grad(), ref_optimizer.zero_grad()
+        with engine.forward_context():
+            engine.backward(F.cross_entropy(model(x), y))
+        assert engine.step(optimizer)
+        F.cross_entropy(reference(x), y).backward()
+        ref_optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+
+
 def test_o1_model_forward_runs_the_op_lists_without_an_explicit_context():
     model = nn.Sequential(nn.Linear(4, 4), nn.Softmax(dim=-1))
     seen = []
@@ -247,9 +265,12 @@ def test_misuse_gets_clear_errors():
 def test_initialize_twice_on_the_same_model_is_refused_after_o2():
     amp = Amp()
     model = make_mlp()
-    amp.initialize(model, sgd(model), opt_level="O2", verbosity=0)
+    model, optimizer = amp.initialize(model, sgd(model), opt_level="O2", verbosity=0)
     with pytest.raises(AmpUsageError, match="already initialized"):
         amp.initialize(model, sgd(model), opt_level="O2")
+    x, y = make_batches(1)[0]
+    train_step(amp, model, optimizer, x, y)
+    assert model(x).dtype == torch.float32, "the refused call must leave the working set-up in place"
 
 
 def test_backward_outside_scale_loss_under_o2_is_an_error_not_a_silent_no_op():

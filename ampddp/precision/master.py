@@ -127,8 +127,9 @@ class OptimizerGrads:
     def check_ready_to_step(self) -> None:
         if self.has_scaled_grads:
             raise AmpUsageError(
-                "optimizer.step() called while gradients are still scaled: the last scale_loss used "
-                "delay_unscale=True. Finish the accumulation with a scale_loss(..., delay_unscale=False) call."
+                "optimizer.step() called while gradients are still scaled (after scale_loss(..., delay_unscale=True) "
+                "or engine.backward). Finish with a scale_loss(..., delay_unscale=False) call, or step through "
+                "engine.step(optimizer), which unscales first."
             )
         if any(p.grad is not None for p in self.model_params):
             raise AmpUsageError(

@@ -80,22 +80,22 @@ class OptLevelEngine(PrecisionEngine):
     def setup(self, models: list[nn.Module], optimizers: list[Optimizer]) -> tuple[list[nn.Module], list[Optimizer]]:
         check_models_and_optimizers(models, optimizers)
         self.teardown()
-        if not self.policy.enabled:
-            return models, optimizers
         policy = self.policy
+        casts_model = policy.enabled and policy.cast_model_type not in (None, torch.float32)
         fp32_data: dict[int, torch.Tensor] = {}
-        casts_model = policy.cast_model_type not in (None, torch.float32)
+        if casts_model and policy.uses_master_weights:
+            fp32_data = {id(p): p.data for opt in optimizers for group in opt.param_groups for p in group["params"]}
         if casts_model:
-            if policy.uses_master_weights:
-                fp32_data = {id(p): p.data for opt in optimizers for group in opt.param_groups for p in group["params"]}
             for model in models:
                 convert_model(model, policy.cast_model_type, bool(policy.keep_batchnorm_fp32))
         self._records = {}
         for optimizer in optimizers:
-            record = OptimizerGrads(optimizer, policy.uses_master_weights, fp32_data)
+            record = OptimizerGrads(optimizer, casts_model and policy.uses_master_weights, fp32_data)
             self._records[id(optimizer)] = record
             self._handles.append(optimizer.register_step_pre_hook(self._make_pre_step(record)))
             self._handles.append(optimizer.register_step_post_hook(self._make_post_step(record)))
+        if not policy.enabled:
+            return models, optimizers
         if policy.patch_torch_functions:
             table = build_op_table(self._registrations)
             self._cast_context = OpCastContext(table, policy.op_cast_dtype, device_types(models))
@@ -198,7 +198,9 @@ class OptLevelEngine(PrecisionEngine):
         return self.scalers[loss_id]
 
     def _is_identity(self, scaler: LossScaler) -> bool:
-        """Static scale 1 without masters: nothing to unscale, check or copy (apex O0/O3)."""
+        """Disabled, or static scale 1 without masters: nothing to unscale, check or copy (apex O0/O3)."""
+        if not self.policy.enabled:
+            return True
         return not scaler.dynamic and scaler.loss_scale == 1.0 and not self.policy.uses_master_weights
 
     def backward(self, loss: torch.Tensor, loss_id: int = 0) -> None:
@@ -209,9 +211,11 @@ class OptLevelEngine(PrecisionEngine):
                 "unscaled; step (or unscale_) between losses, or use amp.scale_loss for per-loss unscaling"
             )
         self._pending_loss_id = loss_id
-        if not self._is_identity(scaler):
-            for record in self._records.values():
-                record.has_scaled_grads = True
+        if self._is_identity(scaler):
+            loss.backward()
+            return
+        for record in self._records.values():
+            record.has_scaled_grads = True
         scaler.scale_loss(loss).backward()
 
     def unscale_(self, optimizer: Optimizer) -> None:
