@@ -1,0 +1,45 @@
+"""Data-parallel training: process-group environment, wrapping, SyncBN, sharding and launching."""
+
+from ampddp.distributed.data import (
+    EvalShardSampler,
+    all_gather_ragged,
+    barrier,
+    eval_sampler,
+    gather_in_order,
+    print_main,
+    shard_bounds,
+    sum_across_ranks,
+    train_sampler,
+)
+from ampddp.distributed.env import DistEnv, detect_env, init_distributed, seed_everything, setup_distributed, shutdown_distributed
+from ampddp.distributed.launch import LaunchError, free_port, launch_local
+from ampddp.distributed.sync_bn import PortableSyncBatchNorm, convert_sync_batchnorm
+from ampddp.distributed.wrap import STRATEGIES, GradSync, global_batch_loss_weight, unwrap_model, wrap_model
+
+__all__ = [
+    "STRATEGIES",
+    "DistEnv",
+    "EvalShardSampler",
+    "GradSync",
+    "LaunchError",
+    "PortableSyncBatchNorm",
+    "all_gather_ragged",
+    "barrier",
+    "convert_sync_batchnorm",
+    "detect_env",
+    "eval_sampler",
+    "free_port",
+    "gather_in_order",
+    "global_batch_loss_weight",
+    "init_distributed",
+    "launch_local",
+    "print_main",
+    "seed_everything",
+    "setup_distributed",
+    "shard_bounds",
+    "shutdown_distributed",
+    "sum_across_ranks",
+    "train_sampler",
+    "unwrap_model",
+    "wrap_model",
+]

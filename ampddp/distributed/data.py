@@ -1,0 +1,93 @@
+"""Sharding that counts every sample once, ragged all-gather, and rank-0 helpers.
+
+``DistributedSampler`` pads the last round by repeating indices, so metrics computed over its
+shards count some samples twice (pytorch 25162, torchvision 4559). Evaluation here uses contiguous,
+unpadded shards instead, and gathers results back in dataset order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sized
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DistributedSampler, RandomSampler, Sampler, SequentialSampler
+
+from ampddp.distributed.env import DistEnv
+
+
+def shard_bounds(length: int, rank: int, world_size: int) -> tuple[int, int]:
+    """[start, end) of rank's contiguous shard; shard sizes differ by at most one, none padded."""
+    base, extra = divmod(length, world_size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+class EvalShardSampler(Sampler[int]):
+    """Contiguous, unpadded shard of a dataset for evaluation: every index on exactly one rank."""
+
+    def __init__(self, dataset: Sized, env: DistEnv) -> None:
+        self.start, self.end = shard_bounds(len(dataset), env.rank, env.world_size)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.start, self.end))
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+
+def train_sampler(dataset: Sized, env: DistEnv, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> Sampler[int]:
+    """DistributedSampler across ranks (call ``set_epoch`` each epoch), a plain sampler otherwise."""
+    if env.distributed:
+        return DistributedSampler(dataset, num_replicas=env.world_size, rank=env.rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    if shuffle:
+        return RandomSampler(dataset, generator=torch.Generator().manual_seed(seed))
+    return SequentialSampler(dataset)
+
+
+def eval_sampler(dataset: Sized, env: DistEnv) -> Sampler[int]:
+    return EvalShardSampler(dataset, env) if env.distributed else SequentialSampler(dataset)
+
+
+def all_gather_ragged(tensor: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
+    """All-gather tensors whose first dimension differs per rank; returns one tensor per rank."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return [tensor]
+    world = dist.get_world_size(group)
+    size = torch.tensor([tensor.shape[0]], dtype=torch.long, device=tensor.device)
+    sizes = [torch.empty_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    lengths = [int(s.item()) for s in sizes]
+    padded = tensor.new_zeros((max(lengths), *tensor.shape[1:]))
+    padded[: tensor.shape[0]] = tensor
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded.contiguous(), group=group)
+    return [part[:length] for part, length in zip(gathered, lengths)]
+
+
+def gather_in_order(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Concatenate every rank's rows in rank order: with EvalShardSampler that is dataset order."""
+    return torch.cat(all_gather_ragged(tensor, group))
+
+
+def sum_across_ranks(value: torch.Tensor | float, group: Any = None) -> torch.Tensor:
+    """Sum a number or tensor over ranks (identity in a single process)."""
+    tensor = torch.as_tensor(value, dtype=torch.float64).clone()
+    if dist.is_available() and dist.is_initialized():
+        backend_device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        tensor = tensor.to(backend_device)
+        dist.all_reduce(tensor, group=group)
+    return tensor.cpu()
+
+
+def barrier(group: Any = None) -> None:
+    """Wait for every rank (no-op in a single process)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier(group=group)
+
+
+def print_main(env: DistEnv, *args: Any, **kwargs: Any) -> None:
+    """print() on rank 0 only."""
+    if env.is_main:
+        print(*args, **kwargs)

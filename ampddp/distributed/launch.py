@@ -1,0 +1,95 @@
+"""Local launcher: N processes on this machine, a free port picked for them, results returned.
+
+For users without torchrun (and for tests). Every worker gets a ready DistEnv; a worker that raises
+or dies makes ``launch_local`` raise an error naming that rank instead of hanging the others.
+"""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from ampddp.distributed.env import DEFAULT_TIMEOUT_S, setup_distributed, shutdown_distributed
+from ampddp.errors import ConfigError
+
+
+class LaunchError(RuntimeError):
+    """A launched worker failed; the message names the rank and carries its traceback."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _worker(fn: Callable[..., Any], rank: int, nprocs: int, init_method: str, options: dict, results: Any, args: tuple) -> None:
+    try:
+        env = setup_distributed(rank=rank, world_size=nprocs, init_method=init_method, **options)
+        # Plain pickle copies tensors into the message; torch's shared-memory handles would die with us.
+        results.put((rank, "ok", pickle.dumps(fn(env, *args))))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        shutdown_distributed()
+
+
+def launch_local(
+    fn: Callable[..., Any],
+    nprocs: int,
+    args: tuple = (),
+    *,
+    device: str = "auto",
+    backend: str = "auto",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    host: str = "127.0.0.1",
+) -> list[Any]:
+    """Run ``fn(env, *args)`` (env: a DistEnv) in ``nprocs`` spawned processes; return their results by rank.
+
+    ``fn`` must be importable by name (a module-level function), as with ``mp.spawn``.
+    """
+    if not isinstance(nprocs, int) or nprocs < 1:
+        raise ConfigError(f"nprocs={nprocs!r} is not valid; it must be an integer >= 1")
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    init_method = f"tcp://{host}:{free_port(host)}"
+    options = {"device": device, "backend": backend, "timeout_s": timeout_s}
+    processes = [
+        context.Process(target=_worker, args=(fn, rank, nprocs, init_method, options, results, args), daemon=False)
+        for rank in range(nprocs)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        return _collect(processes, results, nprocs, timeout_s)
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+            process.join()
+
+
+def _collect(processes: list, results: Any, nprocs: int, timeout_s: float) -> list[Any]:
+    outcome: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s + 30
+    while len(outcome) < nprocs:
+        while not results.empty():
+            rank, status, value = results.get()
+            if status == "error":
+                raise LaunchError(f"rank {rank} of {nprocs} failed:\n{value}")
+            outcome[rank] = pickle.loads(value)
+        for rank, process in enumerate(processes):
+            if rank not in outcome and process.exitcode is not None and results.empty():
+                raise LaunchError(f"rank {rank} of {nprocs} exited with code {process.exitcode} before finishing")
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(nprocs)) - set(outcome))
+            raise LaunchError(f"ranks {missing} of {nprocs} did not finish within {timeout_s:.0f}s")
+        time.sleep(0.01)
+    return [outcome[rank] for rank in range(nprocs)]

@@ -1,0 +1,160 @@
+"""SyncBatchNorm on every backend, and one converter for torch's, apex's and ours.
+
+torch's ``nn.SyncBatchNorm`` only runs on CUDA (and DDP refuses to wrap it elsewhere); its half
+path has failed with "Expected counts to have type Half" (pytorch 96203). The portable version here
+all-gathers per-rank (count, mean, M2) in fp32 and merges them exactly, so ranks may hold different
+batch sizes (even zero), inputs may be fp16/bf16, and any backend (gloo, nccl) works.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ampddp.errors import ConfigError, choice_error
+
+SYNC_BN_IMPLS = ("auto", "torch", "apex", "portable")
+
+
+def _world(group: Any) -> int:
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+class _SyncBatchNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group):
+        channels = x.shape[1]
+        dims = [d for d in range(x.dim()) if d != 1]
+        xf = x.float()
+        count = torch.tensor([x.numel() // max(channels, 1)], dtype=torch.float32, device=x.device)
+        local_mean = xf.mean(dims) if count.item() > 0 else torch.zeros(channels, device=x.device)
+        local_m2 = ((xf - local_mean.view(1, -1, *[1] * (x.dim() - 2))) ** 2).sum(dims)
+        packed = torch.cat([count, local_mean, local_m2])
+        gathered = [torch.empty_like(packed) for _ in range(_world(group))]
+        dist.all_gather(gathered, packed, group=group)
+        stats = torch.stack(gathered)
+        counts, means, m2s = stats[:, :1], stats[:, 1 : channels + 1], stats[:, channels + 1 :]
+        total = counts.sum()
+        if total.item() < 2:
+            raise ValueError(f"SyncBatchNorm needs more than 1 value per channel across all ranks in training, got {int(total.item())}")
+        mean = (counts * means).sum(0) / total
+        m2 = (m2s + counts * (means - mean) ** 2).sum(0)
+        var = m2 / total
+        invstd = torch.rsqrt(var + eps)
+        if running_mean is not None:
+            with torch.no_grad():
+                running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
+                running_var.mul_(1 - momentum).add_((m2 / (total - 1)).to(running_var.dtype), alpha=momentum)
+        shape = (1, -1, *[1] * (x.dim() - 2))
+        x_hat = (xf - mean.view(shape)) * invstd.view(shape)
+        out = x_hat
+        if weight is not None:
+            out = out * weight.float().view(shape) + bias.float().view(shape)
+        ctx.save_for_backward(x_hat, invstd, weight)
+        ctx.total, ctx.group, ctx.dims, ctx.shape = total, group, dims, shape
+        return out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x_hat, invstd, weight = ctx.saved_tensors
+        g = grad_out.float()
+        local = torch.cat([g.sum(ctx.dims), (g * x_hat).sum(ctx.dims)])
+        grad_bias_local, grad_weight_local = local.chunk(2)
+        reduced = local.clone()
+        dist.all_reduce(reduced, group=ctx.group)
+        sum_dy, sum_dy_xhat = reduced.chunk(2)
+        shape = ctx.shape
+        scale = invstd if weight is None else invstd * weight.float()
+        grad_x = scale.view(shape) * (g - sum_dy.view(shape) / ctx.total - x_hat * sum_dy_xhat.view(shape) / ctx.total)
+        grad_weight = grad_bias = None
+        if weight is not None:
+            grad_weight, grad_bias = grad_weight_local.to(weight.dtype), grad_bias_local.to(weight.dtype)
+        return grad_x.to(grad_out.dtype), grad_weight, grad_bias, None, None, None, None, None
+
+
+class PortableSyncBatchNorm(_BatchNorm):
+    """BatchNorm whose training statistics span all ranks of ``process_group``, on any backend.
+
+    Outside training, or without a process group of more than one rank, it is plain BatchNorm.
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
+                 track_running_stats: bool = True, process_group: Any = None, device: Any = None, dtype: Any = None) -> None:  # fmt: skip
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
+        self.process_group = process_group
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(input)
+        momentum = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        use_batch_stats = self.training or not self.track_running_stats
+        if not use_batch_stats or _world(self.process_group) == 1:
+            return F.batch_norm(
+                input,
+                self.running_mean if not self.training or self.track_running_stats else None,
+                self.running_var if not self.training or self.track_running_stats else None,
+                self.weight, self.bias, use_batch_stats, momentum, self.eps,
+            )  # fmt: skip
+        running_mean = self.running_mean if self.track_running_stats else None
+        running_var = self.running_var if self.track_running_stats else None
+        return _SyncBatchNormFunction.apply(
+            input, self.weight, self.bias, running_mean, running_var, self.eps, momentum, self.process_group
+        )
+
+
+def _resolve_impl(impl: str, module: nn.Module) -> str:
+    if impl not in SYNC_BN_IMPLS:
+        raise choice_error("sync_bn impl", impl, SYNC_BN_IMPLS)
+    if impl != "auto":
+        return impl
+    on_cuda = any(p.is_cuda for p in module.parameters()) or (not any(True for _ in module.parameters()) and torch.cuda.is_available())
+    return "torch" if on_cuda else "portable"
+
+
+def convert_sync_batchnorm(module: nn.Module, impl: str = "auto", process_group: Any = None) -> nn.Module:
+    """Replace every BatchNorm (not InstanceNorm) with a synchronised one; params and stats are kept.
+
+    ``impl``: ``torch`` (nn.SyncBatchNorm, CUDA only), ``apex`` (apex.parallel's converter),
+    ``portable`` (any backend) or ``auto`` (torch's on CUDA, portable elsewhere).
+    """
+    chosen = _resolve_impl(impl, module)
+    if chosen == "torch":
+        return nn.SyncBatchNorm.convert_sync_batchnorm(module, process_group)
+    if chosen == "apex":
+        try:
+            apex_parallel = importlib.import_module("apex.parallel")
+        except ImportError as error:
+            raise ConfigError(
+                f"sync_bn impl 'apex' needs apex.parallel, which apex removed after tag 25.04 (import failed: {error}); "
+                "use impl='portable' (any backend) or 'torch' (CUDA)"
+            ) from None
+        return apex_parallel.convert_syncbn_model(module, process_group=process_group)
+    return _convert_portable(module, process_group)
+
+
+def _convert_portable(module: nn.Module, process_group: Any) -> nn.Module:
+    converted = module
+    if isinstance(module, _BatchNorm) and not isinstance(module, PortableSyncBatchNorm):
+        converted = PortableSyncBatchNorm(
+            module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats, process_group
+        )
+        if module.affine:
+            converted.weight, converted.bias = module.weight, module.bias
+        converted.running_mean, converted.running_var = module.running_mean, module.running_var
+        converted.num_batches_tracked = module.num_batches_tracked
+        converted.train(module.training)
+    for name, child in module.named_children():
+        converted.add_module(name, _convert_portable(child, process_group))
+    return converted
