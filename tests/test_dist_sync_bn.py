@@ -79,7 +79,9 @@ def ddp_sync_bn_worker(env):
     from ampddp.prepare import prepare
 
     model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 2))
-    prepared = prepare(model, lambda p: torch.optim.SGD(p, lr=0.1), env, precision="O2", precision_overrides={"verbosity": 0}, sync_bn="auto")
+    prepared = prepare(
+        model, lambda p: torch.optim.SGD(p, lr=0.1), env, precision="O2", precision_overrides={"verbosity": 0}, sync_bn="auto"
+    )
     x = torch.randn(4, 3, 4, 4)
     with prepared.engine.forward_context():
         loss = prepared.model(x).sum()

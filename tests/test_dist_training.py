@@ -31,7 +31,9 @@ def global_batch(size=16):
 
 def ddp_worker(env, mode):
     """Three DDP steps on this rank's half of each global batch; report master grads and params."""
-    prepared = prepare(make_mlp(batchnorm=False), sgd, env, precision=mode, precision_overrides={"loss_scale": 64.0} if mode in ("O1", "O2") else {})
+    prepared = prepare(
+        make_mlp(batchnorm=False), sgd, env, precision=mode, precision_overrides={"loss_scale": 64.0} if mode in ("O1", "O2") else {}
+    )
     first_grads = None
     for x, y in global_batch():
         shard = slice(env.rank * 8, env.rank * 8 + 8)

@@ -234,9 +234,16 @@ def setup_distributed(**kwargs) -> DistEnv:
 
 
 def shutdown_distributed() -> None:
-    """Destroy the process group if there is one (idempotent)."""
+    """Wait for every rank, then destroy the process group (idempotent).
+
+    The barrier keeps one rank from tearing down gloo connections while a peer is still finishing
+    its last collective, which can abort the process at exit.
+    """
     if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
 
 
 def seed_everything(seed: int) -> None:

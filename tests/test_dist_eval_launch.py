@@ -1,0 +1,95 @@
+"""Exact distributed evaluation (every sample once, in order) and launcher failure reporting."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from ampddp.distributed import (
+    EvalShardSampler,
+    LaunchError,
+    eval_sampler,
+    gather_in_order,
+    launch_local,
+    shard_bounds,
+    sum_across_ranks,
+    train_sampler,
+)
+from ampddp.distributed.env import detect_env
+
+SAMPLES = 11
+
+
+def dataset():
+    generator = torch.Generator().manual_seed(5)
+    return TensorDataset(torch.randn(SAMPLES, 4, generator=generator), torch.arange(SAMPLES))
+
+
+def predict(x):
+    return (x * torch.tensor([1.0, -2.0, 3.0, 0.5])).sum(1)
+
+
+def eval_worker(env):
+    data = dataset()
+    loader = DataLoader(data, batch_size=3, sampler=eval_sampler(data, env))
+    predictions, indices = [], []
+    for x, index in loader:
+        predictions.append(predict(x))
+        indices.append(index)
+    gathered = gather_in_order(torch.cat(predictions))
+    gathered_indices = gather_in_order(torch.cat(indices))
+    padded = len(list(DistributedSampler(data, num_replicas=env.world_size, rank=env.rank, shuffle=False)))
+    return gathered, gathered_indices, float(sum_across_ranks(len(loader.sampler))), padded
+
+
+def test_evaluation_counts_each_sample_once_and_gathers_in_dataset_order():
+    results = launch_local(eval_worker, 2, device="cpu", timeout_s=60)
+    expected = predict(dataset().tensors[0])
+    for gathered, indices, count, padded in results:
+        assert count == SAMPLES
+        assert indices.tolist() == list(range(SAMPLES))
+        torch.testing.assert_close(gathered, expected)
+        assert padded * 2 == SAMPLES + 1, "DistributedSampler pads: the reason for EvalShardSampler"
+
+
+@pytest.mark.parametrize(("length", "world"), [(11, 2), (10, 3), (2, 4), (0, 2)])
+def test_shards_cover_everything_once(length, world):
+    covered = [i for rank in range(world) for i in range(*shard_bounds(length, rank, world))]
+    assert covered == list(range(length))
+
+
+def test_single_process_samplers():
+    env = detect_env({}, device="cpu")
+    data = dataset()
+    assert list(eval_sampler(data, env)) == list(range(SAMPLES))
+    assert sorted(train_sampler(data, env, seed=3)) == list(range(SAMPLES))
+    assert list(train_sampler(data, env, seed=3)) == list(train_sampler(data, env, seed=3))
+    assert len(EvalShardSampler(data, env)) == SAMPLES
+
+
+def raising_worker(env):
+    if env.rank == 1:
+        raise ValueError("broken on purpose")
+    return env.rank
+
+
+def exiting_worker(env):
+    if env.rank == 1:
+        os._exit(7)
+    time.sleep(30)
+
+
+def test_a_failing_rank_is_named_with_its_traceback():
+    with pytest.raises(LaunchError, match=r"(?s)rank 1 of 2 failed.*ValueError: broken on purpose"):
+        launch_local(raising_worker, 2, device="cpu", timeout_s=30)
+
+
+def test_a_rank_that_exits_early_is_reported_quickly():
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match="rank 1 of 2 exited with code 7"):
+        launch_local(exiting_worker, 2, device="cpu", timeout_s=30)
+    assert time.monotonic() - start < 25
