@@ -18,6 +18,10 @@ class AmpUsageError(RuntimeError):
     """The amp API was called in an order or with objects it cannot handle safely."""
 
 
+class NonFiniteGradientsError(RuntimeError):
+    """Gradients stay non-finite however far the loss scale backs off: training cannot progress."""
+
+
 def closest(name: str, choices: Iterable[str]) -> str:
     """Return ' (did you mean X?)' for the choice nearest to ``name``, or '' when none is near."""
     match = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.5)

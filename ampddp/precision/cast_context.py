@@ -17,13 +17,16 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode, get_overridable_functions
+from torch.overrides import TorchFunctionMode, get_overridable_functions, handle_torch_function, has_torch_function
 
 from ampddp.precision import op_lists
 from ampddp.precision.casting import map_tensors
-from ampddp.precision.registry import BFLOAT16, CAST_ATTRIBUTE, FP32, LOW, PROMOTE, Registration, tag_function
+from ampddp.precision.registry import BFLOAT16, CAST_ATTRIBUTE, FP32, LOW, PROMOTE, Registration, tensors_in
 
 BANNED = "banned"
+ORIGINAL_ATTRIBUTE = "__ampddp_original__"
+_SWAP_LOCK = threading.Lock()
+"""Guards installing/removing dispatchers in user modules, which any thread's context may do."""
 NAMESPACES = (torch, F, torch.Tensor)
 _LOW_TYPES = (torch.float16, torch.bfloat16)
 
@@ -65,6 +68,7 @@ def build_op_table(registrations: tuple[Registration, ...]) -> OpTable:
     swaps = []
     for entry in registrations:
         fn = getattr(entry.module, entry.name)
+        fn = getattr(fn, ORIGINAL_ATTRIBUTE, fn)
         if fn in _overridable():
             kinds[fn] = entry.kind
             if entry.module in (torch, F):
@@ -72,8 +76,44 @@ def build_op_table(registrations: tuple[Registration, ...]) -> OpTable:
                 if tensor_method is not None:
                     kinds[tensor_method] = entry.kind
         else:
+            kinds[fn] = entry.kind
             swaps.append(entry)
     return OpTable(kinds, tuple(swaps), banned_messages)
+
+
+class _Dispatcher:
+    """Stands in for a registered function torch cannot intercept, while any context needs it.
+
+    It routes calls through ``handle_torch_function`` so the active context's mode casts them by
+    the original function's kind; shared by all contexts (counted), removed when the last exits.
+    """
+
+    def __init__(self, original: Any) -> None:
+        functools.update_wrapper(self, original)
+        setattr(self, ORIGINAL_ATTRIBUTE, original)
+        self.users = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        relevant = tensors_in(args, kwargs)
+        if relevant and has_torch_function(relevant):
+            return handle_torch_function(self, relevant, *args, **kwargs)
+        return getattr(self, ORIGINAL_ATTRIBUTE)(*args, **kwargs)
+
+
+def _install_dispatcher(module: Any, name: str) -> _Dispatcher:
+    with _SWAP_LOCK:
+        current = getattr(module, name)
+        dispatcher = current if isinstance(current, _Dispatcher) else _Dispatcher(current)
+        dispatcher.users += 1
+        setattr(module, name, dispatcher)
+    return dispatcher
+
+
+def _release_dispatcher(module: Any, name: str, dispatcher: _Dispatcher) -> None:
+    with _SWAP_LOCK:
+        dispatcher.users -= 1
+        if dispatcher.users == 0 and getattr(module, name) is dispatcher:
+            setattr(module, name, getattr(dispatcher, ORIGINAL_ATTRIBUTE))
 
 
 class _CastCache:
@@ -110,6 +150,15 @@ def _floating_dtypes(args: Any, kwargs: dict[str, Any]) -> set[torch.dtype]:
     return seen
 
 
+def _copy_into(out: Any, result: Any) -> None:
+    if isinstance(out, torch.Tensor):
+        with torch.no_grad():
+            out.resize_(result.shape).copy_(result)
+        return
+    for target, value in zip(out, result):
+        _copy_into(target, value)
+
+
 class _OpCastMode(TorchFunctionMode):
     def __init__(self, table: OpTable, low_dtype: torch.dtype, device_types: tuple[str, ...], cache: _CastCache) -> None:
         super().__init__()
@@ -123,9 +172,15 @@ class _OpCastMode(TorchFunctionMode):
         kwargs = kwargs or {}
         kind = self._kinds.get(func)
         if kind is None:
-            kind = getattr(func, CAST_ATTRIBUTE, None)
+            kind = self._kinds.get(getattr(func, ORIGINAL_ATTRIBUTE, None)) or getattr(func, CAST_ATTRIBUTE, None)
             if kind is None:
                 return func(*args, **kwargs)
+        if kwargs.get("out") is not None:
+            # An out= buffer must be written, not replaced by a cast copy: compute, then copy in.
+            out = kwargs.pop("out")
+            result = self.__torch_function__(func, types, args, kwargs)
+            _copy_into(out, result)
+            return out
         if kind in (LOW, BFLOAT16):
             target = self._low if kind == LOW else torch.bfloat16
             return func(*self._cast(args, target), **self._cast(kwargs, target))
@@ -191,9 +246,8 @@ class OpCastContext:
             stack.callback(cache.clear)
             stack.enter_context(_OpCastMode(self._table, self._low, self._device_types, cache))
             for entry in self._table.swaps:
-                original = getattr(entry.module, entry.name)
-                setattr(entry.module, entry.name, tag_function(original, entry.kind))
-                stack.callback(setattr, entry.module, entry.name, original)
+                dispatcher = _install_dispatcher(entry.module, entry.name)
+                stack.callback(_release_dispatcher, entry.module, entry.name, dispatcher)
         except BaseException:
             stack.close()
             raise

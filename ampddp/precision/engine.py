@@ -68,6 +68,11 @@ class PrecisionEngine(ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned (or a compatible scaler form)."""
 
+    def zero_grad(self, *optimizers: Optimizer) -> None:
+        """Clear the optimizers' gradients (and any pending gradient state the engine keeps)."""
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=True)
+
     def teardown(self) -> None:  # noqa: B027 - optional for engines that install nothing
         """Remove hooks this engine installed; the models keep their converted dtypes."""
 

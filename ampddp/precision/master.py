@@ -72,7 +72,8 @@ class OptimizerGrads:
         self.sync_param_groups()
         if self.has_scaled_grads:
             return
-        self._stash = [p.grad for p in self.in_place]
+        # Clone: DDP's gradient_as_bucket_view makes p.grad a view the next backward overwrites.
+        self._stash = [None if p.grad is None else p.grad.clone() for p in self.in_place]
         for param in self.in_place:
             param.grad = None
 
@@ -80,6 +81,11 @@ class OptimizerGrads:
         """Unscale the grads produced since the last unscale; add them to any stashed/master grads."""
         self.sync_param_groups()
         new_in_place = [p.grad for p in self.in_place if p.grad is not None]
+        if any(g.is_sparse for g in new_in_place) or any(p.grad is not None and p.grad.is_sparse for p in self.model_params):
+            raise AmpUsageError(
+                "sparse gradients (e.g. nn.Embedding(sparse=True)) are not supported by the opt-level engines; "
+                "use sparse=False, or the native-fp16 / native-bf16 modes"
+            )
         pairs = [(m, p.grad) for m, p in zip(self.masters, self.model_params) if p.grad is not None]
         fp32_copies = [torch.empty_like(m) for m, _ in pairs]
         if fp32_copies:
@@ -116,6 +122,29 @@ class OptimizerGrads:
             else:
                 param.grad.add_(old)
         self._stash = []
+
+    def param_pairs(self) -> Iterator[tuple[nn.Parameter, nn.Parameter]]:
+        """(model param, param the optimizer steps) for every param of this optimizer."""
+        yield from zip(self.model_params, self.masters)
+        for param in self.in_place:
+            yield param, param
+
+    def discard_new_grads(self) -> None:
+        """Undo a backward that raised: drop its grads and bring back the stashed ones."""
+        for param in self.in_place:
+            param.grad = None
+        for param in self.model_params:
+            param.grad = None
+        self.has_scaled_grads = False
+        self.restore_stash()
+
+    def discard_grads(self) -> None:
+        """Forget every pending gradient and per-step flag (the optimizer zeroes its own grads)."""
+        for param in self.model_params:
+            param.grad = None
+        self._stash = []
+        self.has_scaled_grads = False
+        self.reset_step_state()
 
     def drop_grads(self) -> None:
         """Make the next ``step`` a no-op: torch optimizers skip params whose grad is None."""

@@ -15,7 +15,7 @@ from ampddp.errors import AmpUsageError, ConfigError, closest
 from ampddp.precision.casting import device_types
 from ampddp.precision.engine import PrecisionEngine
 from ampddp.precision.opt_level import check_models_and_optimizers
-from ampddp.precision.policy import DYNAMIC
+from ampddp.precision.policy import DYNAMIC, parse_setting
 from ampddp.precision.scaler import LossScaler
 
 NATIVE_SETTINGS = ("loss_scale", "init_loss_scale", "growth_factor", "backoff_factor", "growth_interval", "enabled")
@@ -38,27 +38,19 @@ class NativeAmpEngine(PrecisionEngine):
         loss_scale = settings.get("loss_scale", DYNAMIC if dtype == torch.float16 else None)
         if loss_scale not in (DYNAMIC, None, "none"):
             raise ConfigError(f"loss_scale={loss_scale!r} is not valid for {self.mode}; valid: 'dynamic' or None (no scaling)")
-        self.enabled = settings.get("enabled", True)
-        if not isinstance(self.enabled, bool):
-            raise ConfigError(f"enabled={self.enabled!r} is not valid; valid: True or False")
-        reference = LossScaler(
-            dynamic=True,
-            init_scale=settings.get("init_loss_scale") or 2.0**16,
-            growth_factor=settings.get("growth_factor", 2.0),
-            backoff_factor=settings.get("backoff_factor", 0.5),
-            growth_interval=settings.get("growth_interval", 2000),
-        )
+        self.enabled = parse_setting("enabled", settings.get("enabled", True))
         self._scaler_args = {
-            "init_scale": reference.loss_scale,
-            "growth_factor": reference.growth_factor,
-            "backoff_factor": reference.backoff_factor,
-            "growth_interval": reference.growth_interval,
+            "init_scale": parse_setting("init_loss_scale", settings.get("init_loss_scale", 2.0**16)),
+            "growth_factor": parse_setting("growth_factor", settings.get("growth_factor", 2.0)),
+            "backoff_factor": parse_setting("backoff_factor", settings.get("backoff_factor", 0.5)),
+            "growth_interval": parse_setting("growth_interval", settings.get("growth_interval", 2000)),
             "enabled": self.enabled and loss_scale == DYNAMIC,
         }
         self._device_types: tuple[str, ...] = ("cpu",)
         self.scaler = torch.amp.GradScaler("cpu", **self._scaler_args)
         self._optimizers: list[Optimizer] = []
         self._unscaled: set[int] = set()
+        self._stepped = False
         self._skipped = 0
 
     def setup(self, models: list[nn.Module], optimizers: list[Optimizer]) -> tuple[list[nn.Module], list[Optimizer]]:
@@ -78,6 +70,7 @@ class NativeAmpEngine(PrecisionEngine):
         if loss_id != 0:
             raise ConfigError(f"loss_id={loss_id!r} is not valid for {self.mode}: native AMP has one scaler (loss_id 0)")
         self.scaler.scale(loss).backward()
+        self._stepped = False
 
     def _check_known(self, optimizer: Optimizer) -> None:
         if not any(optimizer is known for known in self._optimizers):
@@ -90,6 +83,13 @@ class NativeAmpEngine(PrecisionEngine):
             self._unscaled.add(id(optimizer))
 
     def step(self, *optimizers: Optimizer) -> bool:
+        if not optimizers:
+            raise AmpUsageError("engine.step needs the optimizers to step, e.g. engine.step(optimizer)")
+        if self._stepped:
+            raise AmpUsageError(
+                "engine.step was already called since the last backward: step every optimizer in one call, "
+                "engine.step(opt_a, opt_b), so that the loss scale is updated once per backward"
+            )
         for optimizer in optimizers:
             self._check_known(optimizer)
         before = self.scaler.get_scale()
@@ -97,6 +97,7 @@ class NativeAmpEngine(PrecisionEngine):
             self.scaler.step(optimizer)
         self.scaler.update()
         self._unscaled.clear()
+        self._stepped = True
         skipped = self.scaler.is_enabled() and self.scaler.get_scale() < before
         self._skipped += int(skipped)
         return not skipped

@@ -12,6 +12,7 @@ import contextlib
 import logging
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,11 +20,12 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from ampddp.errors import AmpUsageError, ConfigError
+from ampddp.errors import AmpUsageError, ConfigError, NonFiniteGradientsError
 from ampddp.precision.cast_context import OpCastContext, build_op_table
-from ampddp.precision.casting import cast_floating, convert_model, device_types, first_non_fp32_param
+from ampddp.precision.casting import convert_model, device_types, first_non_fp32_param
 from ampddp.precision.engine import PrecisionEngine
 from ampddp.precision.master import OptimizerGrads
+from ampddp.precision.model_hooks import ForwardHooks, install_fp32_state_hooks
 from ampddp.precision.policy import PrecisionPolicy
 from ampddp.precision.registry import OpRegistry
 from ampddp.precision.scaler import LossScaler
@@ -63,6 +65,14 @@ def _overflowed(records: Sequence[OptimizerGrads], scaler: LossScaler) -> bool:
     return scaler.dynamic and bool(found) and bool(sum(found[1:], found[0]).item())
 
 
+@dataclass
+class _PendingStep:
+    """The loss whose scaled grads await the next step, and whether that step happened."""
+
+    loss_id: int
+    stepped: bool = False
+
+
 class OptLevelEngine(PrecisionEngine):
     """apex opt-level semantics for the models/optimizers given to ``setup``."""
 
@@ -74,7 +84,9 @@ class OptLevelEngine(PrecisionEngine):
         self._records: dict[int, OptimizerGrads] = {}
         self._handles: list[RemovableHandle] = []
         self._cast_context: OpCastContext | None = None
-        self._pending_loss_id: int | None = None
+        self._forward_hooks: ForwardHooks | None = None
+        self._param_names: dict[int, str] = {}
+        self._pending: _PendingStep | None = None
 
     # ---- set-up -------------------------------------------------------------------------------
     def setup(self, models: list[nn.Module], optimizers: list[Optimizer]) -> tuple[list[nn.Module], list[Optimizer]]:
@@ -88,6 +100,7 @@ class OptLevelEngine(PrecisionEngine):
         if casts_model:
             for model in models:
                 convert_model(model, policy.cast_model_type, bool(policy.keep_batchnorm_fp32))
+        self._param_names = {id(p): f"models[{i}].{name}" for i, model in enumerate(models) for name, p in model.named_parameters()}
         self._records = {}
         for optimizer in optimizers:
             record = OptimizerGrads(optimizer, casts_model and policy.uses_master_weights, fp32_data)
@@ -99,38 +112,16 @@ class OptLevelEngine(PrecisionEngine):
         if policy.patch_torch_functions:
             table = build_op_table(self._registrations)
             self._cast_context = OpCastContext(table, policy.op_cast_dtype, device_types(models))
+        input_dtype = policy.cast_model_type
+        output_dtype = policy.cast_model_outputs or (torch.float32 if input_dtype is not None else None)
+        self._forward_hooks = ForwardHooks(self._cast_context, input_dtype, output_dtype)
         for model in models:
-            self._hook_model(model, casts_model)
+            self._handles += self._forward_hooks.install(model)
+            if casts_model:
+                self._handles += install_fp32_state_hooks(model, self._master_of)
         if policy.verbosity > 0:
             logger.info("ampddp %s: %s", policy.opt_level, policy.describe())
         return models, optimizers
-
-    def _hook_model(self, model: nn.Module, casts_model: bool) -> None:
-        input_dtype = self.policy.cast_model_type
-        output_dtype = self.policy.cast_model_outputs or (torch.float32 if input_dtype is not None else None)
-        context = self._cast_context
-
-        def before_forward(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            if context is not None:
-                context.__enter__()
-            if input_dtype is not None:
-                return cast_floating(args, input_dtype), cast_floating(kwargs, input_dtype)
-            return None
-
-        def after_forward(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-            if context is not None:
-                context.__exit__(None, None, None)
-            if output_dtype is not None and output is not None:
-                return cast_floating(output, output_dtype)
-            return None
-
-        if context is not None or input_dtype is not None or output_dtype is not None:
-            self._handles.append(model.register_forward_pre_hook(before_forward, with_kwargs=True))
-            self._handles.append(model.register_forward_hook(after_forward, always_call=True))
-        if casts_model:
-            # torch tags public hooks with an attribute, which bound methods cannot carry: wrap them.
-            self._handles.append(model.register_state_dict_post_hook(lambda *a: self._fp32_state_dict(*a)))
-            self._handles.append(model.register_load_state_dict_pre_hook(lambda *a: self._load_into_masters(*a)))
 
     def _master_of(self, param: nn.Parameter) -> nn.Parameter | None:
         for record in self._records.values():
@@ -138,26 +129,6 @@ class OptLevelEngine(PrecisionEngine):
             if master is not None:
                 return master
         return None
-
-    def _fp32_state_dict(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-        """Checkpoints hold fp32 master values, not upcast half weights (apex issues 180/388)."""
-        for name, param in module.named_parameters(remove_duplicate=False):
-            key = prefix + name
-            if key in state_dict:
-                master = self._master_of(param)
-                state_dict[key] = master.detach() if master is not None else param.detach().float()
-        for name, buffer in module.named_buffers(remove_duplicate=False):
-            key = prefix + name
-            if key in state_dict and buffer.is_floating_point() and buffer.dtype != torch.float32:
-                state_dict[key] = buffer.detach().float()
-
-    def _load_into_masters(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        with torch.no_grad():
-            for name, param in module.named_parameters(remove_duplicate=False):
-                value = state_dict.get(prefix + name)
-                master = self._master_of(param)
-                if master is not None and isinstance(value, torch.Tensor) and value.shape == master.shape:
-                    master.copy_(value)
 
     def _make_pre_step(self, record: OptimizerGrads) -> Any:
         def pre_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
@@ -178,6 +149,8 @@ class OptLevelEngine(PrecisionEngine):
         return post_step
 
     def teardown(self) -> None:
+        if self._forward_hooks is not None:
+            self._forward_hooks.unwind_interrupted()
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -205,46 +178,85 @@ class OptLevelEngine(PrecisionEngine):
 
     def backward(self, loss: torch.Tensor, loss_id: int = 0) -> None:
         scaler = self.scaler_for(loss_id)
-        if self._pending_loss_id not in (None, loss_id):
+        if any(record.unscaled for record in self._records.values()):
             raise AmpUsageError(
-                f"backward with loss_id={loss_id} before the grads of loss_id={self._pending_loss_id} were "
-                "unscaled; step (or unscale_) between losses, or use amp.scale_loss for per-loss unscaling"
+                "backward after unscale_/clip_grad_norm_ in the same step: unscaled and scaled gradients would mix. "
+                "Accumulate all micro-batches first, then unscale/clip once before step."
             )
-        self._pending_loss_id = loss_id
-        if self._is_identity(scaler):
-            loss.backward()
-            return
-        for record in self._records.values():
-            record.has_scaled_grads = True
-        scaler.scale_loss(loss).backward()
+        pending = self._pending
+        if pending is not None and not pending.stepped and pending.loss_id != loss_id:
+            raise AmpUsageError(
+                f"backward with loss_id={loss_id} while the grads of loss_id={pending.loss_id} are not yet stepped; "
+                "call engine.step between losses, or use amp.scale_loss, which unscales per loss"
+            )
+        identity = self._is_identity(scaler)
+        (loss if identity else scaler.scale_loss(loss)).backward()
+        if pending is None or pending.stepped:
+            self._pending = _PendingStep(loss_id)
+        if not identity:
+            for record in self._records.values():
+                record.has_scaled_grads = True
 
     def unscale_(self, optimizer: Optimizer) -> None:
         record = self._record(optimizer)
-        scaler = self.scaler_for(self._pending_loss_id or 0)
-        if record.unscaled:
+        if record.unscaled or self._pending is None or self._pending.stepped:
             return
+        scaler = self.scaler_for(self._pending.loss_id)
         if self._is_identity(scaler):
             record.unscaled = True
             return
         record.unscale_(scaler)
 
     def step(self, *optimizers: Optimizer) -> bool:
+        if not optimizers:
+            raise AmpUsageError("engine.step needs the optimizers to step, e.g. engine.step(optimizer)")
         records = [self._record(optimizer) for optimizer in optimizers]
-        scaler = self.scaler_for(self._pending_loss_id or 0)
+        if self._pending is not None and self._pending.stepped:
+            raise AmpUsageError(
+                "engine.step was already called since the last backward: step every optimizer in one call, "
+                "engine.step(opt_a, opt_b), so that the loss scale is updated once per backward"
+            )
         for optimizer in optimizers:
             self.unscale_(optimizer)
-        overflow = _overflowed(records, scaler)
-        skip = scaler.update(overflow)
-        self._pending_loss_id = None
+        loss_id = self._pending.loss_id if self._pending else 0
+        skip = self._update(loss_id, _overflowed(records, self.scalers[loss_id]), records)
+        self._pending = _PendingStep(loss_id, stepped=True)
         for record in records:
             if skip:
                 record.drop_grads()
                 record.reset_step_state()
             else:
                 record.optimizer.step()
-        if skip and self.policy.verbosity > 0:
-            logger.info("gradient overflow: step skipped, loss scale reduced to %g", scaler.loss_scale)
         return not skip
+
+    def zero_grad(self, *optimizers: Optimizer) -> None:
+        """Clear every gradient these optimizers depend on, including pending low-precision model grads.
+
+        Use it to discard a backward without stepping; after a step, ``optimizer.zero_grad()`` suffices.
+        """
+        for optimizer in optimizers:
+            record = self._record(optimizer)
+            optimizer.zero_grad(set_to_none=True)
+            record.discard_grads()
+        self._pending = None
+
+    def _update(self, loss_id: int, overflow: bool, records: Sequence[OptimizerGrads]) -> bool:
+        scaler = self.scalers[loss_id]
+        try:
+            skip = scaler.update(overflow)
+        except NonFiniteGradientsError as error:
+            raise NonFiniteGradientsError(f"{error} First non-finite gradient: {self._first_non_finite(records)}.") from None
+        if skip and self.policy.verbosity > 0:
+            logger.warning("gradient overflow: step skipped, loss scaler %d reduced the loss scale to %g", loss_id, scaler.loss_scale)
+        return skip
+
+    def _first_non_finite(self, records: Sequence[OptimizerGrads]) -> str:
+        for record in records:
+            for model_param, stepped in record.param_pairs():
+                grad = stepped.grad
+                if grad is not None and not bool(torch.isfinite(grad).all()):
+                    return self._param_names.get(id(model_param), "an optimizer parameter outside the models")
+        return "none left to inspect"
 
     @contextlib.contextmanager
     def scale_loss(
@@ -255,6 +267,8 @@ class OptLevelEngine(PrecisionEngine):
         if not self.policy.enabled:
             yield loss
             return
+        if not optimizers:
+            raise AmpUsageError("scale_loss needs the optimizer(s) whose gradients this backward produces")
         records = [self._record(optimizer) for optimizer in optimizers]
         if self._is_identity(scaler):
             yield loss.float()
@@ -266,25 +280,18 @@ class OptLevelEngine(PrecisionEngine):
             yield scaler.scale_loss(loss)
         except BaseException:
             for record in records:
-                record.restore_stash()
+                record.discard_new_grads()
             raise
         if delay_unscale:
             for record in records:
                 record.has_scaled_grads = True
             return
-        self._unscale_after_backward(records, scaler, loss_id)
-
-    def _unscale_after_backward(self, records: list[OptimizerGrads], scaler: LossScaler, loss_id: int) -> None:
         for record in records:
             record.unscale_(scaler)
-        overflow = _overflowed(records, scaler)
+        skip = self._update(loss_id, _overflowed(records, scaler), records)
         for record in records:
             record.found_inf, record.unscaled = None, False
-        if scaler.update(overflow):
-            for record in records:
-                record.skip_pending = True
-            if self.policy.verbosity > 0:
-                logger.info("gradient overflow: skipping step, loss scaler %d reducing loss scale to %g", loss_id, scaler.loss_scale)
+            record.skip_pending = record.skip_pending or skip
 
     def master_params(self, optimizer: Optimizer) -> Iterator[nn.Parameter]:
         return self._record(optimizer).master_params()

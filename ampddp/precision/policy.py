@@ -114,6 +114,20 @@ def _positive(name: str, value: object) -> float:
     raise ConfigError(f"{name}={value!r} is not valid; it must be a finite number > 0")
 
 
+def _growth(name: str, value: object) -> float:
+    number = _positive(name, value)
+    if number <= 1.0:
+        raise ConfigError(f"{name}={value!r} is not valid; it must be > 1")
+    return number
+
+
+def _backoff(name: str, value: object) -> float:
+    number = _positive(name, value)
+    if number >= 1.0:
+        raise ConfigError(f"{name}={value!r} is not valid; it must lie in (0, 1)")
+    return number
+
+
 def _count(name: str, value: object, minimum: int = 1) -> int:
     if isinstance(value, int) and not isinstance(value, bool) and value >= minimum:
         return value
@@ -163,14 +177,19 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "min_loss_scale": _positive,
     "max_loss_scale": _positive,
     "init_loss_scale": _positive,
-    "growth_factor": _positive,
-    "backoff_factor": _positive,
+    "growth_factor": _growth,
+    "backoff_factor": _backoff,
     "growth_interval": _count,
     "hysteresis": _count,
     "verbosity": lambda name, value: _count(name, value, minimum=0),
     "enabled": _bool,
 }
 OVERRIDE_KEYS = tuple(_PARSERS)
+
+
+def parse_setting(key: str, value: Any) -> Any:
+    """Validate one precision setting on its own (for engines that take a subset of them)."""
+    return _PARSERS[key](key, value)
 
 
 def resolve_policy(opt_level: str = "O1", **overrides: Any) -> PrecisionPolicy:
@@ -202,7 +221,3 @@ def _check_scale_bounds(policy: PrecisionPolicy) -> None:
         raise ConfigError(f"min_loss_scale={policy.min_loss_scale} is larger than max_loss_scale={high}; min must be <= max")
     if policy.init_loss_scale is not None and not low <= policy.init_loss_scale <= high:
         raise ConfigError(f"init_loss_scale={policy.init_loss_scale} must lie between min_loss_scale={low} and max_loss_scale={high}")
-    if policy.growth_factor <= 1.0:
-        raise ConfigError(f"growth_factor={policy.growth_factor} is not valid; it must be > 1")
-    if policy.backoff_factor >= 1.0:
-        raise ConfigError(f"backoff_factor={policy.backoff_factor} is not valid; it must lie in (0, 1)")

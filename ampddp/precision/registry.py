@@ -61,7 +61,7 @@ class OpRegistry:
         self._entries.clear()
 
 
-def _tensors_in(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+def tensors_in(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, ...]:
     found: list[torch.Tensor] = []
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor):
@@ -81,7 +81,7 @@ def tag_function(fn: F, kind: str) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        relevant = _tensors_in(args, kwargs)
+        relevant = tensors_in(args, kwargs)
         if relevant and has_torch_function(relevant):
             return handle_torch_function(wrapper, relevant, *args, **kwargs)
         return fn(*args, **kwargs)

@@ -4,6 +4,10 @@ Dynamic: start at min(2**16, max_scale) (or ``init_scale``); an overflow skips t
 ``hysteresis`` overflows have been seen, multiplies the scale by ``backoff_factor`` (never below
 ``min_scale``); ``growth_interval`` consecutive good updates multiply it by ``growth_factor`` (never
 above ``max_scale``). Static: a fixed scale, no overflow check, no skipping — as in apex.
+
+Unlike apex (issue 318), a scale that has backed off to its floor while every step still overflows
+raises ``NonFiniteGradientsError`` instead of skipping forever: at that point the forward pass or
+the loss itself produces inf/NaN.
 """
 
 from __future__ import annotations
@@ -14,10 +18,14 @@ from typing import Any
 
 import torch
 
-from ampddp.errors import ConfigError
+from ampddp.errors import ConfigError, NonFiniteGradientsError
 from ampddp.precision.policy import PrecisionPolicy
 
 APEX_KEYS = ("loss_scale", "unskipped")
+DEFAULT_FLOOR = 2.0**-24
+"""Lowest dynamic scale without a ``min_scale``: below fp16's smallest subnormal, scaling is moot."""
+SKIP_LIMIT = 10
+"""Consecutive skipped steps at the floor after which training stops with an error."""
 GRAD_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
 
@@ -46,6 +54,7 @@ class LossScaler:
         self.loss_scale = float(init_scale)
         self.unskipped = 0
         self.skipped_steps = 0
+        self.consecutive_skips = 0
         self.hysteresis_left = hysteresis
 
     @classmethod
@@ -62,10 +71,13 @@ class LossScaler:
         )
 
     @property
+    def floor(self) -> float:
+        return self.min_scale if self.min_scale is not None else DEFAULT_FLOOR
+
+    @property
     def at_minimum(self) -> bool:
         """True when a dynamic scale cannot back off any further."""
-        floor = self.min_scale if self.min_scale is not None else 0.0
-        return self.dynamic and self.loss_scale <= floor
+        return self.dynamic and self.loss_scale <= self.floor
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss.float() * self.loss_scale
@@ -93,13 +105,21 @@ class LossScaler:
         """Advance the counters after one backward (apex) or one step; return True to skip the step."""
         if found_inf and self.dynamic:
             self.skipped_steps += 1
+            self.consecutive_skips += 1
             self.unskipped = 0
+            if self.at_minimum and self.consecutive_skips >= SKIP_LIMIT:
+                raise NonFiniteGradientsError(
+                    f"the loss scale is at its floor ({self.loss_scale:g}) and the last {self.consecutive_skips} steps all had "
+                    "non-finite gradients, so lowering the scale cannot help: the forward pass or the loss itself produces "
+                    "inf/NaN (look for log(0), division by zero, exploding activations or bad inputs). Training stopped "
+                    "instead of skipping steps forever."
+                )
             self.hysteresis_left -= 1
             if self.hysteresis_left <= 0:
-                backed_off = self.loss_scale * self.backoff_factor
-                self.loss_scale = max(self.min_scale, backed_off) if self.min_scale is not None else backed_off
+                self.loss_scale = max(self.floor, self.loss_scale * self.backoff_factor)
                 self.hysteresis_left = self.hysteresis
             return True
+        self.consecutive_skips = 0
         self.unskipped += 1
         if self.dynamic and self.unskipped >= self.growth_interval:
             self.loss_scale = min(self.max_scale, self.loss_scale * self.growth_factor)
@@ -113,6 +133,7 @@ class LossScaler:
             "loss_scale": self.loss_scale,
             "unskipped": self.unskipped,
             "skipped_steps": self.skipped_steps,
+            "consecutive_skips": self.consecutive_skips,
             "hysteresis_left": self.hysteresis_left,
         }
 
@@ -150,6 +171,7 @@ class LossScaler:
             "loss_scale": _number(scale, f"{where}: loss scale"),
             "unskipped": _counter(counter, f"{where}: unskipped/_growth_tracker"),
             "skipped_steps": _counter(state.get("skipped_steps", 0), f"{where}: skipped_steps"),
+            "consecutive_skips": _counter(state.get("consecutive_skips", 0), f"{where}: consecutive_skips"),
             "hysteresis_left": min(max(hysteresis_left, 1), self.hysteresis),
         }
 
@@ -157,6 +179,7 @@ class LossScaler:
         self.loss_scale = values["loss_scale"]
         self.unskipped = values["unskipped"]
         self.skipped_steps = values["skipped_steps"]
+        self.consecutive_skips = values["consecutive_skips"]
         self.hysteresis_left = values["hysteresis_left"]
 
 
