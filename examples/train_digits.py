@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from ampddp import PRECISION_MODES
 from ampddp.distributed import (
     DistEnv,
+    PeerWatch,
     eval_sampler,
     global_batch_loss_weight,
     launch_local,
@@ -88,7 +89,12 @@ def train(env: DistEnv, args: argparse.Namespace) -> float:
     test_loader = DataLoader(test_set, batch_size=256, sampler=eval_sampler(test_set, env))
     print_main(env, f"mode {args.mode}, {env.describe()}: {len(train_set)} training and {len(test_set)} held-out digits")
 
-    engine, optimizer = prepared.engine, prepared.optimizer
+    with PeerWatch(env) as watch, watch.guard():
+        return run_epochs(prepared, sampler, train_loader, test_loader, args)
+
+
+def run_epochs(prepared, sampler, train_loader: DataLoader, test_loader: DataLoader, args: argparse.Namespace) -> float:
+    env, engine, optimizer = prepared.env, prepared.engine, prepared.optimizer
     start = time.perf_counter()
     for epoch in range(1, args.epochs + 1):
         if hasattr(sampler, "set_epoch"):
@@ -104,7 +110,7 @@ def train(env: DistEnv, args: argparse.Namespace) -> float:
             engine.step(optimizer)
             total += loss.item() * len(y)
         accuracy, _ = evaluate(prepared, test_loader)
-        mean_loss = float(sum_across_ranks(total).item()) / len(train_set)
+        mean_loss = float(sum_across_ranks(total).item()) / len(train_loader.dataset)
         print_main(
             env,
             f"epoch {epoch:3d}  loss {mean_loss:.4f}  held-out acc {accuracy:.4f}  "

@@ -93,3 +93,23 @@ def test_a_rank_that_exits_early_is_reported_quickly():
     with pytest.raises(LaunchError, match="rank 1 of 2 exited with code 7"):
         launch_local(exiting_worker, 2, device="cpu", timeout_s=30)
     assert time.monotonic() - start < 25
+
+
+def test_a_dead_rank_is_named_by_the_survivors_within_the_timeout():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from ampddp.distributed import free_port
+
+    script = str(Path(__file__).with_name("dist_dead_peer_job.py"))
+    port = str(free_port())
+    survivor = subprocess.Popen([sys.executable, script, "0", port], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    dying = subprocess.Popen([sys.executable, script, "1", port], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    output, _ = survivor.communicate(timeout=60)
+    dying.wait(timeout=60)
+    assert dying.returncode == 9
+    assert survivor.returncode == 3, output
+    assert "rank 1 stopped responding" in output and "rank 0 of 2" in output
+    elapsed = float(output.split("after ")[1].split("s:")[0])
+    assert elapsed < 10

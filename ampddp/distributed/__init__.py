@@ -14,6 +14,7 @@ from ampddp.distributed.data import (
 from ampddp.distributed.env import DistEnv, detect_env, init_distributed, seed_everything, setup_distributed, shutdown_distributed
 from ampddp.distributed.launch import LaunchError, free_port, launch_local
 from ampddp.distributed.sync_bn import PortableSyncBatchNorm, convert_sync_batchnorm
+from ampddp.distributed.watch import PeerFailureError, PeerWatch
 from ampddp.distributed.wrap import STRATEGIES, GradSync, global_batch_loss_weight, unwrap_model, wrap_model
 
 __all__ = [
@@ -22,6 +23,8 @@ __all__ = [
     "EvalShardSampler",
     "GradSync",
     "LaunchError",
+    "PeerFailureError",
+    "PeerWatch",
     "PortableSyncBatchNorm",
     "all_gather_ragged",
     "barrier",
