@@ -18,6 +18,10 @@ class AmpUsageError(RuntimeError):
     """The amp API was called in an order or with objects it cannot handle safely."""
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or read; the message names the file and what is wrong."""
+
+
 class NonFiniteGradientsError(RuntimeError):
     """Gradients stay non-finite however far the loss scale backs off: training cannot progress."""
 

@@ -2,6 +2,7 @@
 
 from ampddp.distributed.data import (
     EvalShardSampler,
+    ResumableSampler,
     all_gather_ragged,
     barrier,
     eval_sampler,
@@ -26,6 +27,7 @@ __all__ = [
     "PeerFailureError",
     "PeerWatch",
     "PortableSyncBatchNorm",
+    "ResumableSampler",
     "all_gather_ragged",
     "barrier",
     "convert_sync_batchnorm",

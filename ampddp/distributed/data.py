@@ -2,7 +2,8 @@
 
 ``DistributedSampler`` pads the last round by repeating indices, so metrics computed over its
 shards count some samples twice (pytorch 25162, torchvision 4559). Evaluation here uses contiguous,
-unpadded shards instead, and gathers results back in dataset order.
+unpadded shards instead, and gathers results back in dataset order. Training uses
+``ResumableSampler``: one global order per epoch that can resume mid-epoch on any world size.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DistributedSampler, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data import Sampler, SequentialSampler
 
 from ampddp.distributed.env import DistEnv
 
@@ -37,13 +38,55 @@ class EvalShardSampler(Sampler[int]):
         return self.end - self.start
 
 
-def train_sampler(dataset: Sized, env: DistEnv, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> Sampler[int]:
-    """DistributedSampler across ranks (call ``set_epoch`` each epoch), a plain sampler otherwise."""
-    if env.distributed:
-        return DistributedSampler(dataset, num_replicas=env.world_size, rank=env.rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
-    if shuffle:
-        return RandomSampler(dataset, generator=torch.Generator().manual_seed(seed))
-    return SequentialSampler(dataset)
+class ResumableSampler(Sampler[int]):
+    """Training order that can resume mid-epoch, on any number of ranks, without skips or repeats.
+
+    Epoch ``e`` has one global order (a permutation seeded by ``seed + e``). ``set_epoch(e, start)``
+    drops the first ``start`` samples of it (those consumed before a resume), pads the rest to a
+    multiple of the world size by repeating from the front (or trims it with ``drop_last``), and
+    gives rank r every world_size-th sample from r. Ranks consume the order front to back, so the
+    consumed part is always a prefix, whatever the world size before and after.
+    """
+
+    def __init__(self, dataset: Sized, env: DistEnv, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
+        self.length = len(dataset)
+        self.rank, self.world_size = env.rank, env.world_size
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.epoch, self.start = 0, 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
+
+    def _order(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.length))
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.length, generator=generator).tolist()
+
+    def _remaining(self) -> list[int]:
+        order = self._order()
+        remaining = order[self.start :]
+        if self.drop_last:
+            return remaining[: len(remaining) - len(remaining) % self.world_size]
+        pad = -len(remaining) % self.world_size
+        while pad and order:
+            remaining += order[:pad]
+            pad = -len(remaining) % self.world_size
+        return remaining
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._remaining()[self.rank :: self.world_size])
+
+    def __len__(self) -> int:
+        return len(self._remaining()) // self.world_size
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "start": self.start, "seed": self.seed, "shuffle": self.shuffle, "drop_last": self.drop_last}
+
+
+def train_sampler(dataset: Sized, env: DistEnv, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> ResumableSampler:
+    """The training sampler for ``env`` (call ``set_epoch`` each epoch); resumable mid-epoch."""
+    return ResumableSampler(dataset, env, shuffle=shuffle, seed=seed, drop_last=drop_last)
 
 
 def eval_sampler(dataset: Sized, env: DistEnv) -> Sampler[int]:

@@ -119,7 +119,12 @@ class NativeAmpEngine(PrecisionEngine):
         if self.scaler.is_enabled():
             state = self.scaler.state_dict()
             scalers.append(
-                {"loss_scale": float(state["scale"]), "unskipped": int(state["_growth_tracker"]), "skipped_steps": self._skipped}
+                {
+                    "dynamic": True,
+                    "loss_scale": float(state["scale"]),
+                    "unskipped": int(state["_growth_tracker"]),
+                    "skipped_steps": self._skipped,
+                }
             )
         return {"mode": self.mode, "impl": "builtin", "scalers": scalers, "skipped_steps": self._skipped}
 

@@ -130,6 +130,7 @@ class LossScaler:
     def state_dict(self) -> dict[str, Any]:
         """Full state: apex's two keys plus ampddp's counters."""
         return {
+            "dynamic": self.dynamic,
             "loss_scale": self.loss_scale,
             "unskipped": self.unskipped,
             "skipped_steps": self.skipped_steps,

@@ -1,0 +1,77 @@
+"""Atomic, durable writes and safe reads of single checkpoint files.
+
+Write: temporary file in the same directory, flush + fsync, ``os.replace``, fsync the directory,
+so a crash at any moment leaves either the old file or the complete new one. Read:
+``torch.load(weights_only=True)`` only; every failure becomes a one-line ``CheckpointError`` that
+names the file, and nothing on disk is touched.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ampddp.errors import CheckpointError
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make a rename or a new file in ``directory`` durable (no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(temporary, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except OSError as error:
+        temporary.unlink(missing_ok=True)
+        raise CheckpointError(f"{path}: cannot write checkpoint file ({error.strerror or error})") from error
+    fsync_directory(path.parent)
+
+
+def save_atomic(obj: Any, path: Path) -> None:
+    """``torch.save`` ``obj`` to ``path`` atomically and durably."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    write_bytes_atomic(path, buffer.getvalue())
+
+
+def load_safely(path: Path, map_location: Any = "cpu") -> dict[str, Any]:
+    """Load a checkpoint file with ``weights_only=True``; raise CheckpointError naming what is wrong."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such checkpoint file")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if "weights only" in str(error).lower() or "weights_only" in str(error).lower():
+            raise CheckpointError(
+                f"{path}: refused to load: it holds Python objects other than tensors and plain data, which could run "
+                f"code when unpickled (only ampddp/torch state dicts are accepted) [{first_line[:160]}]"
+            ) from None
+        raise CheckpointError(f"{path}: corrupted checkpoint ({first_line[:200]})") from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointError(f"{path}: truncated or corrupted checkpoint file ({reason[:200]})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: expected a dict of state, found {type(state).__name__}")
+    return state

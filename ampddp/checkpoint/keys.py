@@ -1,0 +1,36 @@
+"""Every key and file name of an ampddp checkpoint, in one place.
+
+A checkpoint is a directory ``<run_dir>/checkpoints/step-<N>/`` holding
+
+- ``shared.pt`` (written by rank 0): ``FORMAT``, ``VERSIONS``, ``CONFIG``, ``MODEL`` (fp32 state dict;
+  master values under O2/O5), ``OPTIMIZER``, ``PRECISION`` (mode, policy, loss scalers),
+  ``SCHEDULER``, ``PROGRESS``, ``SAMPLER``, ``WORLD_SIZE``;
+- ``rank-<r>.pt`` (written by rank r): ``RNG`` (python, numpy, torch CPU and CUDA generator states);
+- ``COMPLETE`` (JSON, written last by rank 0): only a directory with it is a checkpoint.
+
+``<run_dir>/checkpoints/latest`` names the newest complete one. Files hold only tensors and plain
+containers, numbers and strings, so they load with ``torch.load(weights_only=True)``.
+"""
+
+FORMAT_VERSION = 1
+
+FORMAT = "format_version"
+VERSIONS = "versions"
+CONFIG = "config"
+MODEL = "model"
+OPTIMIZER = "optimizer"
+PRECISION = "precision"
+SCHEDULER = "scheduler"
+PROGRESS = "progress"
+SAMPLER = "sampler"
+WORLD_SIZE = "world_size"
+RNG = "rng"
+RANK = "rank"
+
+CHECKPOINTS_DIR = "checkpoints"
+SHARED_FILE = "shared.pt"
+RANK_FILE = "rank-{rank:05d}.pt"
+COMPLETE_FILE = "COMPLETE"
+LATEST_FILE = "latest"
+STEP_DIR = "step-{step:09d}"
+STEP_DIR_PREFIX = "step-"

@@ -1,0 +1,284 @@
+"""A small, explicit training loop built from the precision engine, distributed layer and checkpoints.
+
+The trainer never branches on the precision mode: it calls the engine interface. Each optimizer
+step: forward in the engine's context, scaled backward per micro-batch (gradient sync only on the
+last), unscale -> clip -> step -> scale update, and the LR scheduler advances only when the step
+was applied. Checkpoints every ``checkpoint_every`` steps and always at the end; ``resume="auto"``
+continues from the newest complete checkpoint in ``run_dir`` exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader, Dataset
+
+from ampddp.checkpoint import keys
+from ampddp.checkpoint.files import load_safely
+from ampddp.checkpoint.restore import initial_weights, load_model_state, restore_precision
+from ampddp.checkpoint.rng import capture_rng, derive_rng, restore_rng
+from ampddp.checkpoint.store import CheckpointRef, CheckpointStore, find_checkpoint
+from ampddp.distributed.data import ResumableSampler, eval_sampler, sum_across_ranks
+from ampddp.distributed.env import DistEnv, detect_env, seed_everything
+from ampddp.errors import ConfigError
+from ampddp.precision.registry import OpRegistry
+from ampddp.prepare import prepare
+
+logger = logging.getLogger("ampddp.trainer")
+RESUME_CHOICES = ("auto", "never")
+
+
+@dataclass
+class Progress:
+    """Where training stands; saved in every checkpoint."""
+
+    epoch: int = 0
+    """Current epoch (0-based)."""
+    global_step: int = 0
+    """Optimizer steps taken, skipped ones included."""
+    samples_seen: int = 0
+    """Training samples consumed over all ranks."""
+    epoch_position: int = 0
+    """Samples of the current epoch's global order consumed over all ranks."""
+    skipped_steps: int = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            if name in self.__dataclass_fields__:
+                setattr(self, name, int(value))
+
+
+def _versions() -> dict[str, str]:
+    from ampddp import __version__
+
+    return {"ampddp": __version__, "torch": str(torch.__version__), "python": platform.python_version()}
+
+
+def default_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(outputs.float(), targets)
+
+
+class Trainer:
+    """Train ``model`` on ``train_set`` (items ``(input, target)``); evaluate on ``eval_set``.
+
+    ``make_optimizer(params)`` and ``make_scheduler(optimizer)`` build the optimizer and LR
+    scheduler after the model is prepared. Override ``compute_loss`` for custom losses.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        make_optimizer: Callable[[Iterable[nn.Parameter]], Optimizer],
+        train_set: Dataset,
+        *,
+        eval_set: Dataset | None = None,
+        env: DistEnv | None = None,
+        precision: str = "O1",
+        impl: str = "builtin",
+        precision_overrides: dict[str, Any] | None = None,
+        registry: OpRegistry | None = None,
+        sync_bn: str = "off",
+        strategy: str = "ddp",
+        batch_size: int = 32,
+        grad_accum_steps: int = 1,
+        clip_grad_norm: float | None = None,
+        make_scheduler: Callable[[Optimizer], Any] | None = None,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = default_loss,
+        max_epochs: int = 1,
+        max_steps: int | None = None,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        run_dir: str | Path | None = None,
+        checkpoint_every: int | None = None,
+        keep_last: int | None = 3,
+        resume: str | Path = "auto",
+        init_from: str | Path | None = None,
+        config: dict[str, Any] | None = None,
+    ) -> None:
+        for name, value, minimum in (
+            ("batch_size", batch_size, 1),
+            ("grad_accum_steps", grad_accum_steps, 1),
+            ("max_epochs", max_epochs, 1),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+                raise ConfigError(f"{name}={value!r} is not valid; it must be an integer >= {minimum}")
+        if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
+            raise ConfigError(f"checkpoint_every={checkpoint_every!r} is not valid; it must be an integer >= 1 or None")
+        if checkpoint_every is not None and run_dir is None:
+            raise ConfigError("checkpoint_every needs a run_dir to write checkpoints into")
+        self.env = env or detect_env(device="auto")
+        seed_everything(seed)
+        if init_from is not None:
+            model.load_state_dict(initial_weights(init_from))
+        self.run = prepare(
+            model, make_optimizer, self.env, precision=precision, impl=impl, precision_overrides=precision_overrides,
+            registry=registry, sync_bn=sync_bn, strategy=strategy,
+        )  # fmt: skip
+        self.engine, self.optimizer = self.run.engine, self.run.optimizer
+        self.scheduler = make_scheduler(self.optimizer) if make_scheduler is not None else None
+        self.train_set, self.eval_set, self.loss_fn = train_set, eval_set, loss_fn
+        self.batch_size, self.grad_accum_steps, self.clip_grad_norm = batch_size, grad_accum_steps, clip_grad_norm
+        self.max_epochs, self.max_steps, self.seed = max_epochs, max_steps, seed
+        self.sampler = ResumableSampler(train_set, self.env, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        self.store = CheckpointStore(run_dir, keep_last) if run_dir is not None else None
+        self.checkpoint_every = checkpoint_every
+        self.resume = resume
+        self.config = dict(config or {})
+        self.progress = Progress()
+        self.last_eval: dict[str, float] = {}
+        self._saved_step: int | None = None
+        torch.manual_seed(self.env.rank_seed(seed))
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def fit(self) -> dict[str, Any]:
+        """Train until ``max_epochs`` or ``max_steps``; returns the final progress and evaluation."""
+        self._maybe_resume()
+        while not self._finished():
+            self.sampler.set_epoch(self.progress.epoch, start=self.progress.epoch_position)
+            loader = DataLoader(self.train_set, batch_size=self.batch_size, sampler=self.sampler, generator=torch.Generator())
+            last = len(loader) - 1
+            if last < 0:
+                self._end_epoch()
+                continue
+            window: list[Any] = []
+            for index, batch in enumerate(loader):
+                window.append(batch)
+                if len(window) == self.grad_accum_steps or index == last:
+                    self._optimizer_step(window, ends_epoch=index == last)
+                    window = []
+                    if self._finished():
+                        break
+        if self._saved_step != self.progress.global_step:
+            self.save_checkpoint()
+        return {"progress": self.progress.state_dict(), "eval": self.last_eval}
+
+    def _finished(self) -> bool:
+        if self.max_steps is not None and self.progress.global_step >= self.max_steps:
+            return True
+        return self.progress.epoch >= self.max_epochs
+
+    def compute_loss(self, batch: Any) -> tuple[torch.Tensor, int]:
+        """Forward one micro-batch; return the mean loss and the number of samples in it."""
+        inputs, targets = (t.to(self.env.device, non_blocking=True) for t in batch)
+        with self.engine.forward_context():
+            loss = self.loss_fn(self.run.model(inputs), targets)
+        return loss, len(targets)
+
+    def _end_epoch(self) -> None:
+        self.progress.epoch += 1
+        self.progress.epoch_position = 0
+        if self.eval_set is not None:
+            self.last_eval = self.evaluate()
+            logger.info("epoch %d: %s", self.progress.epoch, self.last_eval)
+
+    def _optimizer_step(self, window: list[Any], ends_epoch: bool) -> None:
+        local = [len(batch[-1]) for batch in window]
+        total = float(sum_across_ranks(sum(local)).item()) if self.env.distributed else float(sum(local))
+        self.optimizer.zero_grad(set_to_none=True)
+        for index, batch in enumerate(window):
+            with self.run.grad_sync.micro_step(is_last=index == len(window) - 1):
+                loss, count = self.compute_loss(batch)
+                # Weight each micro-batch by its share of the global batch: exact with uneven counts.
+                self.engine.backward(loss * (count * self.env.world_size / total))
+        if self.clip_grad_norm is not None:
+            self.engine.clip_grad_norm_([self.optimizer], self.clip_grad_norm)
+        stepped = self.engine.step(self.optimizer)
+        if stepped and self.scheduler is not None:
+            self.scheduler.step()
+        self.progress.global_step += 1
+        self.progress.skipped_steps += int(not stepped)
+        self.progress.samples_seen += int(total)
+        self.progress.epoch_position = min(self.progress.epoch_position + int(total), len(self.train_set))
+        if ends_epoch:
+            self._end_epoch()
+        if self.checkpoint_every and self.progress.global_step % self.checkpoint_every == 0:
+            self.save_checkpoint()
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Loss and accuracy over the whole eval set, every sample counted exactly once."""
+        if self.eval_set is None:
+            raise ConfigError("evaluate() needs an eval_set")
+        model = self.run.model
+        was_training = model.training
+        model.eval()
+        loss_sum = correct = seen = 0.0
+        loader = DataLoader(
+            self.eval_set, batch_size=self.batch_size, sampler=eval_sampler(self.eval_set, self.env), generator=torch.Generator()
+        )
+        for inputs, targets in loader:
+            inputs, targets = inputs.to(self.env.device), targets.to(self.env.device)
+            with self.engine.forward_context():
+                outputs = model(inputs)
+            loss_sum += F.cross_entropy(outputs.float(), targets, reduction="sum").item()
+            correct += (outputs.argmax(1) == targets).sum().item()
+            seen += len(targets)
+        model.train(was_training)
+        totals = sum_across_ranks(torch.tensor([loss_sum, correct, seen], dtype=torch.float64))
+        return {"loss": (totals[0] / totals[2]).item(), "accuracy": (totals[1] / totals[2]).item(), "samples": int(totals[2])}
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything shared by the ranks, in checkpoint layout (see ampddp.checkpoint.keys)."""
+        return {
+            keys.FORMAT: keys.FORMAT_VERSION,
+            keys.VERSIONS: _versions(),
+            keys.CONFIG: self.config,
+            keys.MODEL: self.run.module.state_dict(),
+            keys.OPTIMIZER: self.optimizer.state_dict(),
+            keys.PRECISION: self.engine.state_dict(),
+            keys.SCHEDULER: self.scheduler.state_dict() if self.scheduler is not None else None,
+            keys.PROGRESS: self.progress.state_dict(),
+            keys.SAMPLER: self.sampler.state_dict(),
+            keys.WORLD_SIZE: self.env.world_size,
+        }
+
+    def save_checkpoint(self) -> CheckpointRef | None:
+        if self.store is None:
+            return None
+        ref = self.store.save(self.progress.global_step, self.state_dict(), {keys.RNG: capture_rng()}, self.env)
+        self._saved_step = self.progress.global_step
+        return ref
+
+    def _maybe_resume(self) -> None:
+        if self.resume == "never" or (self.store is None and self.resume == "auto"):
+            return
+        ref = self.store.latest() if self.resume == "auto" else find_checkpoint(self.resume)
+        if ref is not None:
+            self.load_checkpoint(ref)
+
+    def load_checkpoint(self, ref: CheckpointRef) -> None:
+        """Restore every piece of state; the run continues exactly where the checkpoint was taken."""
+        shared = CheckpointStore.load_shared(ref)
+        where = str(ref.shared_file)
+        load_model_state(shared[keys.MODEL], self.run.module, where)
+        self.optimizer.load_state_dict(shared[keys.OPTIMIZER])
+        restore_precision(self.engine, shared[keys.PRECISION], where)
+        if self.scheduler is not None and shared.get(keys.SCHEDULER) is not None:
+            self.scheduler.load_state_dict(shared[keys.SCHEDULER])
+        self.progress.load_state_dict(shared[keys.PROGRESS])
+        rank_file = ref.rank_file(self.env.rank)
+        if rank_file.is_file():
+            restore_rng(load_safely(rank_file)[keys.RNG])
+        else:
+            derive_rng(self.seed, self.env.rank, self.progress.global_step)
+            logger.warning(
+                "%s has no RNG state for rank %d (saved by %d ranks): derived it from the seed",
+                ref.path,
+                self.env.rank,
+                shared[keys.WORLD_SIZE],
+            )
+        logger.info("resumed from %s at step %d (epoch %d)", ref.path, self.progress.global_step, self.progress.epoch)

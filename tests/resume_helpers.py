@@ -1,0 +1,75 @@
+"""A small training set-up with every source of randomness a real run has, for resume tests."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from ampddp.checkpoint import keys
+from ampddp.checkpoint.files import load_safely
+from ampddp.checkpoint.store import CheckpointStore
+from ampddp.trainer import Trainer
+
+
+class NoisyDigits(Dataset):
+    """Fixed points plus random augmentation noise drawn from torch's global generator."""
+
+    def __init__(self, size: int = 44) -> None:
+        generator = torch.Generator().manual_seed(11)
+        self.x = torch.randn(size, 16, generator=generator)
+        self.y = (self.x @ torch.randn(16, 4, generator=generator)).argmax(1)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int):
+        return self.x[index] + 0.1 * torch.randn(16), self.y[index]
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 4))
+
+
+def make_trainer(run_dir, mode: str, max_steps: int, env=None, **overrides) -> Trainer:
+    options = dict(
+        eval_set=NoisyDigits(10), precision=mode, batch_size=4, grad_accum_steps=2, clip_grad_norm=5.0,
+        make_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5),
+        max_epochs=100, max_steps=max_steps, seed=5, run_dir=run_dir, env=env, sync_bn="auto",
+    )  # fmt: skip
+    options.update(overrides)
+    return Trainer(make_model(), lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9), NoisyDigits(), **options)
+
+
+def final_state(run_dir) -> dict:
+    ref = CheckpointStore(run_dir).latest()
+    shared = load_safely(ref.shared_file)
+    return {
+        "model": shared[keys.MODEL],
+        "optimizer": shared[keys.OPTIMIZER]["state"],
+        "precision": shared[keys.PRECISION]["scalers"],
+        "progress": shared[keys.PROGRESS],
+        "scheduler": shared[keys.SCHEDULER],
+    }
+
+
+def assert_identical(a: dict, b: dict) -> None:
+    assert a["progress"] == b["progress"]
+    assert a["precision"] == b["precision"]
+    assert a["scheduler"] == b["scheduler"]
+    assert a["model"].keys() == b["model"].keys()
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    for index, entry in a["optimizer"].items():
+        for name, value in entry.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(b["optimizer"][index][name])), (index, name)
+
+
+def straight_and_resumed(root, mode: str, env=None, total: int = 14, stop: int = 7) -> tuple[dict, dict]:
+    """Train ``total`` steps straight, and ``stop`` steps + resume + the rest; return both final states."""
+    straight, resumed = root / f"{mode}-straight", root / f"{mode}-resumed"
+    make_trainer(straight, mode, total, env).fit()
+    make_trainer(resumed, mode, stop, env).fit()
+    make_trainer(resumed, mode, total, env).fit()
+    return final_state(straight), final_state(resumed)
