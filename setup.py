@@ -10,5 +10,5 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "torchvision", "scikit-learn"],
     extras_require={"test": ["pytest>=8", "pytest-timeout", "ruff"]},
-    entry_points={},
+    entry_points={"console_scripts": ["ampddp = ampddp.cli:main"]},
 )

@@ -270,6 +270,7 @@ class Trainer:
         if self.scheduler is not None and shared.get(keys.SCHEDULER) is not None:
             self.scheduler.load_state_dict(shared[keys.SCHEDULER])
         self.progress.load_state_dict(shared[keys.PROGRESS])
+        self._saved_step = ref.step
         rank_file = ref.rank_file(self.env.rank)
         if rank_file.is_file():
             restore_rng(load_safely(rank_file)[keys.RNG])

@@ -62,13 +62,14 @@ def load_safely(path: Path, map_location: Any = "cpu") -> dict[str, Any]:
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as error:
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        if "weights only" in str(error).lower() or "weights_only" in str(error).lower():
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        reason = next((line for line in lines if "GLOBAL" in line or "Unsupported" in line), lines[0] if lines else "unreadable")
+        if "GLOBAL" in reason:
             raise CheckpointError(
                 f"{path}: refused to load: it holds Python objects other than tensors and plain data, which could run "
-                f"code when unpickled (only ampddp/torch state dicts are accepted) [{first_line[:160]}]"
+                f"code when unpickled; only tensors and plain containers are accepted ({reason[:160]})"
             ) from None
-        raise CheckpointError(f"{path}: corrupted checkpoint ({first_line[:200]})") from None
+        raise CheckpointError(f"{path}: truncated or corrupted checkpoint, or not a torch checkpoint file ({reason[:160]})") from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise CheckpointError(f"{path}: truncated or corrupted checkpoint file ({reason[:200]})") from None

@@ -82,6 +82,17 @@ class CheckpointStore:
     def save(self, step: int, shared: dict[str, Any], rank_state: dict[str, Any], env: DistEnv) -> CheckpointRef:
         """Write one checkpoint collectively (every rank calls this with its own ``rank_state``)."""
         folder = self.root / keys.STEP_DIR.format(step=step)
+        if (folder / keys.COMPLETE_FILE).is_file():
+            # A step is written once: replacing a complete checkpoint in place could lose it to a crash.
+            return CheckpointRef(folder, step)
+        try:
+            return self._write(folder, step, shared, rank_state, env)
+        except CheckpointError:
+            if env.is_main:
+                shutil.rmtree(folder, ignore_errors=True)
+            raise
+
+    def _write(self, folder: Path, step: int, shared: dict[str, Any], rank_state: dict[str, Any], env: DistEnv) -> CheckpointRef:
         if env.is_main:
             self._prepare_folder(folder)
         barrier()

@@ -43,7 +43,7 @@ class ResumableSampler(Sampler[int]):
 
     Epoch ``e`` has one global order (a permutation seeded by ``seed + e``). ``set_epoch(e, start)``
     drops the first ``start`` samples of it (those consumed before a resume), pads the rest to a
-    multiple of the world size by repeating from the front (or trims it with ``drop_last``), and
+    multiple of the world size by repeating its last samples (or trims it with ``drop_last``), and
     gives rank r every world_size-th sample from r. Ranks consume the order front to back, so the
     consumed part is always a prefix, whatever the world size before and after.
     """
@@ -69,8 +69,8 @@ class ResumableSampler(Sampler[int]):
         if self.drop_last:
             return remaining[: len(remaining) - len(remaining) % self.world_size]
         pad = -len(remaining) % self.world_size
-        while pad and order:
-            remaining += order[:pad]
+        while pad and remaining:
+            remaining += remaining[-pad:]
             pad = -len(remaining) % self.world_size
         return remaining
 

@@ -1,0 +1,67 @@
+"""What a checkpoint holds, in a few lines or as JSON, plus a digest of its model tensors."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ampddp.checkpoint import keys
+from ampddp.checkpoint.store import CheckpointStore, find_checkpoint
+
+
+def model_digest(state: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over every tensor's name, dtype, shape and bytes: equal digests mean identical weights."""
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        tensor = state[name]
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def summarize(location: str | Path) -> dict[str, Any]:
+    """Summary of a checkpoint folder/file, or of a run dir's latest complete checkpoint."""
+    ref = find_checkpoint(location)
+    shared = CheckpointStore.load_shared(ref)
+    model = shared[keys.MODEL]
+    precision = shared.get(keys.PRECISION) or {}
+    progress = shared.get(keys.PROGRESS) or {}
+    scalers = precision.get("scalers", [])
+    return {
+        "path": str(ref.path),
+        "format_version": shared[keys.FORMAT],
+        "step": progress.get("global_step", ref.step),
+        "epoch": progress.get("epoch"),
+        "samples_seen": progress.get("samples_seen"),
+        "mode": precision.get("mode"),
+        "impl": precision.get("impl"),
+        "loss_scales": [s.get("loss_scale") for s in scalers],
+        "skipped_steps": progress.get("skipped_steps", sum(s.get("skipped_steps", 0) for s in scalers)),
+        "world_size": shared.get(keys.WORLD_SIZE),
+        "parameters": sum(t.numel() for t in model.values() if isinstance(t, torch.Tensor) and t.is_floating_point()),
+        "dtypes": dict(Counter(str(t.dtype).removeprefix("torch.") for t in model.values() if isinstance(t, torch.Tensor))),
+        "versions": shared.get(keys.VERSIONS),
+        "model_sha256": model_digest(model),
+    }
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    scales = ", ".join(f"{s:g}" for s in summary["loss_scales"] if s is not None) or "none"
+    dtypes = ", ".join(f"{name} x{count}" for name, count in sorted(summary["dtypes"].items()))
+    return "\n".join(
+        [
+            f"checkpoint   {summary['path']}",
+            f"progress     step {summary['step']}, epoch {summary['epoch']}, {summary['samples_seen']} samples seen",
+            f"precision    {summary['mode']} ({summary['impl']}), loss scale {scales}, {summary['skipped_steps']} skipped steps",
+            f"world size   {summary['world_size']}",
+            f"model        {summary['parameters']:,} parameters; tensors: {dtypes}",
+            f"model_sha256 {summary['model_sha256']}",
+            f"written by   {', '.join(f'{k} {v}' for k, v in (summary['versions'] or {}).items())}",
+        ]
+    )

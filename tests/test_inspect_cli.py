@@ -1,0 +1,50 @@
+"""``ampddp inspect``: text and JSON summaries, equal digests for equal weights, clear errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from resume_helpers import make_trainer
+
+from ampddp.cli import main
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "ampddp", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_inspect_a_run_dir_as_text_and_json(tmp_path, capsys):
+    make_trainer(tmp_path / "run", "O2", max_steps=3).fit()
+    assert main(["inspect", str(tmp_path / "run")]) == 0
+    text = capsys.readouterr().out
+    assert "step 3" in text and "O2 (builtin)" in text and "model_sha256" in text and "world size   1" in text
+    result = run_cli("inspect", str(tmp_path / "run" / "checkpoints" / "step-000000003"), "--json")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["mode"] == "O2" and summary["step"] == 3 and summary["world_size"] == 1
+    assert summary["dtypes"] == {"float32": 8, "int64": 1} and summary["parameters"] > 0
+    assert len(summary["loss_scales"]) == 1 and summary["skipped_steps"] >= 0
+    assert len(summary["model_sha256"]) == 64
+
+
+def test_digests_match_exactly_when_weights_match(tmp_path, capsys):
+    for name in ("a", "b"):
+        make_trainer(tmp_path / name, "O1", max_steps=2).fit()
+    make_trainer(tmp_path / "c", "O1", max_steps=3).fit()
+    digests = {}
+    for name in ("a", "b", "c"):
+        main(["inspect", str(tmp_path / name), "--json"])
+        digests[name] = json.loads(capsys.readouterr().out)["model_sha256"]
+    assert digests["a"] == digests["b"] != digests["c"]
+
+
+def test_bad_paths_exit_non_zero_with_one_line(tmp_path):
+    (tmp_path / "broken").mkdir()
+    for target in (tmp_path / "missing", tmp_path / "broken"):
+        result = run_cli("inspect", str(target))
+        assert result.returncode == 2
+        assert result.stderr.startswith("ampddp inspect: error:") and result.stderr.count("\n") == 1
+    assert run_cli("inspect").returncode == 2
+    assert "usage: ampddp" in run_cli("--help").stdout
