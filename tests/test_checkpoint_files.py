@@ -15,8 +15,7 @@ import pytest
 import torch
 from resume_helpers import final_state, make_model, make_trainer
 
-from ampddp.checkpoint import CheckpointStore, check_model_state, find_checkpoint, initial_weights, load_safely, save_atomic
-from ampddp.checkpoint import keys
+from ampddp.checkpoint import CheckpointStore, check_model_state, find_checkpoint, initial_weights, keys, load_safely, save_atomic
 from ampddp.distributed import detect_env
 from ampddp.errors import CheckpointError, ConfigError
 

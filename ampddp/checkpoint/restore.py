@@ -93,9 +93,3 @@ def initial_weights(path: str | Path) -> dict[str, Any]:
         f"or a plain state dict of tensors (top-level keys: {sorted(state)[:8]})"
     )
 
-
-def apex_amp_state(path: str | Path) -> dict[str, Any] | None:
-    """The ``amp`` entry of an apex-era checkpoint, when it has one."""
-    state = load_safely(Path(path))
-    amp_state = state.get("amp")
-    return amp_state if isinstance(amp_state, dict) else None
