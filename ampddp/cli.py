@@ -1,4 +1,4 @@
-"""``ampddp`` command line: ``ampddp inspect PATH [--json]``."""
+"""``ampddp`` command line: ``ampddp train RECIPE [key=value ...]`` and ``ampddp inspect PATH [--json]``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import json
 import sys
 
 from ampddp.checkpoint.inspect import format_summary, summarize
-from ampddp.errors import CheckpointError, ConfigError
+from ampddp.config import describe_keys, load_config
+from ampddp.errors import AmpUsageError, CheckpointError, ConfigError
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -16,9 +17,30 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    import logging
+
+    from ampddp.run import launch
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    summary = launch(load_config(args.recipe, args.overrides))
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ampddp", description="Mixed-precision training with apex-style opt levels on native PyTorch.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    train = commands.add_parser(
+        "train",
+        help="train from a recipe",
+        description="Train from a YAML recipe; dotted key=value arguments override it. Runs unchanged under torchrun.",
+        epilog="keys (defaults):\n" + describe_keys(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    train.add_argument("recipe", help="recipe YAML file (see recipes/)")
+    train.add_argument("overrides", nargs="*", metavar="section.key=value", help="e.g. precision.mode=O2 trainer.max_steps=100")
+    train.set_defaults(handler=_train)
     inspect = commands.add_parser(
         "inspect",
         help="summarise a checkpoint",
@@ -34,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
-    except (CheckpointError, ConfigError) as error:
+    except (CheckpointError, ConfigError, AmpUsageError) as error:
         print(f"ampddp {args.command}: error: {error}", file=sys.stderr)
         return 2
 

@@ -10,6 +10,7 @@ continues from the newest complete checkpoint in ``run_dir`` exactly where it st
 from __future__ import annotations
 
 import logging
+import math
 import platform
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
@@ -27,14 +28,17 @@ from ampddp.checkpoint.files import load_safely
 from ampddp.checkpoint.restore import initial_weights, load_model_state, restore_precision
 from ampddp.checkpoint.rng import capture_rng, derive_rng, restore_rng
 from ampddp.checkpoint.store import CheckpointRef, CheckpointStore, find_checkpoint
+from ampddp.diagnostics import first_non_finite_module
 from ampddp.distributed.data import ResumableSampler, eval_sampler, sum_across_ranks
 from ampddp.distributed.env import DistEnv, detect_env, seed_everything
-from ampddp.errors import ConfigError
+from ampddp.errors import ConfigError, NonFiniteGradientsError
+from ampddp.models import has_convolutions
+from ampddp.observe import RunObserver
 from ampddp.precision.registry import OpRegistry
 from ampddp.prepare import prepare
 
 logger = logging.getLogger("ampddp.trainer")
-RESUME_CHOICES = ("auto", "never")
+FP16_MODES = ("O1", "O2", "O3", "native-fp16")
 
 
 @dataclass
@@ -107,6 +111,10 @@ class Trainer:
         resume: str | Path = "auto",
         init_from: str | Path | None = None,
         config: dict[str, Any] | None = None,
+        eval_every: int | None = None,
+        log_every: int = 10,
+        max_nonfinite_losses: int = 10,
+        observer: RunObserver | None = None,
     ) -> None:
         for name, value, minimum in (
             ("batch_size", batch_size, 1),
@@ -122,7 +130,13 @@ class Trainer:
         self.env = env or detect_env(device="auto")
         seed_everything(seed)
         if init_from is not None:
-            model.load_state_dict(initial_weights(init_from))
+            load_model_state(initial_weights(init_from), model, str(init_from))
+        if self.env.device.type == "cpu" and precision in FP16_MODES and has_convolutions(model):
+            logger.warning(
+                "precision %s on CPU with convolutions: fp16 convolution backward is about 60x slower than fp32 on CPU in current "
+                "PyTorch; prefer O4, O5 or native-bf16 there (fp16 pays off on CUDA)",
+                precision,
+            )
         self.run = prepare(
             model, make_optimizer, self.env, precision=precision, impl=impl, precision_overrides=precision_overrides,
             registry=registry, sync_bn=sync_bn, strategy=strategy,
@@ -137,9 +151,13 @@ class Trainer:
         self.checkpoint_every = checkpoint_every
         self.resume = resume
         self.config = dict(config or {})
+        self.eval_every, self.log_every, self.max_nonfinite_losses = eval_every, max(1, log_every), max_nonfinite_losses
+        self.observer = observer
+        self._nonfinite_losses = 0
         self.progress = Progress()
         self.last_eval: dict[str, float] = {}
         self._saved_step: int | None = None
+        self._evaluated_step: int | None = None
         torch.manual_seed(self.env.rank_seed(seed))
 
     # ---- the loop -------------------------------------------------------------------------------
@@ -161,9 +179,12 @@ class Trainer:
                     window = []
                     if self._finished():
                         break
+        if self.eval_set is not None and self._evaluated_step != self.progress.global_step:
+            self._evaluate_and_report()
         if self._saved_step != self.progress.global_step:
             self.save_checkpoint()
-        return {"progress": self.progress.state_dict(), "eval": self.last_eval}
+        summary = self.observer.close(self.progress.state_dict()) if self.observer is not None else {}
+        return {"progress": self.progress.state_dict(), "eval": self.last_eval, "summary": summary}
 
     def _finished(self) -> bool:
         if self.max_steps is not None and self.progress.global_step >= self.max_steps:
@@ -181,31 +202,75 @@ class Trainer:
         self.progress.epoch += 1
         self.progress.epoch_position = 0
         if self.eval_set is not None:
-            self.last_eval = self.evaluate()
-            logger.info("epoch %d: %s", self.progress.epoch, self.last_eval)
+            self._evaluate_and_report()
+
+    def _evaluate_and_report(self) -> None:
+        self.last_eval = self.evaluate()
+        self._evaluated_step = self.progress.global_step
+        logger.debug("step %d epoch %d: %s", self.progress.global_step, self.progress.epoch, self.last_eval)
+        if self.observer is not None:
+            self.observer.evaluation(self.progress.global_step, self.progress.epoch, self.last_eval)
 
     def _optimizer_step(self, window: list[Any], ends_epoch: bool) -> None:
         local = [len(batch[-1]) for batch in window]
         total = float(sum_across_ranks(sum(local)).item()) if self.env.distributed else float(sum(local))
         self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=self.env.device)
         for index, batch in enumerate(window):
             with self.run.grad_sync.micro_step(is_last=index == len(window) - 1):
                 loss, count = self.compute_loss(batch)
                 # Weight each micro-batch by its share of the global batch: exact with uneven counts.
                 self.engine.backward(loss * (count * self.env.world_size / total))
-        if self.clip_grad_norm is not None:
-            self.engine.clip_grad_norm_([self.optimizer], self.clip_grad_norm)
+            loss_sum += loss.detach().float() * count
+        logging_step = (self.progress.global_step + 1) % self.log_every == 0
+        grad_norm = None
+        if self.clip_grad_norm is not None or logging_step:
+            limit = self.clip_grad_norm if self.clip_grad_norm is not None else float("inf")
+            grad_norm = self.engine.clip_grad_norm_([self.optimizer], limit)
         stepped = self.engine.step(self.optimizer)
         if stepped and self.scheduler is not None:
             self.scheduler.step()
+        # The global mean loss: every rank takes the same finite/non-finite decisions below.
+        loss_value = float(sum_across_ranks(loss_sum.item()).item()) / max(total, 1.0)
+        self._check_finite(loss_value, window[-1], stepped)
         self.progress.global_step += 1
         self.progress.skipped_steps += int(not stepped)
         self.progress.samples_seen += int(total)
         self.progress.epoch_position = min(self.progress.epoch_position + int(total), len(self.train_set))
+        if self.observer is not None:
+            record = {
+                "step": self.progress.global_step, "epoch": self.progress.epoch, "loss": loss_value,
+                "lr": self.optimizer.param_groups[0]["lr"], "loss_scale": self.engine.loss_scale(),
+                "skipped": not stepped, "skipped_steps": self.progress.skipped_steps,
+                "grad_norm": None if grad_norm is None or not stepped else float(grad_norm),
+            }  # fmt: skip
+            self.observer.step(record, self.progress.samples_seen)
         if ends_epoch:
             self._end_epoch()
+        elif self.eval_every and self.eval_set is not None and self.progress.global_step % self.eval_every == 0:
+            self._evaluate_and_report()
         if self.checkpoint_every and self.progress.global_step % self.checkpoint_every == 0:
             self.save_checkpoint()
+
+    def _check_finite(self, loss_value: float, batch: Any, stepped: bool) -> None:
+        """Name where inf/NaN came from on a skipped step; stop after too many non-finite losses."""
+        finite = math.isfinite(loss_value)
+        self._nonfinite_losses = 0 if finite else self._nonfinite_losses + 1
+        if stepped and finite:
+            return
+        inputs = batch[0].to(self.env.device)
+        module = first_non_finite_module(self.run.module, inputs, self.engine.forward_context())
+        where = (
+            f"the forward pass of module '{module}' produced inf/NaN"
+            if module
+            else f"gradients overflowed from {self.engine.last_overflow}"
+        )
+        logger.warning("step %d %s: %s", self.progress.global_step + 1, "skipped" if not stepped else "had a non-finite loss", where)
+        if self._nonfinite_losses >= self.max_nonfinite_losses:
+            raise NonFiniteGradientsError(
+                f"the loss was non-finite for {self._nonfinite_losses} consecutive steps ({where}); training stopped instead of "
+                "continuing with a broken model. Check that module's inputs and weights, the loss, and the learning rate."
+            )
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

@@ -92,4 +92,3 @@ def initial_weights(path: str | Path) -> dict[str, Any]:
         f"{path}: no model weights found; expected an ampddp checkpoint, a dict with a 'model' entry (apex layout) "
         f"or a plain state dict of tensors (top-level keys: {sorted(state)[:8]})"
     )
-

@@ -26,6 +26,8 @@ class PrecisionEngine(ABC):
     """Model conversion, forward context, scaled backward, optimizer step and scaler state."""
 
     mode: str
+    last_overflow: str | None = None
+    """Parameter where the gradients of the last skipped step first became non-finite."""
 
     @abstractmethod
     def setup(self, models: list[nn.Module], optimizers: list[Optimizer]) -> tuple[list[nn.Module], list[Optimizer]]:

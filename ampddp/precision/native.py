@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from ampddp.diagnostics import overflow_origin
 from ampddp.errors import AmpUsageError, ConfigError, closest
 from ampddp.precision.casting import device_types
 from ampddp.precision.engine import PrecisionEngine
@@ -52,12 +53,14 @@ class NativeAmpEngine(PrecisionEngine):
         self._unscaled: set[int] = set()
         self._stepped = False
         self._skipped = 0
+        self._named_params: list[tuple[str, nn.Parameter]] = []
 
     def setup(self, models: list[nn.Module], optimizers: list[Optimizer]) -> tuple[list[nn.Module], list[Optimizer]]:
         check_models_and_optimizers(models, optimizers)
         self._device_types = device_types(models)
         self.scaler = torch.amp.GradScaler(self._device_types[0], **self._scaler_args)
         self._optimizers = list(optimizers)
+        self._named_params = [(f"models[{i}].{name}", p) for i, model in enumerate(models) for name, p in model.named_parameters()]
         return models, optimizers
 
     def forward_context(self) -> AbstractContextManager[Any]:
@@ -100,6 +103,8 @@ class NativeAmpEngine(PrecisionEngine):
         self._stepped = True
         skipped = self.scaler.is_enabled() and self.scaler.get_scale() < before
         self._skipped += int(skipped)
+        if skipped:
+            self.last_overflow = overflow_origin(self._named_params)
         return not skipped
 
     def master_params(self, optimizer: Optimizer) -> Iterator[nn.Parameter]:

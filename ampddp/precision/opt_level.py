@@ -20,6 +20,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
+from ampddp.diagnostics import overflow_origin
 from ampddp.errors import AmpUsageError, ConfigError, NonFiniteGradientsError
 from ampddp.precision.cast_context import OpCastContext, build_op_table
 from ampddp.precision.casting import convert_model, device_types, first_non_fp32_param
@@ -245,18 +246,22 @@ class OptLevelEngine(PrecisionEngine):
         try:
             skip = scaler.update(overflow)
         except NonFiniteGradientsError as error:
-            raise NonFiniteGradientsError(f"{error} First non-finite gradient: {self._first_non_finite(records)}.") from None
-        if skip and self.policy.verbosity > 0:
-            logger.warning("gradient overflow: step skipped, loss scaler %d reduced the loss scale to %g", loss_id, scaler.loss_scale)
+            raise NonFiniteGradientsError(f"{error} Non-finite gradients start at: {self._overflow_origin(records)}.") from None
+        if skip:
+            self.last_overflow = self._overflow_origin(records)
+            if self.policy.verbosity > 0:
+                logger.warning(
+                    "gradient overflow: step skipped, loss scaler %d reduced the loss scale to %g; non-finite gradients start at %s",
+                    loss_id,
+                    scaler.loss_scale,
+                    self.last_overflow,
+                )
         return skip
 
-    def _first_non_finite(self, records: Sequence[OptimizerGrads]) -> str:
-        for record in records:
-            for model_param, stepped in record.param_pairs():
-                grad = stepped.grad
-                if grad is not None and not bool(torch.isfinite(grad).all()):
-                    return self._param_names.get(id(model_param), "an optimizer parameter outside the models")
-        return "none left to inspect"
+    def _overflow_origin(self, records: Sequence[OptimizerGrads]) -> str:
+        stepped = {id(model_param): param for record in records for model_param, param in record.param_pairs()}
+        named = [(name, stepped[key]) for key, name in self._param_names.items() if key in stepped]
+        return overflow_origin(named) or "no parameter (the gradients are finite now)"
 
     @contextlib.contextmanager
     def scale_loss(

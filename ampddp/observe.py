@@ -1,0 +1,157 @@
+"""What a run shows: progress on rank 0, metrics.jsonl, summary.json, PNG plots, optional TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ampddp.distributed.env import DistEnv
+
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+PLOT_FILES = ("loss.png", "eval_accuracy.png", "loss_scale.png")
+
+
+class RunObserver:
+    """Receives step and evaluation records from the trainer; only rank 0 writes or prints."""
+
+    def __init__(self, run_dir: str | Path, env: DistEnv, *, log_every: int = 10, progress: str = "auto",
+                 tensorboard: bool = False, total_steps: int | None = None) -> None:  # fmt: skip
+        self.run_dir = Path(run_dir)
+        self.env = env
+        self.log_every = max(1, log_every)
+        self.active = env.is_main
+        self.start = time.perf_counter()
+        self._last_time, self._last_samples = self.start, 0
+        self.best_accuracy: float | None = None
+        self.last_eval: dict[str, Any] = {}
+        self._bar = None
+        self._lines = progress == "lines" or (progress == "auto" and not sys.stderr.isatty())
+        self._writer = None
+        if not self.active:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._metrics = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        if progress in ("bar", "auto") and not self._lines:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as error:
+                raise RuntimeError("trainer.tensorboard=true needs the tensorboard package: pip install 'ampddp[tensorboard]'") from error
+            self._writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self._metrics.write(json.dumps(record) + "\n")
+        self._metrics.flush()
+        if self._writer is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key not in ("step", "epoch"):
+                    self._writer.add_scalar(f"{record['kind']}/{key}", value, record["step"])
+
+    def step(self, record: dict[str, Any], samples_seen: int) -> None:
+        """Called after every optimizer step; logs every ``log_every`` steps and every skipped one."""
+        if not self.active:
+            return
+        if self._bar is not None:
+            self._bar.update(1)
+        if record["step"] % self.log_every and not record["skipped"]:
+            return
+        now = time.perf_counter()
+        rate = (samples_seen - self._last_samples) / max(now - self._last_time, 1e-9)
+        self._last_time, self._last_samples = now, samples_seen
+        record = {"kind": "train", **record, "samples_per_s": rate, "world_size": self.env.world_size}
+        self._write(record)
+        text = (f"step {record['step']} epoch {record['epoch']} loss {record['loss']:.4f} scale {record['loss_scale']:g} "
+                f"skipped {record['skipped_steps']} {rate:.0f} samples/s")  # fmt: skip
+        if self._bar is not None:
+            self._bar.set_postfix_str(text.split(" ", 4)[-1])
+        elif self._lines:
+            print(text, flush=True)
+
+    def evaluation(self, step: int, epoch: int, result: dict[str, Any]) -> None:
+        self.last_eval = result
+        if result.get("accuracy") is not None:
+            self.best_accuracy = max(self.best_accuracy or 0.0, result["accuracy"])
+        if not self.active:
+            return
+        self._write({"kind": "eval", "step": step, "epoch": epoch, **result})
+        message = (
+            f"eval step {step} epoch {epoch}: loss {result['loss']:.4f} accuracy {result['accuracy']:.4f} ({result['samples']} samples)"
+        )
+        if self._bar is not None:
+            self._bar.write(message)
+        elif self._lines:
+            print(message, flush=True)
+
+    def close(self, progress: dict[str, Any]) -> dict[str, Any]:
+        """Write summary.json and the plots; returns the summary."""
+        summary = {
+            "final_eval_accuracy": self.last_eval.get("accuracy"),
+            "best_eval_accuracy": self.best_accuracy,
+            "final_eval_loss": self.last_eval.get("loss"),
+            "steps": progress["global_step"],
+            "epochs": progress["epoch"],
+            "skipped_steps": progress["skipped_steps"],
+            "samples_seen": progress["samples_seen"],
+            "wall_time_s": time.perf_counter() - self.start,
+            "world_size": self.env.world_size,
+        }
+        if not self.active:
+            return summary
+        if self._bar is not None:
+            self._bar.close()
+        if self._writer is not None:
+            self._writer.close()
+        self._metrics.close()
+        (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+        plot_metrics(self.run_dir)
+        return summary
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_metrics(run_dir: str | Path) -> list[Path]:
+    """loss.png, eval_accuracy.png and loss_scale.png (skipped steps marked) from metrics.jsonl."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(run_dir)
+    train = [r for r in records if r.get("kind") == "train"]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    outputs = []
+    specs = [
+        ("loss.png", train, "loss", "training loss"),
+        ("eval_accuracy.png", evals, "accuracy", "held-out accuracy"),
+        ("loss_scale.png", train, "loss_scale", "loss scale"),
+    ]
+    for name, rows, key, title in specs:
+        figure, axes = plt.subplots(figsize=(6, 3.5))
+        axes.plot([r["step"] for r in rows], [r[key] for r in rows], marker="." if len(rows) < 50 else None)
+        if key == "loss_scale":
+            skipped = [r for r in rows if r.get("skipped")]
+            axes.scatter([r["step"] for r in skipped], [r[key] for r in skipped], color="red", marker="x", label="skipped step", zorder=3)
+            if skipped:
+                axes.legend()
+            if rows and all(r[key] > 0 for r in rows):
+                axes.set_yscale("log", base=2)
+        axes.set_xlabel("optimizer step")
+        axes.set_title(title)
+        figure.tight_layout()
+        path = Path(run_dir) / name
+        figure.savefig(path, dpi=100)
+        plt.close(figure)
+        outputs.append(path)
+    return outputs
