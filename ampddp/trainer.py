@@ -25,11 +25,18 @@ from torch.utils.data import DataLoader, Dataset
 
 from ampddp.checkpoint import keys
 from ampddp.checkpoint.files import load_safely
-from ampddp.checkpoint.restore import initial_weights, load_model_state, restore_precision
+from ampddp.checkpoint.restore import (
+    check_model_state,
+    check_optimizer_state,
+    check_sampler_state,
+    initial_weights,
+    load_model_state,
+    restore_precision,
+)
 from ampddp.checkpoint.rng import capture_rng, derive_rng, restore_rng
 from ampddp.checkpoint.store import CheckpointRef, CheckpointStore, find_checkpoint
 from ampddp.diagnostics import first_non_finite_module
-from ampddp.distributed.data import ResumableSampler, eval_sampler, sum_across_ranks
+from ampddp.distributed.data import ResumableSampler, broadcast_from_main, eval_sampler, sum_across_ranks
 from ampddp.distributed.env import DistEnv, detect_env, seed_everything
 from ampddp.errors import ConfigError, NonFiniteGradientsError
 from ampddp.models import has_convolutions
@@ -39,6 +46,7 @@ from ampddp.prepare import prepare
 
 logger = logging.getLogger("ampddp.trainer")
 FP16_MODES = ("O1", "O2", "O3", "native-fp16")
+RESUME_CHOICES = ("auto", "never")
 
 
 @dataclass
@@ -68,6 +76,23 @@ def _versions() -> dict[str, str]:
     from ampddp import __version__
 
     return {"ampddp": __version__, "torch": str(torch.__version__), "python": platform.python_version()}
+
+
+def _check_settings(**settings: Any) -> None:
+    """Reject bad trainer arguments before anything is built."""
+    required = ("batch_size", "grad_accum_steps", "max_epochs", "log_every", "max_nonfinite_losses")
+    for name in (*required, "max_steps", "checkpoint_every", "eval_every"):
+        value = settings[name]
+        if value is None and name not in required:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{name}={value!r} is not valid; it must be an integer >= 1" + ("" if name in required else " or None"))
+    clip = settings["clip_grad_norm"]
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not math.isfinite(clip) or clip <= 0):
+        raise ConfigError(f"clip_grad_norm={clip!r} is not valid; it must be a finite number > 0 or None")
+    resume = settings["resume"]
+    if not isinstance(resume, (str, Path)) or (str(resume) not in RESUME_CHOICES and not Path(resume).exists()):
+        raise ConfigError(f"resume={resume!r} is not valid; valid: {', '.join(RESUME_CHOICES)}, or the path of a checkpoint or run dir")
 
 
 def default_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -116,15 +141,11 @@ class Trainer:
         max_nonfinite_losses: int = 10,
         observer: RunObserver | None = None,
     ) -> None:
-        for name, value, minimum in (
-            ("batch_size", batch_size, 1),
-            ("grad_accum_steps", grad_accum_steps, 1),
-            ("max_epochs", max_epochs, 1),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-                raise ConfigError(f"{name}={value!r} is not valid; it must be an integer >= {minimum}")
-        if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
-            raise ConfigError(f"checkpoint_every={checkpoint_every!r} is not valid; it must be an integer >= 1 or None")
+        _check_settings(
+            batch_size=batch_size, grad_accum_steps=grad_accum_steps, max_epochs=max_epochs, max_steps=max_steps,
+            checkpoint_every=checkpoint_every, eval_every=eval_every, log_every=log_every, max_nonfinite_losses=max_nonfinite_losses,
+            clip_grad_norm=clip_grad_norm, resume=resume,
+        )  # fmt: skip
         if checkpoint_every is not None and run_dir is None:
             raise ConfigError("checkpoint_every needs a run_dir to write checkpoints into")
         self.env = env or detect_env(device="auto")
@@ -151,14 +172,15 @@ class Trainer:
         self.checkpoint_every = checkpoint_every
         self.resume = resume
         self.config = dict(config or {})
-        self.eval_every, self.log_every, self.max_nonfinite_losses = eval_every, max(1, log_every), max_nonfinite_losses
+        self.eval_every, self.log_every, self.max_nonfinite_losses = eval_every, log_every, max_nonfinite_losses
         self.observer = observer
         self._nonfinite_losses = 0
+        self._first_nonfinite_where = ""
         self.progress = Progress()
         self.last_eval: dict[str, float] = {}
         self._saved_step: int | None = None
         self._evaluated_step: int | None = None
-        torch.manual_seed(self.env.rank_seed(seed))
+        seed_everything(self.env.rank_seed(seed))
 
     # ---- the loop -------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
@@ -222,6 +244,10 @@ class Trainer:
                 # Weight each micro-batch by its share of the global batch: exact with uneven counts.
                 self.engine.backward(loss * (count * self.env.world_size / total))
             loss_sum += loss.detach().float() * count
+        # The global mean loss, read before the step: every rank takes the same decisions below, and
+        # a non-finite loss is traced to its module while the weights are still those that made it.
+        loss_value = float(sum_across_ranks(loss_sum.item()).item()) / max(total, 1.0)
+        self._check_loss(loss_value, window[-1])
         logging_step = (self.progress.global_step + 1) % self.log_every == 0
         grad_norm = None
         if self.clip_grad_norm is not None or logging_step:
@@ -230,9 +256,8 @@ class Trainer:
         stepped = self.engine.step(self.optimizer)
         if stepped and self.scheduler is not None:
             self.scheduler.step()
-        # The global mean loss: every rank takes the same finite/non-finite decisions below.
-        loss_value = float(sum_across_ranks(loss_sum.item()).item()) / max(total, 1.0)
-        self._check_finite(loss_value, window[-1], stepped)
+        if not stepped and math.isfinite(loss_value):
+            logger.warning("step %d skipped: %s", self.progress.global_step + 1, self._diagnose(window[-1]))
         self.progress.global_step += 1
         self.progress.skipped_steps += int(not stepped)
         self.progress.samples_seen += int(total)
@@ -252,24 +277,28 @@ class Trainer:
         if self.checkpoint_every and self.progress.global_step % self.checkpoint_every == 0:
             self.save_checkpoint()
 
-    def _check_finite(self, loss_value: float, batch: Any, stepped: bool) -> None:
-        """Name where inf/NaN came from on a skipped step; stop after too many non-finite losses."""
-        finite = math.isfinite(loss_value)
-        self._nonfinite_losses = 0 if finite else self._nonfinite_losses + 1
-        if stepped and finite:
-            return
+    def _diagnose(self, batch: Any) -> str:
         inputs = batch[0].to(self.env.device)
         module = first_non_finite_module(self.run.module, inputs, self.engine.forward_context())
-        where = (
-            f"the forward pass of module '{module}' produced inf/NaN"
-            if module
-            else f"gradients overflowed from {self.engine.last_overflow}"
-        )
-        logger.warning("step %d %s: %s", self.progress.global_step + 1, "skipped" if not stepped else "had a non-finite loss", where)
+        if module is not None:
+            return f"the forward pass of module '{module}' produced inf/NaN"
+        return f"gradients overflowed from {self.engine.last_overflow}"
+
+    def _check_loss(self, loss_value: float, batch: Any) -> None:
+        """Name where a non-finite loss came from; stop after too many in a row (apex issue 318)."""
+        if math.isfinite(loss_value):
+            self._nonfinite_losses = 0
+            return
+        self._nonfinite_losses += 1
+        where = self._diagnose(batch)
+        logger.warning("step %d has a non-finite loss: %s", self.progress.global_step + 1, where)
+        if self._nonfinite_losses == 1:
+            self._first_nonfinite_where = where
         if self._nonfinite_losses >= self.max_nonfinite_losses:
             raise NonFiniteGradientsError(
-                f"the loss was non-finite for {self._nonfinite_losses} consecutive steps ({where}); training stopped instead of "
-                "continuing with a broken model. Check that module's inputs and weights, the loss, and the learning rate."
+                f"the loss was non-finite for {self._nonfinite_losses} consecutive steps (first: {self._first_nonfinite_where}); "
+                "training stopped instead of continuing with a broken model. Check that module's inputs and weights, the loss, "
+                "and the learning rate."
             )
 
     @torch.no_grad()
@@ -277,6 +306,13 @@ class Trainer:
         """Loss and accuracy over the whole eval set, every sample counted exactly once."""
         if self.eval_set is None:
             raise ConfigError("evaluate() needs an eval_set")
+        rng = capture_rng()
+        try:
+            return self._evaluate()
+        finally:
+            restore_rng(rng)  # evaluation must not shift the training run's random streams
+
+    def _evaluate(self) -> dict[str, float]:
         model = self.run.model
         was_training = model.training
         model.eval()
@@ -320,25 +356,48 @@ class Trainer:
 
     def _maybe_resume(self) -> None:
         if self.resume == "never" or (self.store is None and self.resume == "auto"):
-            return
-        ref = self.store.latest() if self.resume == "auto" else find_checkpoint(self.resume)
-        if ref is not None:
-            self.load_checkpoint(ref)
+            start = None
+        else:
+            # Rank 0 decides, so ranks on filesystems with stale caches cannot resume from different steps.
+            found = self.store.latest() if self.resume == "auto" and self.env.is_main else None
+            if self.resume != "auto" and self.env.is_main:
+                found = find_checkpoint(self.resume)
+            start = broadcast_from_main(str(found.path) if found is not None else None, self.env)
+        if self.store is not None:
+            newest = broadcast_from_main(
+                max((ref.step for ref in self.store.complete()), default=None) if self.env.is_main else None, self.env
+            )
+            resume_step = find_checkpoint(start).step if start is not None else 0
+            if newest is not None and newest > resume_step:
+                raise ConfigError(
+                    f"run_dir {self.store.root.parent} already holds checkpoints up to step {newest}, newer than where this run "
+                    f"starts (step {resume_step}); use checkpoint resume 'auto' to continue it, or a new run_dir"
+                )
+        if start is not None:
+            self.load_checkpoint(find_checkpoint(start))
 
     def load_checkpoint(self, ref: CheckpointRef) -> None:
-        """Restore every piece of state; the run continues exactly where the checkpoint was taken."""
+        """Restore every piece of state; the run continues exactly where the checkpoint was taken.
+
+        Everything is read and checked before anything changes, so a bad checkpoint leaves the
+        trainer as it was.
+        """
         shared = CheckpointStore.load_shared(ref)
         where = str(ref.shared_file)
-        load_model_state(shared[keys.MODEL], self.run.module, where)
-        self.optimizer.load_state_dict(shared[keys.OPTIMIZER])
+        rank_file = ref.rank_file(self.env.rank)
+        rng = load_safely(rank_file)[keys.RNG] if rank_file.is_file() else None
+        check_model_state(shared[keys.MODEL], self.run.module, where)
+        check_optimizer_state(shared[keys.OPTIMIZER], self.optimizer, where)
+        check_sampler_state(shared[keys.SAMPLER], self.sampler.state_dict(), where)
         restore_precision(self.engine, shared[keys.PRECISION], where)
+        self.run.module.load_state_dict(shared[keys.MODEL])
+        self.optimizer.load_state_dict(shared[keys.OPTIMIZER])
         if self.scheduler is not None and shared.get(keys.SCHEDULER) is not None:
             self.scheduler.load_state_dict(shared[keys.SCHEDULER])
         self.progress.load_state_dict(shared[keys.PROGRESS])
         self._saved_step = ref.step
-        rank_file = ref.rank_file(self.env.rank)
-        if rank_file.is_file():
-            restore_rng(load_safely(rank_file)[keys.RNG])
+        if rng is not None:
+            restore_rng(rng)
         else:
             derive_rng(self.seed, self.env.rank, self.progress.global_step)
             logger.warning(

@@ -116,10 +116,17 @@ def test_each_recipe_runs_end_to_end(tmp_path, recipe):
 
 def test_two_processes_via_nproc_per_node_with_sync_bn(tmp_path):
     recipe = ROOT / "recipes" / "resnet18-O2-ddp-syncbn.yaml"
-    result = subprocess.run(
-        [sys.executable, "-m", "ampddp", "train", str(recipe), f"trainer.run_dir={tmp_path}", "precision.mode=O5", "data.image_size=16", *FAST],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
-    )  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "ampddp",
+        "train",
+        str(recipe),
+        f"trainer.run_dir={tmp_path}",
+        "precision.mode=O5",
+        "data.image_size=16",
+    ]
+    result = subprocess.run([*command, *FAST], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     assert check_run_dir(tmp_path)["world_size"] == 2
 

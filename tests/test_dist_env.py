@@ -27,7 +27,7 @@ def test_torchrun_variables():
 
 
 def test_slurm_variables_and_node_list():
-    environ = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8", "SLURM_NODEID": "2", "SLURM_NNODES": "4",
+    environ = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_STEP_NUM_TASKS": "8", "SLURM_NODEID": "2", "SLURM_NNODES": "4",
                "SLURM_TASKS_PER_NODE": "2(x4)", "SLURM_JOB_NODELIST": "gpu[07-10],login1", "SLURM_JOB_ID": "123456"}  # fmt: skip
     env = detect_env(environ, device="cpu")
     assert (env.rank, env.local_rank, env.world_size, env.local_world_size) == (5, 1, 8, 2)
@@ -37,13 +37,17 @@ def test_slurm_variables_and_node_list():
     assert detect_env({**environ, "MASTER_PORT": "4000"}, device="cpu").master_port == 4000
 
 
-@pytest.mark.parametrize(("nodelist", "host"), [("node1", "node1"), ("a[3-5]", "a3"), ("gpu[012,015]", "gpu012"), ("x1,x2", "x1")])
+@pytest.mark.parametrize(
+    ("nodelist", "host"), [("node1", "node1"), ("a[3-5]", "a3"), ("gpu[012,015]", "gpu012"), ("x1,x2", "x1"), ("a[1-2]b,c", "a1b")]
+)
 def test_first_slurm_host(nodelist, host):
     assert first_slurm_host(nodelist) == host
 
 
-def test_single_task_slurm_is_single_process():
-    assert detect_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, device="cpu").launcher == "none"
+def test_single_task_slurm_and_a_batch_script_are_single_process():
+    assert detect_env({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1"}, device="cpu").launcher == "none"
+    batch_script = {"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_JOB_NODELIST": "n[1-2]"}
+    assert detect_env(batch_script, device="cpu").launcher == "none"
 
 
 def test_torchrun_inside_slurm_takes_torchrun_variables():
@@ -68,8 +72,10 @@ def test_explicit_tcp_and_spawn():
         ({}, {"rank": 0, "world_size": 2, "init_method": "http://x"}, "init_method='http://x'"),
         ({}, {"backend": "mpi"}, "valid choices: auto, nccl, gloo"),
         ({}, {"device": "tpu"}, "valid choices: auto, cuda, cpu"),
-        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, {}, "SLURM_JOB_NODELIST"),
+        ({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2"}, {}, "SLURM_JOB_NODELIST"),
         ({}, {"timeout_s": 0}, "timeout_s=0"),
+        ({}, {"timeout_s": float("nan")}, "timeout_s=nan"),
+        ({}, {"rank": "1", "world_size": 2, "init_method": "tcp://h:1"}, "rank='1' is not valid"),
     ],
 )
 def test_bad_launch_settings_are_named(environ, kwargs, message):

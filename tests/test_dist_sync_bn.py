@@ -115,3 +115,28 @@ def test_sync_bn_impl_errors():
     with pytest.raises(ConfigError, match=r"25\.04"):
         convert_sync_batchnorm(nn.BatchNorm1d(2), impl="apex")
     assert isinstance(convert_sync_batchnorm(nn.BatchNorm1d(2), impl="auto"), PortableSyncBatchNorm)
+
+
+def float64_and_eval_worker(env):
+    x, upstream = global_inputs((3, 5), torch.float64)
+    start = 0 if env.rank == 0 else 3
+    mine = slice(start, start + (3 if env.rank == 0 else 5))
+    reference = make_bn().double()
+    ref_input = x.clone().requires_grad_()
+    (reference(ref_input) * upstream).sum().backward()
+    model = convert_sync_batchnorm(make_bn().double(), impl="portable")
+    local = x[mine].clone().requires_grad_()
+    out = model(local)
+    (out * upstream[mine]).sum().backward()
+    errors = [(out - reference(x)[mine]).abs().max().item(), (local.grad - ref_input.grad[mine]).abs().max().item()]
+    stateless = convert_sync_batchnorm(nn.BatchNorm2d(3, track_running_stats=False), impl="portable").eval()
+    for _ in range(1 + env.rank):  # ranks run different numbers of eval batches: must not hang
+        local_eval = stateless(x[mine].float())
+    plain = nn.BatchNorm2d(3, track_running_stats=False).eval()(x[mine].float())
+    return max(errors), (local_eval - plain).abs().max().item()
+
+
+def test_float64_stays_float64_and_eval_never_synchronises():
+    for exactness, eval_difference in launch_local(float64_and_eval_worker, 2, device="cpu", timeout_s=30):
+        assert exactness < 1e-12
+        assert eval_difference < 1e-6

@@ -48,3 +48,13 @@ def test_bad_paths_exit_non_zero_with_one_line(tmp_path):
         assert result.stderr.startswith("ampddp inspect: error:") and result.stderr.count("\n") == 1
     assert run_cli("inspect").returncode == 2
     assert "usage: ampddp" in run_cli("--help").stdout
+
+
+def test_malformed_checkpoints_are_clear_errors(tmp_path, capsys):
+    import torch
+
+    make_trainer(tmp_path / "run", "O0", max_steps=1).fit()
+    folder = tmp_path / "run" / "checkpoints" / "step-000000001"
+    torch.save({"format_version": 1}, folder / "shared.pt")
+    assert main(["inspect", str(folder)]) == 2
+    assert "no model" in capsys.readouterr().err

@@ -11,6 +11,7 @@ import torch
 
 from ampddp.checkpoint import keys
 from ampddp.checkpoint.store import CheckpointStore, find_checkpoint
+from ampddp.errors import CheckpointError
 
 
 def model_digest(state: dict[str, torch.Tensor]) -> str:
@@ -29,7 +30,9 @@ def summarize(location: str | Path) -> dict[str, Any]:
     """Summary of a checkpoint folder/file, or of a run dir's latest complete checkpoint."""
     ref = find_checkpoint(location)
     shared = CheckpointStore.load_shared(ref)
-    model = shared[keys.MODEL]
+    model = shared.get(keys.MODEL)
+    if not isinstance(model, dict):
+        raise CheckpointError(f"{ref.shared_file}: no model state in this checkpoint (keys: {sorted(shared)})")
     precision = shared.get(keys.PRECISION) or {}
     progress = shared.get(keys.PROGRESS) or {}
     scalers = precision.get("scalers", [])

@@ -43,6 +43,30 @@ def check_model_state(state: Any, module: nn.Module, where: str) -> None:
         raise CheckpointError(f"{where}: checkpoint is for a different model — " + "; ".join(problems))
 
 
+def check_optimizer_state(state: Any, optimizer: Any, where: str) -> None:
+    """The saved optimizer must have the same parameter groups and sizes as the live one."""
+    groups = state.get("param_groups") if isinstance(state, dict) else None
+    if not isinstance(groups, list) or "state" not in state:
+        raise CheckpointError(f"{where}: optimizer state is not a torch optimizer state dict")
+    saved = [len(group.get("params", [])) for group in groups]
+    live = [len(group["params"]) for group in optimizer.param_groups]
+    if saved != live:
+        raise CheckpointError(
+            f"{where}: optimizer has parameter groups of sizes {live}, the checkpoint {saved}: a different model or optimizer set-up"
+        )
+
+
+def check_sampler_state(saved: Any, live: dict[str, Any], where: str) -> None:
+    """Resuming with another seed, shuffle or drop_last would skip or repeat samples silently."""
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{where}: sampler state missing or malformed")
+    for key in ("seed", "shuffle", "drop_last"):
+        if key in saved and saved[key] != live[key]:
+            raise CheckpointError(
+                f"{where}: the checkpoint's data order used {key}={saved[key]!r}, this run {key}={live[key]!r}; resume with the same value"
+            )
+
+
 def load_model_state(state: Any, module: nn.Module, where: str) -> None:
     check_model_state(state, module, where)
     module.load_state_dict(state)

@@ -17,7 +17,7 @@ from typing import Any
 
 from ampddp.checkpoint import keys
 from ampddp.checkpoint.files import fsync_directory, load_safely, save_atomic, write_bytes_atomic
-from ampddp.distributed.data import barrier
+from ampddp.distributed.data import broadcast_from_main, sum_across_ranks
 from ampddp.distributed.env import DistEnv
 from ampddp.errors import CheckpointError, ConfigError
 
@@ -35,9 +35,6 @@ class CheckpointRef:
 
     def rank_file(self, rank: int) -> Path:
         return self.path / keys.RANK_FILE.format(rank=rank)
-
-    def metadata(self) -> dict[str, Any]:
-        return json.loads((self.path / keys.COMPLETE_FILE).read_text())
 
 
 def _step_of(folder: Path) -> int | None:
@@ -69,45 +66,58 @@ class CheckpointStore:
         return sorted(found, key=lambda ref: ref.step)
 
     def latest(self) -> CheckpointRef | None:
-        """The checkpoint ``latest`` names if it is complete, else the newest complete one."""
-        pointer = self.root / keys.LATEST_FILE
-        if pointer.is_file():
-            folder = self.root / pointer.read_text().strip()
-            step = _step_of(folder)
-            if step is not None and (folder / keys.COMPLETE_FILE).is_file():
-                return CheckpointRef(folder, step)
+        """The newest complete checkpoint.
+
+        ``latest`` is moved right after ``COMPLETE`` is written; a crash between the two leaves the
+        pointer one step behind, and the completion markers, not the pointer, decide.
+        """
         complete = self.complete()
         return complete[-1] if complete else None
 
     def save(self, step: int, shared: dict[str, Any], rank_state: dict[str, Any], env: DistEnv) -> CheckpointRef:
-        """Write one checkpoint collectively (every rank calls this with its own ``rank_state``)."""
+        """Write one checkpoint collectively (every rank calls this with its own ``rank_state``).
+
+        Rank 0 decides whether the step already has a complete checkpoint, and after each phase all
+        ranks agree on whether every write succeeded, so a failure on one rank raises
+        ``CheckpointError`` on all of them instead of leaving the others waiting at a barrier.
+        """
         folder = self.root / keys.STEP_DIR.format(step=step)
-        if (folder / keys.COMPLETE_FILE).is_file():
+        exists = broadcast_from_main((folder / keys.COMPLETE_FILE).is_file() if env.is_main else None, env)
+        if exists:
             # A step is written once: replacing a complete checkpoint in place could lose it to a crash.
             return CheckpointRef(folder, step)
-        try:
-            return self._write(folder, step, shared, rank_state, env)
-        except CheckpointError:
-            if env.is_main:
-                shutil.rmtree(folder, ignore_errors=True)
-            raise
-
-    def _write(self, folder: Path, step: int, shared: dict[str, Any], rank_state: dict[str, Any], env: DistEnv) -> CheckpointRef:
-        if env.is_main:
-            self._prepare_folder(folder)
-        barrier()
         ref = CheckpointRef(folder, step)
+        self._run_everywhere(lambda: self._prepare_folder(folder) if env.is_main else None, folder, env)
+        self._run_everywhere(lambda: self._write_parts(ref, shared, rank_state, env), folder, env)
+        self._run_everywhere(lambda: self._finish(folder, step, env) if env.is_main else None, folder, env)
+        return ref
+
+    @staticmethod
+    def _write_parts(ref: CheckpointRef, shared: dict[str, Any], rank_state: dict[str, Any], env: DistEnv) -> None:
         save_atomic({**rank_state, keys.RANK: env.rank}, ref.rank_file(env.rank))
         if env.is_main:
             save_atomic(shared, ref.shared_file)
-        barrier()
-        if env.is_main:
-            marker = {"step": step, "world_size": env.world_size, "time": time.time(), "files": sorted(p.name for p in folder.iterdir())}
-            write_bytes_atomic(folder / keys.COMPLETE_FILE, json.dumps(marker).encode())
-            write_bytes_atomic(self.root / keys.LATEST_FILE, folder.name.encode())
-            self._prune(keep=folder)
-        barrier()
-        return ref
+
+    def _run_everywhere(self, phase: Any, folder: Path, env: DistEnv) -> None:
+        error: BaseException | None = None
+        try:
+            phase()
+        except Exception as exc:  # every failure must reach the agreement below
+            error = exc
+        failed = int(sum_across_ranks(float(error is not None)).item())
+        if failed:
+            if env.is_main:
+                shutil.rmtree(folder, ignore_errors=True)
+            if isinstance(error, CheckpointError):
+                raise error
+            reason = f": {error}" if error is not None else ""
+            raise CheckpointError(f"{folder}: checkpoint not written: {failed} rank(s) failed to write their part{reason}") from error
+
+    def _finish(self, folder: Path, step: int, env: DistEnv) -> None:
+        marker = {"step": step, "world_size": env.world_size, "time": time.time(), "files": sorted(p.name for p in folder.iterdir())}
+        write_bytes_atomic(folder / keys.COMPLETE_FILE, json.dumps(marker).encode())
+        write_bytes_atomic(self.root / keys.LATEST_FILE, folder.name.encode())
+        self._prune(keep=folder)
 
     def _prepare_folder(self, folder: Path) -> None:
         try:

@@ -124,6 +124,15 @@ def sum_across_ranks(value: torch.Tensor | float, group: Any = None) -> torch.Te
     return tensor.cpu()
 
 
+def broadcast_from_main(value: Any, env: DistEnv) -> Any:
+    """Rank 0's ``value`` on every rank (a picklable object; identity in a single process)."""
+    if not env.distributed or not (dist.is_available() and dist.is_initialized()):
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
 def barrier(group: Any = None) -> None:
     """Wait for every rank (no-op in a single process)."""
     if dist.is_available() and dist.is_initialized():

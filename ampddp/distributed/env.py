@@ -8,6 +8,7 @@ module reads RANK, WORLD_SIZE or SLURM variables.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import random
 import re
@@ -74,14 +75,13 @@ def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> i
 
 
 def first_slurm_host(nodelist: str) -> str:
-    """First host of a SLURM node list: 'gpu[03-05,09],cpu1' -> 'gpu03'."""
-    match = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
-    if match is None or not match.group(1):
+    """First host of a SLURM node list: 'gpu[03-05,09]-ib,cpu1' -> 'gpu03-ib'."""
+    match = re.match(r"([^,\[]*)(?:\[([^\]]+)\])?([^,]*)", nodelist.strip())
+    if match is None or not (match.group(1) or match.group(2)):
         raise ConfigError(f"SLURM node list {nodelist!r} cannot be parsed; expected e.g. 'node[01-04]' or 'host1,host2'")
-    prefix, ranges = match.group(1), match.group(3)
-    if ranges is None:
-        return prefix
-    return prefix + ranges.split(",")[0].split("-")[0]
+    prefix, ranges, suffix = match.group(1), match.group(2), match.group(3)
+    first = ranges.split(",")[0].split("-")[0] if ranges else ""
+    return prefix + first + suffix
 
 
 def _tasks_on_first_node(value: str | None, default: int) -> int:
@@ -110,7 +110,7 @@ def _from_torchrun(environ: Mapping[str, str]) -> dict:
 
 
 def _from_slurm(environ: Mapping[str, str]) -> dict:
-    world = _int(environ, "SLURM_NTASKS")
+    world = _int(environ, "SLURM_STEP_NUM_TASKS")
     nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
     if "MASTER_ADDR" in environ:
         addr = environ["MASTER_ADDR"]
@@ -184,20 +184,24 @@ def detect_env(
     """Work out the DistEnv without side effects.
 
     Precedence: an explicit ``rank`` (mp.spawn / tcp://), then torchrun's variables, then SLURM's
-    (with more than one task), else a single process.
+    (an srun step with more than one task), else a single process.
     """
     environ = os.environ if environ is None else environ
     if backend not in BACKENDS:
         raise choice_error("backend", backend, BACKENDS)
-    if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
-        raise ConfigError(f"timeout_s={timeout_s!r} is not valid; it must be a number of seconds > 0")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) or timeout_s <= 0:
+        raise ConfigError(f"timeout_s={timeout_s!r} is not valid; it must be a finite number of seconds > 0")
     if rank is not None:
         if world_size is None:
             raise ConfigError("rank was given without world_size; pass both (e.g. from mp.spawn)")
+        for name, value in (("rank", rank), ("world_size", world_size), ("local_rank", local_rank)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ConfigError(f"{name}={value!r} is not valid; it must be an integer")
         facts = _explicit(rank, world_size, init_method, environ, local_rank)
     elif "RANK" in environ and "WORLD_SIZE" in environ:
         facts = _from_torchrun(environ)
-    elif "SLURM_PROCID" in environ and _int(environ, "SLURM_NTASKS", 1) > 1:
+    elif "SLURM_PROCID" in environ and _int(environ, "SLURM_STEP_NUM_TASKS", 1) > 1:
+        # Only an srun job step has one process per task; a batch script itself is a single process.
         facts = _from_slurm(environ)
     else:
         facts = {}

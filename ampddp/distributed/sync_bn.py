@@ -31,9 +31,10 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group):
         channels = x.shape[1]
         dims = [d for d in range(x.dim()) if d != 1]
-        xf = x.float()
-        count = torch.tensor([x.numel() // max(channels, 1)], dtype=torch.float32, device=x.device)
-        local_mean = xf.mean(dims) if count.item() > 0 else torch.zeros(channels, device=x.device)
+        compute = torch.promote_types(x.dtype, torch.float32)
+        xf = x.to(compute)
+        count = torch.tensor([x.numel() // max(channels, 1)], dtype=compute, device=x.device)
+        local_mean = xf.mean(dims) if count.item() > 0 else torch.zeros(channels, dtype=compute, device=x.device)
         local_m2 = ((xf - local_mean.view(1, -1, *[1] * (x.dim() - 2))) ** 2).sum(dims)
         packed = torch.cat([count, local_mean, local_m2])
         gathered = [torch.empty_like(packed) for _ in range(_world(group))]
@@ -55,7 +56,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         x_hat = (xf - mean.view(shape)) * invstd.view(shape)
         out = x_hat
         if weight is not None:
-            out = out * weight.float().view(shape) + bias.float().view(shape)
+            out = out * weight.to(compute).view(shape) + bias.to(compute).view(shape)
         ctx.save_for_backward(x_hat, invstd, weight)
         ctx.total, ctx.group, ctx.dims, ctx.shape = total, group, dims, shape
         return out.to(x.dtype)
@@ -63,14 +64,14 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x_hat, invstd, weight = ctx.saved_tensors
-        g = grad_out.float()
+        g = grad_out.to(x_hat.dtype)
         local = torch.cat([g.sum(ctx.dims), (g * x_hat).sum(ctx.dims)])
         grad_bias_local, grad_weight_local = local.chunk(2)
         reduced = local.clone()
         dist.all_reduce(reduced, group=ctx.group)
         sum_dy, sum_dy_xhat = reduced.chunk(2)
         shape = ctx.shape
-        scale = invstd if weight is None else invstd * weight.float()
+        scale = invstd if weight is None else invstd * weight.to(x_hat.dtype)
         grad_x = scale.view(shape) * (g - sum_dy.view(shape) / ctx.total - x_hat * sum_dy_xhat.view(shape) / ctx.total)
         grad_weight = grad_bias = None
         if weight is not None:
@@ -100,7 +101,8 @@ class PortableSyncBatchNorm(_BatchNorm):
             self.num_batches_tracked.add_(1)
             momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
         use_batch_stats = self.training or not self.track_running_stats
-        if not use_batch_stats or _world(self.process_group) == 1:
+        if not self.training or _world(self.process_group) == 1:
+            # Evaluation never synchronises (ranks may run different numbers of eval batches).
             return F.batch_norm(
                 input,
                 self.running_mean if not self.training or self.track_running_stats else None,
