@@ -1,0 +1,37 @@
+# ampddp on NVIDIA GPUs.
+#   docker build -t ampddp .                                   # ampddp only
+#   docker build -t ampddp:apex --build-arg WITH_APEX=1 .       # plus apex 25.04 (apex.amp, apex DDP)
+#   docker run --gpus all --rm ampddp                          # trains the quickstart recipe
+# The base image already has PyTorch and torchvision built for CUDA; pip keeps them.
+FROM nvcr.io/nvidia/pytorch:25.04-py3
+
+ARG WITH_APEX=0
+ARG APEX_TAG=25.04
+
+ENV PIP_NO_CACHE_DIR=1 \
+    PYTHONUNBUFFERED=1
+
+WORKDIR /opt/ampddp
+COPY setup.py pyproject.toml README.md ./
+COPY ampddp ./ampddp
+COPY recipes ./recipes
+COPY examples ./examples
+
+# Install ampddp without replacing the image's CUDA build of torch/torchvision.
+RUN python -m pip install --no-deps -e . \
+    && python -m pip install "PyYAML>=6" "tqdm>=4" "matplotlib>=3.7" "scikit-learn>=1.3"
+
+# apex from its last tag that still has apex.amp and apex.parallel (removed upstream in 25.05+).
+RUN if [ "$WITH_APEX" = "1" ]; then \
+        python -m pip uninstall -y apex \
+        && python -m pip install -v --no-build-isolation \
+            --config-settings "--build-option=--cpp_ext" --config-settings "--build-option=--cuda_ext" \
+            "git+https://github.com/NVIDIA/apex.git@${APEX_TAG}" \
+        && python -c "import apex.amp, apex.parallel"; \
+    fi
+
+RUN useradd --create-home --uid 1000 trainer && mkdir -p /work && chown trainer /work
+USER 1000
+WORKDIR /work
+
+CMD ["ampddp", "train", "/opt/ampddp/recipes/quickstart.yaml", "trainer.run_dir=/work/runs/quickstart"]
