@@ -76,6 +76,11 @@ def validate(config: RunConfig) -> None:
     for key in ("max_epochs", "grad_accum_steps", "log_every_steps", "max_nonfinite_losses"):
         if getattr(config.trainer, key) < 1:
             raise ConfigError(f"trainer.{key}={getattr(config.trainer, key)} is not valid; it must be >= 1")
+    if config.trainer.tensorboard:
+        try:
+            importlib.import_module("torch.utils.tensorboard")
+        except ImportError:
+            raise ConfigError("trainer.tensorboard=true needs the tensorboard package: pip install 'ampddp[tensorboard]'") from None
     if config.distributed.nproc_per_node < 1:
         raise ConfigError(f"distributed.nproc_per_node={config.distributed.nproc_per_node} is not valid; it must be >= 1")
 
