@@ -9,6 +9,7 @@ import sys
 from ampddp.checkpoint.inspect import format_summary, summarize
 from ampddp.config import describe_keys, load_config
 from ampddp.errors import AmpUsageError, CheckpointError, ConfigError
+from ampddp.preemption import EXIT_PREEMPTED
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -25,7 +26,7 @@ def _train(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     summary = launch(load_config(args.recipe, args.overrides))
     print(json.dumps(summary, indent=2))
-    return 0
+    return EXIT_PREEMPTED if summary.get("preempted") else 0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -102,6 +102,8 @@ class TrainerConfig:
     tensorboard: bool = False
     max_nonfinite_losses: int = 10
     """Consecutive non-finite losses after which training stops with an error."""
+    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    """Signals that make every rank finish its step, checkpoint, and exit with status 75."""
 
 
 @dataclass

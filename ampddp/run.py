@@ -20,6 +20,7 @@ from ampddp.observe import RunObserver
 from ampddp.precision.engine import NATIVE_MODES
 from ampddp.precision.factory import build_engine
 from ampddp.precision.registry import FP32, LOW, PROMOTE, OpRegistry
+from ampddp.preemption import StopSignals, parse_signals
 from ampddp.trainer import Trainer
 
 NATIVE_KEYS = ("loss_scale", "init_loss_scale", "growth_factor", "backoff_factor", "growth_interval")
@@ -76,6 +77,7 @@ def validate(config: RunConfig) -> None:
     for key in ("max_epochs", "grad_accum_steps", "log_every_steps", "max_nonfinite_losses"):
         if getattr(config.trainer, key) < 1:
             raise ConfigError(f"trainer.{key}={getattr(config.trainer, key)} is not valid; it must be >= 1")
+    parse_signals(config.trainer.stop_signals)
     if config.trainer.tensorboard:
         try:
             importlib.import_module("torch.utils.tensorboard")
@@ -104,7 +106,16 @@ def _optimizer_factory(config: RunConfig) -> Any:
 
 
 def train(config: RunConfig, env: DistEnv) -> dict[str, Any]:
-    """Run training in this process (one rank of ``env``); returns the summary."""
+    """Run training in this process (one rank of ``env``); returns the summary.
+
+    Stop signals are caught from the start, so one that arrives while data and model are being set
+    up still ends in a checkpoint, and one that arrives after training lets the run finish normally.
+    """
+    with StopSignals(config.trainer.stop_signals) as stop:
+        return _train(config, env, stop)
+
+
+def _train(config: RunConfig, env: DistEnv, stop: StopSignals) -> dict[str, Any]:
     data, trainer_cfg = config.data, config.trainer
     train_set, eval_set = build_datasets(
         data.name, data.root, data.image_size, data.channels, data.eval_fraction, trainer_cfg.seed, data.augment
@@ -126,6 +137,7 @@ def train(config: RunConfig, env: DistEnv) -> dict[str, Any]:
         keep_last=config.checkpoint.keep_last, resume=config.checkpoint.resume_from or config.checkpoint.resume,
         init_from=config.checkpoint.init_from, config=config.to_dict(), eval_every=trainer_cfg.eval_every_steps,
         log_every=trainer_cfg.log_every_steps, max_nonfinite_losses=trainer_cfg.max_nonfinite_losses, observer=observer,
+        stop_signals=stop,
     )  # fmt: skip
     with PeerWatch(env) as watch, watch.guard():
         return trainer.fit()["summary"]

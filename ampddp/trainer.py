@@ -9,6 +9,7 @@ continues from the newest complete checkpoint in ``run_dir`` exactly where it st
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import platform
@@ -42,6 +43,7 @@ from ampddp.errors import ConfigError, NonFiniteGradientsError
 from ampddp.models import has_convolutions
 from ampddp.observe import RunObserver
 from ampddp.precision.registry import OpRegistry
+from ampddp.preemption import DEFAULT_STOP_SIGNALS, StopSignals, parse_signals
 from ampddp.prepare import prepare
 
 logger = logging.getLogger("ampddp.trainer")
@@ -140,6 +142,7 @@ class Trainer:
         log_every: int = 10,
         max_nonfinite_losses: int = 10,
         observer: RunObserver | None = None,
+        stop_signals: tuple[str, ...] | StopSignals = DEFAULT_STOP_SIGNALS,
     ) -> None:
         _check_settings(
             batch_size=batch_size, grad_accum_steps=grad_accum_steps, max_epochs=max_epochs, max_steps=max_steps,
@@ -174,6 +177,9 @@ class Trainer:
         self.config = dict(config or {})
         self.eval_every, self.log_every, self.max_nonfinite_losses = eval_every, log_every, max_nonfinite_losses
         self.observer = observer
+        self.stop_signals = stop_signals
+        if not isinstance(stop_signals, StopSignals):
+            parse_signals(stop_signals)
         self._nonfinite_losses = 0
         self._first_nonfinite_where = ""
         self.progress = Progress()
@@ -184,8 +190,26 @@ class Trainer:
 
     # ---- the loop -------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
-        """Train until ``max_epochs`` or ``max_steps``; returns the final progress and evaluation."""
+        """Train until ``max_epochs`` or ``max_steps``, or until a stop signal arrives.
+
+        Returns the final progress, evaluation and summary; ``preempted`` names the signal when the
+        run stopped early (after writing a checkpoint to resume from).
+        """
         self._maybe_resume()
+        own = not isinstance(self.stop_signals, StopSignals)
+        stop = StopSignals(self.stop_signals) if own else self.stop_signals
+        with stop if own else contextlib.nullcontext():
+            preempted = self._train_until_done(stop)
+        if not preempted and self.eval_set is not None and self._evaluated_step != self.progress.global_step:
+            self._evaluate_and_report()
+        if self._saved_step != self.progress.global_step:
+            self.save_checkpoint()
+        summary = self.observer.close(self.progress.state_dict()) if self.observer is not None else {}
+        if preempted:
+            logger.warning("stopped by %s at step %d after writing a checkpoint; run again to resume", preempted, self.progress.global_step)
+        return {"progress": self.progress.state_dict(), "eval": self.last_eval, "summary": {**summary, "preempted": preempted}}
+
+    def _train_until_done(self, stop: StopSignals) -> str | None:
         while not self._finished():
             self.sampler.set_epoch(self.progress.epoch, start=self.progress.epoch_position)
             loader = DataLoader(self.train_set, batch_size=self.batch_size, sampler=self.sampler, generator=torch.Generator())
@@ -199,14 +223,11 @@ class Trainer:
                 if len(window) == self.grad_accum_steps or index == last:
                     self._optimizer_step(window, ends_epoch=index == last)
                     window = []
+                    if stop.agreed(self.env):
+                        return stop.received or "a stop signal on another rank"
                     if self._finished():
                         break
-        if self.eval_set is not None and self._evaluated_step != self.progress.global_step:
-            self._evaluate_and_report()
-        if self._saved_step != self.progress.global_step:
-            self.save_checkpoint()
-        summary = self.observer.close(self.progress.state_dict()) if self.observer is not None else {}
-        return {"progress": self.progress.state_dict(), "eval": self.last_eval, "summary": summary}
+        return None
 
     def _finished(self) -> bool:
         if self.max_steps is not None and self.progress.global_step >= self.max_steps:

@@ -6,8 +6,11 @@ or dies makes ``launch_local`` raise an error naming that rank instead of hangin
 
 from __future__ import annotations
 
+import os
 import pickle
+import signal
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -17,6 +20,7 @@ import torch.multiprocessing as mp
 
 from ampddp.distributed.env import DEFAULT_TIMEOUT_S, setup_distributed, shutdown_distributed
 from ampddp.errors import ConfigError
+from ampddp.preemption import parse_signals
 
 
 class LaunchError(RuntimeError):
@@ -51,11 +55,13 @@ def launch_local(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     host: str = "127.0.0.1",
     job_timeout_s: float | None = None,
+    forward_signals: tuple[str, ...] = (),
 ) -> list[Any]:
     """Run ``fn(env, *args)`` (env: a DistEnv) in ``nprocs`` spawned processes; return their results by rank.
 
     ``fn`` must be importable by name (a module-level function), as with ``mp.spawn``. ``timeout_s``
     bounds each collective inside the workers; ``job_timeout_s`` (default: none) bounds the whole job.
+    Signals named in ``forward_signals`` that reach this process are passed on to every worker.
     """
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ConfigError(f"nprocs={nprocs!r} is not valid; it must be an integer >= 1")
@@ -69,9 +75,16 @@ def launch_local(
     ]
     for process in processes:
         process.start()
+    forwarded = {sig: signal.getsignal(sig) for sig in parse_signals(forward_signals)}
+    if threading.current_thread() is threading.main_thread():
+        for sig in forwarded:
+            signal.signal(sig, lambda signum, frame: [os.kill(p.pid, signum) for p in processes if p.is_alive()])
     try:
         return _collect(processes, results, nprocs, job_timeout_s)
     finally:
+        for sig, previous in forwarded.items():
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(sig, previous)
         for process in processes:
             if process.is_alive():
                 process.kill()
