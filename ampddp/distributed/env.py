@@ -246,6 +246,8 @@ def shutdown_distributed() -> None:
     if dist.is_available() and dist.is_initialized():
         try:
             dist.barrier()
+        except RuntimeError:
+            pass  # a peer is already gone: nothing left to wait for, and the real error is propagating
         finally:
             dist.destroy_process_group()
 
