@@ -2,8 +2,8 @@
 
 Schedulers announce preemption with SIGTERM (Kubernetes, most batch systems) or a chosen signal
 before the time limit (SLURM ``--signal=USR1@120``). While ``StopSignals`` is active, those signals
-only set a flag; the trainer checks it after each optimizer step, all ranks agree on it, and the
-run saves a checkpoint and returns. A second signal during the save changes nothing.
+only set a flag; the trainer shares it with the other ranks in the all-reduce it makes at every
+optimizer step anyway, so all ranks stop after the same step, save a checkpoint and return. A second signal during the save changes nothing.
 """
 
 from __future__ import annotations
@@ -13,10 +13,6 @@ import threading
 from types import FrameType
 from typing import Any
 
-import torch
-
-from ampddp.distributed.data import sum_across_ranks
-from ampddp.distributed.env import DistEnv
 from ampddp.errors import ConfigError
 
 EXIT_PREEMPTED = 75
@@ -56,10 +52,3 @@ class StopSignals:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous = {}
-
-    def agreed(self, env: DistEnv) -> bool:
-        """True on every rank once any rank received a stop signal (one tiny all-reduce when distributed)."""
-        local = 0.0 if self.received is None else 1.0
-        if not env.distributed:
-            return bool(local)
-        return bool(sum_across_ranks(torch.tensor(local)).item() > 0)

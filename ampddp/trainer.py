@@ -221,10 +221,9 @@ class Trainer:
             for index, batch in enumerate(loader):
                 window.append(batch)
                 if len(window) == self.grad_accum_steps or index == last:
-                    self._optimizer_step(window, ends_epoch=index == last)
-                    window = []
-                    if stop.agreed(self.env):
+                    if self._optimizer_step(window, ends_epoch=index == last, stop=stop):
                         return stop.received or "a stop signal on another rank"
+                    window = []
                     if self._finished():
                         break
         return None
@@ -254,7 +253,8 @@ class Trainer:
         if self.observer is not None:
             self.observer.evaluation(self.progress.global_step, self.progress.epoch, self.last_eval)
 
-    def _optimizer_step(self, window: list[Any], ends_epoch: bool) -> None:
+    def _optimizer_step(self, window: list[Any], ends_epoch: bool, stop: StopSignals | None = None) -> bool:
+        """One optimizer step over ``window``; returns True when every rank should stop (a signal)."""
         local = [len(batch[-1]) for batch in window]
         total = float(sum_across_ranks(sum(local)).item()) if self.env.distributed else float(sum(local))
         self.optimizer.zero_grad(set_to_none=True)
@@ -267,7 +267,10 @@ class Trainer:
             loss_sum += loss.detach().float() * count
         # The global mean loss, read before the step: every rank takes the same decisions below, and
         # a non-finite loss is traced to its module while the weights are still those that made it.
-        loss_value = float(sum_across_ranks(loss_sum.item()).item()) / max(total, 1.0)
+        # One all-reduce carries the loss and whether any rank received a stop signal.
+        local_stop = float(stop is not None and stop.received is not None)
+        reduced = sum_across_ranks(torch.tensor([loss_sum.item(), local_stop], dtype=torch.float64))
+        loss_value, stop_agreed = float(reduced[0]) / max(total, 1.0), bool(reduced[1] > 0)
         self._check_loss(loss_value, window[-1])
         logging_step = (self.progress.global_step + 1) % self.log_every == 0
         grad_norm = None
@@ -297,6 +300,7 @@ class Trainer:
             self._evaluate_and_report()
         if self.checkpoint_every and self.progress.global_step % self.checkpoint_every == 0:
             self.save_checkpoint()
+        return stop_agreed
 
     def _diagnose(self, batch: Any) -> str:
         inputs = batch[0].to(self.env.device)
