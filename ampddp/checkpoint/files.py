@@ -8,12 +8,12 @@ names the file, and nothing on disk is touched.
 
 from __future__ import annotations
 
-import io
 import os
 import pickle
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -33,11 +33,14 @@ def fsync_directory(directory: Path) -> None:
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
-    path = Path(path)
+    _write_atomic(Path(path), lambda handle: handle.write(data))
+
+
+def _write_atomic(path: Path, write: Callable[[BinaryIO], Any]) -> None:
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(temporary, "wb") as handle:
-            handle.write(data)
+            write(handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, path)
@@ -48,10 +51,8 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
 
 
 def save_atomic(obj: Any, path: Path) -> None:
-    """``torch.save`` ``obj`` to ``path`` atomically and durably."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    write_bytes_atomic(path, buffer.getvalue())
+    """``torch.save`` ``obj`` to ``path`` atomically and durably (streamed: no extra copy in memory)."""
+    _write_atomic(Path(path), lambda handle: torch.save(obj, handle))
 
 
 def load_safely(path: Path, map_location: Any = "cpu") -> dict[str, Any]:

@@ -1,0 +1,55 @@
+"""Checkpoint save/load vs raw torch.save/torch.load of the same tensors, with raw disk bandwidth."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from harness import Row, side_by_side
+
+from ampddp.checkpoint.files import load_safely, save_atomic
+
+
+def _disk_bandwidth(folder: Path, size: int) -> float:
+    data = os.urandom(size)
+    path = folder / "bandwidth.bin"
+    start = time.perf_counter()
+    with open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    elapsed = time.perf_counter() - start
+    path.unlink()
+    return size / elapsed / 1e6
+
+
+def run(device: str, quick: bool) -> list[Row]:
+    size_mb = 32 if quick else 256
+    state = {f"layer{i}.weight": torch.randn(size_mb * 2**20 // 4 // 16) for i in range(16)}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        ours_path, raw_path = folder / "ours.pt", folder / "raw.pt"
+        repeats = 3 if quick else 7
+
+        def ours_save() -> None:
+            save_atomic(state, ours_path)
+
+        def raw_save() -> None:
+            torch.save(state, raw_path)
+
+        bandwidth = _disk_bandwidth(folder, size_mb * 2**20)
+        save = side_by_side("checkpoint/save", ours_save, raw_save, repeats=repeats, per=size_mb, unit="MB/s", throughput=True,
+                            note=f"atomic + fsync'd vs plain torch.save; raw disk write {bandwidth:.0f} MB/s (fsync'd)")  # fmt: skip
+
+        def ours_load() -> None:
+            load_safely(ours_path)
+
+        def raw_load() -> None:
+            torch.load(raw_path, weights_only=False)
+
+        load = side_by_side("checkpoint/load", ours_load, raw_load, repeats=repeats, per=size_mb, unit="MB/s", throughput=True,
+                            note="weights_only=True vs plain torch.load")  # fmt: skip
+    return [save, load]

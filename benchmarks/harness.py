@@ -1,0 +1,54 @@
+"""Side-by-side timing: alternate the two contenders, warm up, report medians and the spread."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class Row:
+    """One comparison. ``ratio`` > 1 always means ampddp is better."""
+
+    name: str
+    ampddp: float
+    baseline: float
+    unit: str
+    ratio: float
+    repeats: int
+    spread: float
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def timed(fn: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def side_by_side(name: str, ours: Callable[[], None], theirs: Callable[[], None], *, repeats: int, warmup: int = 1,
+                 per: float = 1.0, unit: str = "ms/step", throughput: bool = False, note: str = "") -> Row:  # fmt: skip
+    """Time ``ours`` and ``theirs`` alternately; values are per ``per`` items (steps, bytes, ...).
+
+    ``throughput``: report items per second (higher is better) instead of time per item.
+    """
+    for _ in range(warmup):
+        ours()
+        theirs()
+    a, b = [], []
+    for index in range(repeats):
+        first, second = (ours, theirs) if index % 2 == 0 else (theirs, ours)
+        t_first, t_second = timed(first), timed(second)
+        (a if first is ours else b).append(t_first)
+        (b if first is ours else a).append(t_second)
+    ours_s, theirs_s = statistics.median(a), statistics.median(b)
+    spread = (max(a) - min(a)) / ours_s if ours_s else 0.0
+    if throughput:
+        return Row(name, per / ours_s, per / theirs_s, unit, theirs_s / ours_s, repeats, spread, note)
+    scale = 1000.0 / per if unit.startswith("ms") else 1.0 / per
+    return Row(name, ours_s * scale, theirs_s * scale, unit, theirs_s / ours_s, repeats, spread, note)

@@ -1,0 +1,125 @@
+"""The hand-written torch loops ampddp is compared with, and the same work done through ampddp."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ampddp import build_engine
+from ampddp.amp import Amp
+
+
+def many_layer_mlp(width: int = 256, depth: int = 8) -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(64, width)]
+    for _ in range(depth):
+        layers += [nn.BatchNorm1d(width), nn.ReLU(), nn.Linear(width, width)]
+    layers += [nn.ReLU(), nn.Linear(width, 10)]
+    return nn.Sequential(*layers)
+
+
+def batch(size: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(size, 64, generator=generator).to(device), torch.randint(0, 10, (size,), generator=generator).to(device)
+
+
+def sgd(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+
+
+def engine_loop(mode: str, model: nn.Module, data, steps: int) -> Callable[[], None]:
+    model = copy.deepcopy(model)
+    optimizer = sgd(model.parameters())
+    engine = build_engine(mode, **({"verbosity": 0} if mode.startswith("O") else {}))
+    engine.setup([model], [optimizer])
+    x, y = data
+
+    def run() -> None:
+        for _ in range(steps):
+            optimizer.zero_grad(set_to_none=True)
+            with engine.forward_context():
+                loss = F.cross_entropy(model(x), y)
+            engine.backward(loss)
+            engine.step(optimizer)
+
+    return run
+
+
+def facade_loop(level: str, model: nn.Module, data, steps: int) -> Callable[[], None]:
+    amp = Amp()
+    model = copy.deepcopy(model)
+    model, optimizer = amp.initialize(model, sgd(model.parameters()), opt_level=level, verbosity=0)
+    x, y = data
+
+    def run() -> None:
+        for _ in range(steps):
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(x).float(), y)
+            with amp.scale_loss(loss, optimizer) as scaled:
+                scaled.backward()
+            optimizer.step()
+
+    return run
+
+
+def plain_loop(mode: str, model: nn.Module, data, steps: int) -> Callable[[], None]:
+    """What a user writes by hand for the same precision."""
+    model = copy.deepcopy(model)
+    x, y = data
+    device = x.device.type
+    if mode == "O3":
+        model.half()
+        x = x.half()
+    if mode == "O2":
+        return _manual_master_loop(model, x, y, steps)
+    optimizer = sgd(model.parameters())
+    dtype = {"O1": torch.float16, "native-fp16": torch.float16, "native-bf16": torch.bfloat16, "O4": torch.bfloat16}.get(mode)
+    scaler = torch.amp.GradScaler(device, enabled=dtype is torch.float16)
+
+    def run() -> None:
+        for _ in range(steps):
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast(device, dtype=dtype or torch.float32, enabled=dtype is not None):
+                loss = F.cross_entropy(model(x).float(), y)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+
+    return run
+
+
+def _manual_master_loop(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int) -> Callable[[], None]:
+    """fp16 model (BatchNorm fp32), fp32 master copy, static-free dynamic check: the classic O2 by hand."""
+    for module in model.modules():
+        if not isinstance(module, nn.modules.batchnorm._BatchNorm):
+            for param in module.parameters(recurse=False):
+                param.data = param.data.half()
+    half = [p for p in model.parameters() if p.dtype == torch.float16]
+    masters = [p.detach().float().requires_grad_() for p in half]
+    full = [p for p in model.parameters() if p.dtype == torch.float32]
+    optimizer = sgd(masters + full)
+    scale = 2.0**16
+    x = x.half()
+
+    def run() -> None:
+        for _ in range(steps):
+            optimizer.zero_grad(set_to_none=True)
+            (F.cross_entropy(model(x).float(), y) * scale).backward()
+            grads = [torch.empty_like(m) for m in masters]
+            torch._foreach_copy_(grads, [p.grad for p in half])
+            for master, grad in zip(masters, grads):
+                master.grad = grad
+            found = torch.zeros(1)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads + [p.grad for p in full], found, torch.full((1,), 1 / scale))
+            if not found.item():
+                optimizer.step()
+                with torch.no_grad():
+                    torch._foreach_copy_(half, masters)
+            for p in half:
+                p.grad = None
+
+    return run

@@ -1,0 +1,60 @@
+"""The O2 optimizer step (unscale + overflow check + master step + copy back) vs an fp32 step.
+
+Both sides get their gradients from the same trivial loss (a weighted sum of the parameters), so
+the comparison is dominated by what happens after backward.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+from harness import Row, side_by_side
+from loops import many_layer_mlp, sgd
+
+from ampddp import build_engine
+
+
+def _params_loss(model: torch.nn.Module) -> torch.Tensor:
+    return sum((p.float() * 1e-3).sum() for p in model.parameters())
+
+
+def host_syncs(fn, device: str) -> str:
+    """Synchronising calls during ``fn``, as counted by CUDA's sync debug mode (CPU cannot tell)."""
+    if device != "cuda":
+        return "host synchronisations: measurable on CUDA only"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return f"host synchronisations per O2 step: {sum('synchroniz' in str(w.message) for w in caught)}"
+
+
+def run(device: str, quick: bool) -> list[Row]:
+    base = many_layer_mlp().to(device)
+    o2_model, fp32_model = copy.deepcopy(base), copy.deepcopy(base)
+    o2_opt, fp32_opt = sgd(o2_model.parameters()), sgd(fp32_model.parameters())
+    engine = build_engine("O2", loss_scale=128.0, verbosity=0)
+    engine.setup([o2_model], [o2_opt])
+    steps = 5 if quick else 20
+
+    def o2_step() -> None:
+        o2_opt.zero_grad(set_to_none=True)
+        engine.backward(_params_loss(o2_model))
+        engine.step(o2_opt)
+
+    def fp32_step() -> None:
+        fp32_opt.zero_grad(set_to_none=True)
+        _params_loss(fp32_model).backward()
+        fp32_opt.step()
+
+    def repeat(fn):
+        return lambda: [fn() for _ in range(steps)]
+
+    row = side_by_side("optimizer-step/O2-vs-fp32", repeat(o2_step), repeat(fp32_step), repeats=5 if quick else 15, per=steps)
+    row.note = host_syncs(o2_step, device)
+    return [row]

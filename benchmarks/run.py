@@ -1,0 +1,76 @@
+"""Run ampddp's benchmarks side by side with the baselines they replace.
+
+    python benchmarks/run.py --quick --out results.json      # about a minute on 2 CPU cores
+    python benchmarks/run.py --device cuda --out cuda.json
+
+Writes JSON rows {name, ampddp, baseline, unit, ratio, repeats, spread} (ratio > 1: ampddp better)
+and a markdown table next to them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import checkpoint_io
+import memory
+import optimizer_step
+import overhead
+import torch
+
+BENCHMARKS = {"overhead": overhead.run, "memory": memory.run, "optimizer-step": optimizer_step.run, "checkpoint": checkpoint_io.run}
+
+
+def markdown(rows: list[dict], header: str) -> str:
+    lines = [
+        header,
+        "",
+        "| benchmark | ampddp | baseline | unit | ratio (>1: ampddp better) | spread | note |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['name']} | {row['ampddp']:.4g} | {row['baseline']:.4g} | {row['unit']} | {row['ratio']:.3f} | "
+            f"{row['spread']:.2f} | {row.get('note', '')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats and smaller sizes")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--only", nargs="+", choices=sorted(BENCHMARKS), help="run only these benchmarks")
+    parser.add_argument("--out", default="results.json", help="JSON output (a .md table is written beside it)")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available")
+    torch.manual_seed(0)
+    rows = []
+    for name in args.only or BENCHMARKS:
+        start = time.perf_counter()
+        rows += [row.to_dict() for row in BENCHMARKS[name](args.device, args.quick)]
+        print(f"{name}: {time.perf_counter() - start:.1f}s", file=sys.stderr)
+    bad = [row["name"] for row in rows if not (math.isfinite(row["ratio"]) and row["ratio"] > 0)]
+    if bad:
+        print(f"non-finite or non-positive ratios: {bad}", file=sys.stderr)
+        return 1
+    out = Path(args.out)
+    out.write_text(json.dumps(rows, indent=2))
+    machine = f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, device {args.device}"
+    out.with_suffix(".md").write_text(
+        markdown(rows, f"ampddp benchmarks ({'quick' if args.quick else 'full'}) on {machine}, {time.strftime('%Y-%m-%d')}")
+    )
+    print(markdown(rows, f"results on {machine}"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
