@@ -20,12 +20,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import checkpoint_io
+import ddp_scaling
 import memory
 import optimizer_step
 import overhead
 import torch
 
-BENCHMARKS = {"overhead": overhead.run, "memory": memory.run, "optimizer-step": optimizer_step.run, "checkpoint": checkpoint_io.run}
+BENCHMARKS = {
+    "overhead": overhead.run,
+    "memory": memory.run,
+    "optimizer-step": optimizer_step.run,
+    "checkpoint": checkpoint_io.run,
+    "ddp": ddp_scaling.run,
+}
 
 
 def markdown(rows: list[dict], header: str) -> str:

@@ -22,13 +22,14 @@ def test_quick_benchmarks_write_valid_json_and_markdown(tmp_path):
         "memory",
         "optimizer-step",
         "checkpoint",
+        "ddp",
         "--out",
         str(out),
     ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     rows = json.loads(out.read_text())
-    assert {row["name"].split("/")[0] for row in rows} == {"memory", "optimizer-step", "checkpoint"}
+    assert {row["name"].split("/")[0] for row in rows} == {"memory", "optimizer-step", "checkpoint", "ddp"}
     for row in rows:
         assert set(row) >= FIELDS
         assert isinstance(row["name"], str) and isinstance(row["unit"], str) and isinstance(row["repeats"], int)

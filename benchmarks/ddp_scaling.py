@@ -1,0 +1,82 @@
+"""DDP on CPU (gloo, one thread per process): ampddp vs hand-written torch DDP, weak scaling, SyncBN cost."""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from harness import Row
+from loops import batch, many_layer_mlp, sgd
+from torch.nn.parallel import DistributedDataParallel
+
+from ampddp.distributed import detect_env, launch_local
+from ampddp.prepare import prepare
+
+
+def _timings(env, steps: int, repeats: int) -> dict[str, tuple[float, float]]:
+    """Median seconds per step and spread, per contender, with one thread (one core per process)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _measure(env, steps, repeats)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(env, steps: int, repeats: int) -> dict[str, tuple[float, float]]:
+    x, y = batch(64, "cpu")
+    base = many_layer_mlp()
+    ours = prepare(copy.deepcopy(base), sgd, env, precision="O0")
+    synced = prepare(copy.deepcopy(base), sgd, env, precision="O0", sync_bn="portable")
+    plain_model = copy.deepcopy(base)
+    plain = DistributedDataParallel(plain_model) if env.distributed else plain_model
+    plain_opt = sgd(plain_model.parameters())
+
+    def ampddp_step(run) -> None:
+        run.optimizer.zero_grad(set_to_none=True)
+        with run.engine.forward_context():
+            loss = F.cross_entropy(run.model(x), y)
+        run.engine.backward(loss)
+        run.engine.step(run.optimizer)
+
+    def torch_step() -> None:
+        plain_opt.zero_grad(set_to_none=True)
+        F.cross_entropy(plain(x), y).backward()
+        plain_opt.step()
+
+    contenders = {"ampddp": lambda: ampddp_step(ours), "torch": torch_step, "syncbn": lambda: ampddp_step(synced)}
+    samples: dict[str, list[float]] = {name: [] for name in contenders}
+    for repeat in range(repeats + 1):
+        for name, step in contenders.items():
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            if repeat:  # the first round warms up
+                samples[name].append((time.perf_counter() - start) / steps)
+    return {name: (statistics.median(v), (max(v) - min(v)) / statistics.median(v)) for name, v in samples.items()}
+
+
+def run(device: str, quick: bool) -> list[Row]:
+    if device != "cpu":
+        return []
+    steps, repeats = (3, 3) if quick else (10, 7)
+    one = _timings(detect_env({}, device="cpu"), steps, repeats)
+    two = launch_local(_spawned, 2, (steps, repeats), device="cpu", timeout_s=120)[0]
+    rate = {key: 64 / value for key, (value, _) in one.items()}
+    rate2 = {key: 128 / value for key, (value, _) in two.items()}
+    efficiency = {key: rate2[key] / (2 * rate[key]) for key in rate}
+    scaling = f"weak scaling 1->2 processes: ampddp {efficiency['ampddp']:.2f}, torch DDP {efficiency['torch']:.2f}"
+    syncbn_note = "cost of synchronising 8 BatchNorm layers every step (below 1 by design)"
+    return [
+        Row("ddp/2-processes/ampddp-vs-torch-ddp", rate2["ampddp"], rate2["torch"], "samples/s", rate2["ampddp"] / rate2["torch"],
+            repeats, two["ampddp"][1], scaling),
+        Row("ddp/2-processes/portable-syncbn-vs-plain-bn", rate2["syncbn"], rate2["ampddp"], "samples/s", rate2["syncbn"] / rate2["ampddp"],
+            repeats, two["syncbn"][1], syncbn_note),
+    ]  # fmt: skip
+
+
+def _spawned(env, steps: int, repeats: int) -> dict[str, tuple[float, float]]:
+    return _timings(env, steps, repeats)
