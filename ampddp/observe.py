@@ -18,11 +18,10 @@ PLOT_FILES = ("loss.png", "eval_accuracy.png", "loss_scale.png")
 class RunObserver:
     """Receives step and evaluation records from the trainer; only rank 0 writes or prints."""
 
-    def __init__(self, run_dir: str | Path, env: DistEnv, *, log_every: int = 10, progress: str = "auto",
-                 tensorboard: bool = False, total_steps: int | None = None) -> None:  # fmt: skip
+    def __init__(self, run_dir: str | Path, env: DistEnv, *, progress: str = "auto", tensorboard: bool = False,
+                 total_steps: int | None = None) -> None:  # fmt: skip
         self.run_dir = Path(run_dir)
         self.env = env
-        self.log_every = max(1, log_every)
         self.active = env.is_main
         self.start = time.perf_counter()
         self._last_time, self._last_samples = self.start, 0
@@ -54,13 +53,14 @@ class RunObserver:
                 if isinstance(value, (int, float)) and key not in ("step", "epoch"):
                     self._writer.add_scalar(f"{record['kind']}/{key}", value, record["step"])
 
-    def step(self, record: dict[str, Any], samples_seen: int) -> None:
-        """Called after every optimizer step; logs every ``log_every`` steps and every skipped one."""
-        if not self.active:
-            return
-        if self._bar is not None:
+    def advance(self) -> None:
+        """One optimizer step done (moves the progress bar)."""
+        if self.active and self._bar is not None:
             self._bar.update(1)
-        if record["step"] % self.log_every and not record["skipped"]:
+
+    def log_step(self, record: dict[str, Any], samples_seen: int) -> None:
+        """Record a logged step (the trainer logs every ``log_every`` steps and every skipped one)."""
+        if not self.active:
             return
         now = time.perf_counter()
         rate = (samples_seen - self._last_samples) / max(now - self._last_time, 1e-9)

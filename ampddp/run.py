@@ -124,7 +124,7 @@ def _train(config: RunConfig, env: DistEnv, stop: StopSignals) -> dict[str, Any]
     model = build_model(config.model.name, config.model.num_classes, data.channels, data.image_size)
     steps_per_epoch = max(1, math.ceil(len(train_set) / (data.batch_size * env.world_size * trainer_cfg.grad_accum_steps)))
     observer = RunObserver(
-        trainer_cfg.run_dir, env, log_every=trainer_cfg.log_every_steps, progress=trainer_cfg.progress,
+        trainer_cfg.run_dir, env, progress=trainer_cfg.progress,
         tensorboard=trainer_cfg.tensorboard, total_steps=trainer_cfg.max_steps or trainer_cfg.max_epochs * steps_per_epoch,
     )  # fmt: skip
     trainer = Trainer(

@@ -287,13 +287,15 @@ class Trainer:
         self.progress.samples_seen += int(total)
         self.progress.epoch_position = min(self.progress.epoch_position + int(total), len(self.train_set))
         if self.observer is not None:
+            self.observer.advance()
+        if self.observer is not None and (logging_step or not stepped):
             record = {
                 "step": self.progress.global_step, "epoch": self.progress.epoch, "loss": loss_value,
                 "lr": self.optimizer.param_groups[0]["lr"], "loss_scale": self.engine.loss_scale(),
                 "skipped": not stepped, "skipped_steps": self.progress.skipped_steps,
                 "grad_norm": None if grad_norm is None or not stepped else float(grad_norm),
             }  # fmt: skip
-            self.observer.step(record, self.progress.samples_seen)
+            self.observer.log_step(record, self.progress.samples_seen)
         if ends_epoch:
             self._end_epoch()
         elif self.eval_every and self.eval_set is not None and self.progress.global_step % self.eval_every == 0:

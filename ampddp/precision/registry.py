@@ -57,9 +57,6 @@ class OpRegistry:
     def entries(self) -> tuple[Registration, ...]:
         return tuple(self._entries)
 
-    def clear(self) -> None:
-        self._entries.clear()
-
 
 def tensors_in(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, ...]:
     found: list[torch.Tensor] = []

@@ -138,9 +138,6 @@ class LossScaler:
             "hysteresis_left": self.hysteresis_left,
         }
 
-    def apex_state_dict(self) -> dict[str, Any]:
-        return {"loss_scale": self.loss_scale, "unskipped": self.unskipped}
-
     def grad_scaler_state_dict(self) -> dict[str, Any]:
         """The same state in ``torch.amp.GradScaler.state_dict()`` form."""
         return {
