@@ -22,6 +22,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or read; the message names the file and what is wrong."""
 
 
+class PeerFailureError(RuntimeError):
+    """A collective failed because another rank died or stopped responding."""
+
+
 class NonFiniteGradientsError(RuntimeError):
     """Gradients stay non-finite however far the loss scale backs off: training cannot progress."""
 

@@ -74,6 +74,11 @@ class RunObserver:
         elif self._lines:
             print(text, flush=True)
 
+    def resumed(self, step: int, epoch: int) -> None:
+        """Mark a resume: records of later steps written before it were never applied to the run."""
+        if self.active:
+            self._write({"kind": "resume", "step": step, "epoch": epoch})
+
     def evaluation(self, step: int, epoch: int, result: dict[str, Any]) -> None:
         self.last_eval = result
         if result.get("accuracy") is not None:
@@ -115,10 +120,24 @@ class RunObserver:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The run's history as it applies to the final model.
+
+    metrics.jsonl is append-only; a run that died after logging step k+n but whose last checkpoint
+    was step k logged those n steps again after resuming. Each ``resume`` record drops the earlier
+    records of steps beyond it, so every optimizer step appears once, as it was really applied.
+    """
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    history: list[dict[str, Any]] = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        if record.get("kind") == "resume":
+            history = [kept for kept in history if kept.get("kind") == "resume" or kept["step"] <= record["step"]]
+        history.append(record)
+    return history
 
 
 def plot_metrics(run_dir: str | Path) -> list[Path]:

@@ -433,4 +433,6 @@ class Trainer:
                 self.env.rank,
                 shared[keys.WORLD_SIZE],
             )
+        if self.observer is not None:
+            self.observer.resumed(self.progress.global_step, self.progress.epoch)
         logger.info("resumed from %s at step %d (epoch %d)", ref.path, self.progress.global_step, self.progress.epoch)

@@ -24,6 +24,8 @@ def test_torchrun_variables():
     assert (env.node_rank, env.num_nodes, env.launcher, env.init_method) == (1, 2, "torchrun", "env://")
     assert (env.master_addr, env.master_port, env.backend) == ("10.0.0.1", 29500, "gloo")
     assert env.rank_seed(7) != detect_env({**environ, "RANK": "2"}, device="cpu").rank_seed(7)
+    assert not env.agent_store
+    assert detect_env({**environ, "TORCHELASTIC_USE_AGENT_STORE": "True"}, device="cpu").agent_store
 
 
 def test_slurm_variables_and_node_list():

@@ -64,41 +64,68 @@ def worker_pids(launcher_pid: int) -> list[int]:
     return [int(pid) for pid in children]
 
 
-@pytest.mark.timeout(400)
-@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds torchrun's workers through /proc")
-def test_a_killed_worker_costs_no_step_when_the_job_is_launched_again(tmp_path):
-    """SIGKILL one torchrun worker mid-epoch, launch the same command again: nothing lost or repeated.
+TORCHRUN_STEPS = ["trainer.max_steps=120", "trainer.max_epochs=100", "precision.mode=native-bf16", "checkpoint.every_steps=1",
+                  "checkpoint.keep_last=2", "distributed.timeout_s=30"]  # fmt: skip
 
-    (torchrun's own --max-restarts re-rendezvous of a gloo group fails to connect intermittently on
-    this CPU machine even for a plain torch script, so the restart is done by launching again.)
-    """
-    steps = ["trainer.max_steps=120", "trainer.max_epochs=100", "precision.mode=native-bf16", "checkpoint.every_steps=1",
-             "checkpoint.keep_last=2", "distributed.timeout_s=30"]  # fmt: skip
 
-    def torchrun(run_dir: Path) -> list[str]:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                    "--master-port", str(free_port()), "-m", "ampddp", "train"]  # fmt: skip
-        return [*launcher, RECIPE, f"trainer.run_dir={run_dir}", *SMALL, *steps]
+def torchrun(run_dir: Path, *launcher_flags: str) -> list[str]:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *launcher_flags, "--master-addr", "127.0.0.1",
+                "--master-port", str(free_port()), "-m", "ampddp", "train"]  # fmt: skip
+    return [*launcher, RECIPE, f"trainer.run_dir={run_dir}", *SMALL, *TORCHRUN_STEPS]
 
-    reference = subprocess.run(torchrun(tmp_path / "straight"), capture_output=True, text=True, timeout=300)
+
+@pytest.fixture(scope="module")
+def uninterrupted_torchrun(tmp_path_factory) -> str:
+    """model_sha256 of the 2-process run that nothing interrupts."""
+    run_dir = tmp_path_factory.mktemp("straight")
+    reference = subprocess.run(torchrun(run_dir), capture_output=True, text=True, timeout=300)
     assert reference.returncode == 0, reference.stderr[-2000:]
-    run_dir = tmp_path / "killed"
-    job = subprocess.Popen(torchrun(run_dir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return summarize(run_dir)["model_sha256"]
+
+
+def kill_one_worker_mid_epoch(job: subprocess.Popen, run_dir: Path) -> None:
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not any(r.get("step", 0) >= 40 for r in read_metrics(run_dir) if r["kind"] == "train"):
+    while time.monotonic() < deadline and not any(r["step"] >= 40 for r in read_metrics(run_dir) if r["kind"] == "train"):
         time.sleep(0.05)
     victims = worker_pids(job.pid)
     assert len(victims) == 2
     os.kill(victims[1], signal.SIGKILL)
+
+
+def assert_every_step_applied_once(run_dir: Path, resumes: int) -> None:
+    """The kill came after step 40 was logged, so the run resumed from step 39 (its checkpoint) or later."""
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, 121)), "no optimizer step lost or applied twice"
+    resumed_at = [r["step"] for r in records if r["kind"] == "resume"]
+    assert len(resumed_at) == resumes and all(39 <= step < 120 for step in resumed_at), resumed_at
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds torchrun's workers through /proc")
+def test_torchrun_max_restarts_survives_a_killed_worker_without_losing_a_step(tmp_path, uninterrupted_torchrun):
+    run_dir = tmp_path / "killed"
+    job = subprocess.Popen(torchrun(run_dir, "--max-restarts", "1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    kill_one_worker_mid_epoch(job, run_dir)
+    output, _ = job.communicate(timeout=300)
+    assert job.returncode == 0, output[-3000:]
+    assert_every_step_applied_once(run_dir, resumes=1)
+    assert summarize(run_dir)["model_sha256"] == uninterrupted_torchrun
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds torchrun's workers through /proc")
+def test_a_job_launched_again_after_a_killed_worker_loses_no_step(tmp_path, uninterrupted_torchrun):
+    """Without --max-restarts the job fails; the same command again (a SLURM requeue) finishes it."""
+    run_dir = tmp_path / "killed"
+    job = subprocess.Popen(torchrun(run_dir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    kill_one_worker_mid_epoch(job, run_dir)
     job.communicate(timeout=300)
     assert job.returncode != 0
-    killed_at = summarize(run_dir)["step"]
-    assert 40 <= killed_at < 120
+    assert 39 <= summarize(run_dir)["step"] < 120  # step 40 logged: its checkpoint may be unfinished
     again = subprocess.run(torchrun(run_dir), capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
-    steps_logged = sorted({r["step"] for r in read_metrics(run_dir) if r["kind"] == "train"})
-    assert steps_logged == list(range(1, 121)), "every optimizer step must be applied (none lost)"
-    assert summarize(run_dir)["model_sha256"] == summarize(tmp_path / "straight")["model_sha256"]
+    assert_every_step_applied_once(run_dir, resumes=1)
+    assert summarize(run_dir)["model_sha256"] == uninterrupted_torchrun
 
 
 def test_a_failing_checkpoint_write_stops_training_instead_of_continuing_silently(tmp_path, monkeypatch):
@@ -119,3 +146,12 @@ def test_stop_signals_are_validated():
     with pytest.raises(ConfigError, match="'SIGNOPE' is not a signal name"):
         make_trainer(Path("/tmp/unused-run"), "O0", max_steps=1, stop_signals=("SIGNOPE",))
     assert json.dumps(EXIT_PREEMPTED) == "75"
+
+
+def test_metrics_history_drops_steps_a_resume_went_back_over(tmp_path):
+    lines = [{"kind": "train", "step": s} for s in (1, 2, 3, 4)] + [{"kind": "eval", "step": 4}, {"kind": "resume", "step": 2}]
+    lines += [{"kind": "train", "step": s} for s in (3, 4, 5)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    history = read_metrics(tmp_path)
+    expected = [("train", 1), ("train", 2), ("resume", 2), ("train", 3), ("train", 4), ("train", 5)]
+    assert [(r["kind"], r["step"]) for r in history] == expected

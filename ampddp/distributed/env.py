@@ -19,6 +19,7 @@ import numpy
 import torch
 import torch.distributed as dist
 
+from ampddp.distributed.rendezvous import fresh_agent_store
 from ampddp.errors import ConfigError, choice_error
 
 LAUNCHERS = ("torchrun", "slurm", "spawn", "tcp", "none")
@@ -44,6 +45,7 @@ class DistEnv:
     backend: str | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     timeout_s: float = DEFAULT_TIMEOUT_S
+    agent_store: bool = False  # torchrun's agent hosts the store at master_addr:master_port for every restart
 
     @property
     def distributed(self) -> bool:
@@ -106,6 +108,7 @@ def _from_torchrun(environ: Mapping[str, str]) -> dict:
         "init_method": "env://",
         "master_addr": environ.get("MASTER_ADDR"),
         "master_port": _int(environ, "MASTER_PORT") if "MASTER_PORT" in environ else None,
+        "agent_store": environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_PORT" in environ,
     }
 
 
@@ -218,16 +221,23 @@ def detect_env(
 
 
 def init_distributed(env: DistEnv) -> DistEnv:
-    """Bind the device and create the process group (no-op for a single process)."""
+    """Bind the device and create the process group (no-op for a single process).
+
+    Under torchrun the group is built on a fresh namespace of the agent's store (see
+    ``ampddp.distributed.rendezvous``), so ``--max-restarts`` restarts connect reliably.
+    """
     if env.device.type == "cuda":
         torch.cuda.set_device(env.device)
     if env.distributed and not dist.is_initialized():
+        where = {"init_method": env.init_method}
+        if env.agent_store:
+            where = {"store": fresh_agent_store(env.master_addr, env.master_port, env.rank, env.world_size, env.timeout_s)}
         dist.init_process_group(
             backend=env.backend,
-            init_method=env.init_method,
             rank=env.rank,
             world_size=env.world_size,
             timeout=datetime.timedelta(seconds=env.timeout_s),
+            **where,
         )
     return env
 

@@ -18,12 +18,9 @@ from typing import Any
 import torch.distributed as dist
 
 from ampddp.distributed.env import DistEnv
+from ampddp.errors import PeerFailureError
 
 KEY = "ampddp/heartbeat/{rank}"
-
-
-class PeerFailureError(RuntimeError):
-    """A collective failed because another rank died or stopped responding."""
 
 
 def _default_store() -> Any:
