@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import torch
-from harness import Row, side_by_side
+from harness import Budget, Row, side_by_side
 
 from ampddp.checkpoint.files import load_safely, save_atomic
 
@@ -26,13 +26,13 @@ def _disk_bandwidth(folder: Path, size: int) -> float:
     return size / elapsed / 1e6
 
 
-def run(device: str, quick: bool) -> list[Row]:
-    size_mb = 32 if quick else 256
+def run(device: str, budget: Budget) -> list[Row]:
+    size_mb = budget.pick(4, 32, 256)
     state = {f"layer{i}.weight": torch.randn(size_mb * 2**20 // 4 // 16) for i in range(16)}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         ours_path, raw_path = folder / "ours.pt", folder / "raw.pt"
-        repeats = 3 if quick else 7
+        repeats = budget.pick(1, 5, 7)
 
         def ours_save() -> None:
             save_atomic(state, ours_path)
@@ -44,6 +44,15 @@ def run(device: str, quick: bool) -> list[Row]:
         save = side_by_side("checkpoint/save", ours_save, raw_save, repeats=repeats, per=size_mb, unit="MB/s", throughput=True,
                             note=f"atomic + fsync'd vs plain torch.save; raw disk write {bandwidth:.0f} MB/s (fsync'd)")  # fmt: skip
 
+        def durable_raw_save() -> None:
+            with open(raw_path, "wb") as handle:
+                torch.save(state, handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+
+        durable = side_by_side("checkpoint/save-vs-fsynced-torch-save", ours_save, durable_raw_save, repeats=repeats, per=size_mb,
+                               unit="MB/s", throughput=True, note="same durability: torch.save, then fsync")  # fmt: skip
+
         def ours_load() -> None:
             load_safely(ours_path)
 
@@ -52,4 +61,4 @@ def run(device: str, quick: bool) -> list[Row]:
 
         load = side_by_side("checkpoint/load", ours_load, raw_load, repeats=repeats, per=size_mb, unit="MB/s", throughput=True,
                             note="weights_only=True vs plain torch.load")  # fmt: skip
-    return [save, load]
+    return [save, durable, load]

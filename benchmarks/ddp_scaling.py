@@ -8,7 +8,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from harness import Row
+from harness import Budget, Row
 from loops import batch, many_layer_mlp, sgd
 from torch.nn.parallel import DistributedDataParallel
 
@@ -59,10 +59,10 @@ def _measure(env, steps: int, repeats: int) -> dict[str, tuple[float, float]]:
     return {name: (statistics.median(v), (max(v) - min(v)) / statistics.median(v)) for name, v in samples.items()}
 
 
-def run(device: str, quick: bool) -> list[Row]:
+def run(device: str, budget: Budget) -> list[Row]:
     if device != "cpu":
         return []
-    steps, repeats = (3, 3) if quick else (10, 7)
+    steps, repeats = budget.pick((1, 1), (3, 5), (10, 7))
     one = _timings(detect_env({}, device="cpu"), steps, repeats)
     two = launch_local(_spawned, 2, (steps, repeats), device="cpu", timeout_s=120)[0]
     rate = {key: 64 / value for key, (value, _) in one.items()}

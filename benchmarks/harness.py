@@ -7,6 +7,18 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+SIZES = ("smoke", "quick", "full")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How much work a run may spend: ``smoke`` (checks the code runs; numbers meaningless), ``quick``, ``full``."""
+
+    size: str = "quick"
+
+    def pick(self, smoke, quick, full):
+        return {"smoke": smoke, "quick": quick, "full": full}[self.size]
+
 
 @dataclass
 class Row:
@@ -35,7 +47,10 @@ def side_by_side(name: str, ours: Callable[[], None], theirs: Callable[[], None]
                  per: float = 1.0, unit: str = "ms/step", throughput: bool = False, note: str = "") -> Row:  # fmt: skip
     """Time ``ours`` and ``theirs`` alternately; values are per ``per`` items (steps, bytes, ...).
 
-    ``throughput``: report items per second (higher is better) instead of time per item.
+    ``throughput``: report items per second (higher is better) instead of time per item. The ratio
+    is the median of the per-repeat ratios: each repeat runs both sides back to back, so a slow
+    moment of the machine hits both and cancels out (on a shared 2-core machine single timings move
+    by ±10%).
     """
     for _ in range(warmup):
         ours()
@@ -48,7 +63,8 @@ def side_by_side(name: str, ours: Callable[[], None], theirs: Callable[[], None]
         (b if first is ours else a).append(t_second)
     ours_s, theirs_s = statistics.median(a), statistics.median(b)
     spread = (max(a) - min(a)) / ours_s if ours_s else 0.0
+    ratio = statistics.median(theirs / ours for ours, theirs in zip(a, b))
     if throughput:
-        return Row(name, per / ours_s, per / theirs_s, unit, theirs_s / ours_s, repeats, spread, note)
+        return Row(name, per / ours_s, per / theirs_s, unit, ratio, repeats, spread, note)
     scale = 1000.0 / per if unit.startswith("ms") else 1.0 / per
-    return Row(name, ours_s * scale, theirs_s * scale, unit, theirs_s / ours_s, repeats, spread, note)
+    return Row(name, ours_s * scale, theirs_s * scale, unit, ratio, repeats, spread, note)

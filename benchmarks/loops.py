@@ -22,9 +22,18 @@ def many_layer_mlp(width: int = 256, depth: int = 8) -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def batch(size: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+def resnet(depth: int = 18, classes: int = 10) -> nn.Module:
+    import torchvision
+
+    torch.manual_seed(0)
+    return getattr(torchvision.models, f"resnet{depth}")(num_classes=classes)
+
+
+def batch(size: int, device: str, shape: tuple[int, ...] = (64,), classes: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+    """Synthetic inputs and labels, made on the CPU with a fixed seed and moved to ``device``."""
     generator = torch.Generator().manual_seed(1)
-    return torch.randn(size, 64, generator=generator).to(device), torch.randint(0, 10, (size,), generator=generator).to(device)
+    x = torch.randn(size, *shape, generator=generator)
+    return x.to(device), torch.randint(0, classes, (size,), generator=generator).to(device)
 
 
 def sgd(params) -> torch.optim.Optimizer:
@@ -66,6 +75,10 @@ def facade_loop(level: str, model: nn.Module, data, steps: int) -> Callable[[], 
     return run
 
 
+AUTOCAST = {"O1": torch.float16, "native-fp16": torch.float16, "native-bf16": torch.bfloat16, "O4": torch.bfloat16}
+MASTER_COPY = {"O2": torch.float16, "O5": torch.bfloat16}
+
+
 def plain_loop(mode: str, model: nn.Module, data, steps: int) -> Callable[[], None]:
     """What a user writes by hand for the same precision."""
     model = copy.deepcopy(model)
@@ -74,10 +87,10 @@ def plain_loop(mode: str, model: nn.Module, data, steps: int) -> Callable[[], No
     if mode == "O3":
         model.half()
         x = x.half()
-    if mode == "O2":
-        return _manual_master_loop(model, x, y, steps)
+    if mode in MASTER_COPY:
+        return _manual_master_loop(model, x, y, steps, MASTER_COPY[mode])
     optimizer = sgd(model.parameters())
-    dtype = {"O1": torch.float16, "native-fp16": torch.float16, "native-bf16": torch.bfloat16, "O4": torch.bfloat16}.get(mode)
+    dtype = AUTOCAST.get(mode)
     scaler = torch.amp.GradScaler(device, enabled=dtype is torch.float16)
 
     def run() -> None:
@@ -92,18 +105,18 @@ def plain_loop(mode: str, model: nn.Module, data, steps: int) -> Callable[[], No
     return run
 
 
-def _manual_master_loop(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int) -> Callable[[], None]:
-    """fp16 model (BatchNorm fp32), fp32 master copy, static-free dynamic check: the classic O2 by hand."""
+def _manual_master_loop(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, dtype: torch.dtype) -> Callable[[], None]:
+    """Low-precision model (BatchNorm fp32), fp32 master copy, overflow check: the classic O2/O5 by hand."""
     for module in model.modules():
         if not isinstance(module, nn.modules.batchnorm._BatchNorm):
             for param in module.parameters(recurse=False):
-                param.data = param.data.half()
-    half = [p for p in model.parameters() if p.dtype == torch.float16]
+                param.data = param.data.to(dtype)
+    half = [p for p in model.parameters() if p.dtype == dtype]
     masters = [p.detach().float().requires_grad_() for p in half]
     full = [p for p in model.parameters() if p.dtype == torch.float32]
     optimizer = sgd(masters + full)
-    scale = 2.0**16
-    x = x.half()
+    scale = 2.0**16 if dtype == torch.float16 else 1.0
+    x = x.to(dtype)
 
     def run() -> None:
         for _ in range(steps):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from harness import Row
+from harness import Budget, Row
 from loops import batch, many_layer_mlp, sgd
 
 from ampddp import build_engine
@@ -29,7 +29,7 @@ def _held_bytes(model, optimizer, engine) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def run(device: str, quick: bool) -> list[Row]:
+def run(device: str, budget: Budget) -> list[Row]:
     rows = []
     x, y = batch(32, device)
     for mode, theory in THEORY.items():

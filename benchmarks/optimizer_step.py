@@ -10,7 +10,7 @@ import copy
 import warnings
 
 import torch
-from harness import Row, side_by_side
+from harness import Budget, Row, side_by_side
 from loops import many_layer_mlp, sgd
 
 from ampddp import build_engine
@@ -34,13 +34,13 @@ def host_syncs(fn, device: str) -> str:
     return f"host synchronisations per O2 step: {sum('synchroniz' in str(w.message) for w in caught)}"
 
 
-def run(device: str, quick: bool) -> list[Row]:
+def run(device: str, budget: Budget) -> list[Row]:
     base = many_layer_mlp().to(device)
     o2_model, fp32_model = copy.deepcopy(base), copy.deepcopy(base)
     o2_opt, fp32_opt = sgd(o2_model.parameters()), sgd(fp32_model.parameters())
     engine = build_engine("O2", loss_scale=128.0, verbosity=0)
     engine.setup([o2_model], [o2_opt])
-    steps = 5 if quick else 20
+    steps, repeats = budget.pick((1, 1), (5, 9), (20, 15))
 
     def o2_step() -> None:
         o2_opt.zero_grad(set_to_none=True)
@@ -55,6 +55,6 @@ def run(device: str, quick: bool) -> list[Row]:
     def repeat(fn):
         return lambda: [fn() for _ in range(steps)]
 
-    row = side_by_side("optimizer-step/O2-vs-fp32", repeat(o2_step), repeat(fp32_step), repeats=5 if quick else 15, per=steps)
+    row = side_by_side("optimizer-step/O2-vs-fp32", repeat(o2_step), repeat(fp32_step), repeats=repeats, per=steps)
     row.note = host_syncs(o2_step, device)
     return [row]

@@ -1,7 +1,8 @@
 """Run ampddp's benchmarks side by side with the baselines they replace.
 
-    python benchmarks/run.py --quick --out results.json      # about a minute on 2 CPU cores
-    python benchmarks/run.py --device cuda --out cuda.json
+    python benchmarks/run.py --quick --out results.json      # a few minutes on 2 CPU cores
+    python benchmarks/run.py --device cuda --out cuda.json   # adds the CUDA suite (ResNet-50, GPT MFU)
+    python benchmarks/run.py --smoke --out smoke.json        # seconds: checks every benchmark runs
 
 Writes JSON rows {name, ampddp, baseline, unit, ratio, repeats, spread} (ratio > 1: ampddp better)
 and a markdown table next to them.
@@ -20,19 +21,25 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import checkpoint_io
+import cuda_suite
 import ddp_scaling
 import memory
+import modes
 import optimizer_step
 import overhead
 import torch
+from harness import Budget
 
 BENCHMARKS = {
     "overhead": overhead.run,
+    "modes": modes.run,
     "memory": memory.run,
     "optimizer-step": optimizer_step.run,
     "checkpoint": checkpoint_io.run,
     "ddp": ddp_scaling.run,
+    "cuda-suite": cuda_suite.run,
 }
+CUDA_ONLY = ("cuda-suite",)  # run on CPU only when named with --only
 
 
 def markdown(rows: list[dict], header: str) -> str:
@@ -52,18 +59,22 @@ def markdown(rows: list[dict], header: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats and smaller sizes")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="fewer repeats and smaller sizes (under 5 minutes on 2 CPU cores)")
+    size.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat: checks the code runs; the numbers mean nothing")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--only", nargs="+", choices=sorted(BENCHMARKS), help="run only these benchmarks")
     parser.add_argument("--out", default="results.json", help="JSON output (a .md table is written beside it)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
+    budget = Budget("smoke" if args.smoke else "quick" if args.quick else "full")
+    names = args.only or [name for name in BENCHMARKS if args.device == "cuda" or name not in CUDA_ONLY]
     torch.manual_seed(0)
     rows = []
-    for name in args.only or BENCHMARKS:
+    for name in names:
         start = time.perf_counter()
-        rows += [row.to_dict() for row in BENCHMARKS[name](args.device, args.quick)]
+        rows += [row.to_dict() for row in BENCHMARKS[name](args.device, budget)]
         print(f"{name}: {time.perf_counter() - start:.1f}s", file=sys.stderr)
     bad = [row["name"] for row in rows if not (math.isfinite(row["ratio"]) and row["ratio"] > 0)]
     if bad:
@@ -72,9 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.write_text(json.dumps(rows, indent=2))
     machine = f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, device {args.device}"
-    out.with_suffix(".md").write_text(
-        markdown(rows, f"ampddp benchmarks ({'quick' if args.quick else 'full'}) on {machine}, {time.strftime('%Y-%m-%d')}")
-    )
+    out.with_suffix(".md").write_text(markdown(rows, f"ampddp benchmarks ({budget.size}) on {machine}, {time.strftime('%Y-%m-%d')}"))
     print(markdown(rows, f"results on {machine}"))
     return 0
 

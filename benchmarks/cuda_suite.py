@@ -1,0 +1,137 @@
+"""Single-GPU training throughput: ResNet-50 images/s in every mode, a GPT-style model's bf16 MFU.
+
+ResNet-50 runs channels_last on synthetic data already on the GPU, O0 with TF32 allowed (as
+NVIDIA's fp32 figures are), each mode side by side with the hand-written loop at the same precision.
+The GPT-style model reports achieved TFLOPS and model FLOPs utilisation against the GPU's dense bf16
+peak. On CPU this suite runs only when named (``--only cuda-suite --smoke``), to check the code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from harness import Budget, Row, side_by_side
+from loops import engine_loop, plain_loop, resnet
+from torch import nn
+
+RESNET_MODES = ("O0", "O1", "O2", "O3", "O4", "O5", "native-fp16", "native-bf16")
+GPT_MODES = ("native-bf16", "O4")  # token ids are integers: the modes that cast inputs to bf16 do not apply
+NVIDIA_RESNET50 = "NVIDIA ResNet-50 v1.5 training, 1 GPU: A100 80GB 938 img/s TF32 vs 2470 mixed (2.63x); V100 16GB 367 vs 1200 img/s"
+# Dense bf16 tensor-core peaks (no sparsity), FLOP/s, by a substring of the device name.
+BF16_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "L4": 121e12}
+
+
+@contextlib.contextmanager
+def _fast_fp32() -> Iterator[None]:
+    """TF32 matmuls and convolutions plus cuDNN autotuning for the suite, restored afterwards."""
+    matmul, benchmark = torch.get_float32_matmul_precision(), torch.backends.cudnn.benchmark
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.benchmark = True
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(matmul)
+        torch.backends.cudnn.benchmark = benchmark
+
+
+def _synced(fn: Callable[[], None], device: str) -> Callable[[], None]:
+    def run() -> None:
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    return run
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, tokens, width = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(batch, tokens, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(batch, tokens, width)
+        x = x + self.proj(attended)
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyGPT(nn.Module):
+    """Decoder-only transformer; returns logits flattened to (batch * tokens, vocab) for cross_entropy."""
+
+    def __init__(self, vocab: int, width: int, depth: int, heads: int, context: int) -> None:
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(vocab, width), nn.Embedding(context, width)
+        self.blocks = nn.Sequential(*[Block(width, heads) for _ in range(depth)])
+        self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, vocab, bias=False)
+        self.shape = (width, depth, context)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        x = self.blocks(self.tokens(ids) + self.positions(positions))
+        return self.head(self.norm(x)).flatten(0, 1)
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: 6 per weight outside the embeddings, plus 12 * depth * width * context
+        for attention (the usual convention: counted as if not causal)."""
+        width, depth, context = self.shape
+        weights = sum(p.numel() for name, p in self.named_parameters() if not name.startswith(("tokens.", "positions.")))
+        return 6 * weights + 12 * depth * width * context
+
+
+def _resnet_rows(device: str, budget: Budget) -> list[Row]:
+    size, side, steps, repeats = budget.pick((2, 32, 1, 1), (128, 224, 10, 5), (256, 224, 20, 7))
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(size, 3, side, side, generator=generator).to(device).contiguous(memory_format=torch.channels_last)
+    data = (x, torch.randint(0, 1000, (size,), generator=generator).to(device))
+    model = resnet(50, classes=1000).to(device).to(memory_format=torch.channels_last)
+    modes = RESNET_MODES if device == "cuda" or budget.size != "smoke" else ("O0", "O5", "native-bf16")
+    rows = []
+    for mode in modes:
+        ours = _synced(engine_loop(mode, model, data, steps), device)
+        theirs = _synced(plain_loop(mode, model, data, steps), device)
+        rows.append(side_by_side(f"cuda-suite/resnet50/{mode}/train", ours, theirs, repeats=repeats, per=steps * size,
+                                 unit="images/s", throughput=True, note="vs hand-written loop, same precision"))  # fmt: skip
+    reference = next((row.ampddp for row in rows if row.name.endswith("/O0/train")), None)
+    for row in rows:
+        speedup = f"; {row.ampddp / reference:.2f}x O0" if reference else ""
+        row.note += speedup + ("; " + NVIDIA_RESNET50 if row.name.endswith("/O0/train") else "")
+    return rows
+
+
+def _gpt_rows(device: str, budget: Budget) -> list[Row]:
+    vocab, width, depth, heads, context, size = budget.pick(
+        (256, 64, 2, 2, 32, 2), (8192, 768, 12, 12, 1024, 8), (32768, 1024, 24, 16, 1024, 8)
+    )
+    steps, repeats = budget.pick((1, 1), (5, 5), (10, 7))
+    model = TinyGPT(vocab, width, depth, heads, context).to(device)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (size, context), generator=generator).to(device)
+    data = (ids, torch.randint(0, vocab, (size * context,), generator=generator).to(device))
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    peak = next((value for key, value in BF16_PEAK.items() if key in name), None)
+    flops = model.flops_per_token() * size * context * steps
+    rows = []
+    for mode in GPT_MODES:
+        ours, theirs = engine_loop(mode, model, data, steps), plain_loop(mode, model, data, steps)
+        row = side_by_side(f"cuda-suite/gpt-{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M/{mode}/train", _synced(ours, device),
+                           _synced(theirs, device), repeats=repeats, per=flops / 1e12, unit="TFLOP/s", throughput=True)  # fmt: skip
+        mfu = (
+            f"MFU {row.ampddp * 1e12 / peak:.1%} of {name}'s {peak / 1e12:.0f} TFLOP/s dense bf16"
+            if peak
+            else f"no bf16 peak known for {name}"
+        )
+        row.note = f"{mfu}; vs hand-written autocast(bfloat16) loop"
+        rows.append(row)
+    return rows
+
+
+def run(device: str, budget: Budget) -> list[Row]:
+    with _fast_fp32() if device == "cuda" else contextlib.nullcontext():
+        return _resnet_rows(device, budget) + _gpt_rows(device, budget)
