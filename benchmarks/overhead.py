@@ -23,20 +23,26 @@ def _workloads(device: str, budget: Budget) -> dict:
     }
 
 
+def _steps_and_repeats(label: str, mode: str, device: str, budget: Budget) -> tuple[int, int]:
+    """Enough steps per timed block that fast modes are not timer noise; fewer where fp16 is slow (CPU)."""
+    slow = device == "cpu" and mode in FP16_MODES
+    if slow and label == "resnet18":
+        return budget.pick((1, 1), (0, 0), (1, 3))  # quick: skipped
+    return budget.pick((1, 1), (3, 9), (10, 15)) if slow else budget.pick((1, 1), (10, 11), (20, 15))
+
+
 def run(device: str, budget: Budget) -> list[Row]:
-    steps, repeats = budget.pick((1, 1), (3, 9), (10, 15))
     rows = []
     for label, (build, data) in _workloads(device, budget).items():
         model = build().to(device)
-        slow_on_cpu = label == "resnet18" and device == "cpu"
         for mode in MODES:
-            if slow_on_cpu and mode in FP16_MODES and budget.size == "quick":
+            steps, repeats = _steps_and_repeats(label, mode, device, budget)
+            if not steps:
                 continue
-            mode_steps, mode_repeats = (1, 3) if slow_on_cpu and mode in FP16_MODES and budget.size == "full" else (steps, repeats)
-            baseline = plain_loop(mode, model, data, mode_steps)
-            ours = engine_loop(mode, model, data, mode_steps)
-            rows.append(side_by_side(f"overhead/{label}/{mode}/engine", ours, baseline, repeats=mode_repeats, per=mode_steps))
+            baseline = plain_loop(mode, model, data, steps)
+            ours = engine_loop(mode, model, data, steps)
+            rows.append(side_by_side(f"overhead/{label}/{mode}/engine", ours, baseline, repeats=repeats, per=steps))
             if mode.startswith("O") and label == "mlp":
-                facade = facade_loop(mode, model, data, mode_steps)
-                rows.append(side_by_side(f"overhead/{label}/{mode}/amp-facade", facade, baseline, repeats=mode_repeats, per=mode_steps))
+                facade = facade_loop(mode, model, data, steps)
+                rows.append(side_by_side(f"overhead/{label}/{mode}/amp-facade", facade, baseline, repeats=repeats, per=steps))
     return rows
