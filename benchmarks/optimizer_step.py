@@ -12,6 +12,7 @@ import warnings
 import torch
 from harness import Budget, Row, side_by_side
 from loops import many_layer_mlp, sgd
+from torch.overrides import TorchFunctionMode
 
 from ampddp import build_engine
 
@@ -20,10 +21,27 @@ def _params_loss(model: torch.nn.Module) -> torch.Tensor:
     return sum((p.float() * 1e-3).sum() for p in model.parameters())
 
 
+HOST_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__int__}
+
+
+class _HostReadCounter(TorchFunctionMode):
+    """Counts reads of tensor values into Python: each one is a host synchronisation on a GPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.reads += func in HOST_READS
+        return func(*args, **(kwargs or {}))
+
+
 def host_syncs(fn, device: str) -> str:
-    """Synchronising calls during ``fn``, as counted by CUDA's sync debug mode (CPU cannot tell)."""
+    """Host synchronisations during one call of ``fn``: CUDA's sync debug mode on a GPU, else value reads."""
     if device != "cuda":
-        return "host synchronisations: measurable on CUDA only"
+        with _HostReadCounter() as counter:
+            fn()
+        return f"tensor values read by the host per O2 step: {counter.reads} (each is a synchronisation on a GPU)"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -31,14 +49,14 @@ def host_syncs(fn, device: str) -> str:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return f"host synchronisations per O2 step: {sum('synchroniz' in str(w.message) for w in caught)}"
+    return f"host synchronisations per O2 step: {sum('synchroniz' in str(w.message) for w in caught)} (CUDA sync debug mode)"
 
 
 def run(device: str, budget: Budget) -> list[Row]:
     base = many_layer_mlp().to(device)
     o2_model, fp32_model = copy.deepcopy(base), copy.deepcopy(base)
     o2_opt, fp32_opt = sgd(o2_model.parameters()), sgd(fp32_model.parameters())
-    engine = build_engine("O2", loss_scale=128.0, verbosity=0)
+    engine = build_engine("O2", verbosity=0)  # dynamic loss scale: the overflow check is part of the step
     engine.setup([o2_model], [o2_opt])
     steps, repeats = budget.pick((1, 1), (5, 9), (20, 15))
 
