@@ -10,7 +10,9 @@ from loops import batch, many_layer_mlp, sgd
 from ampddp import build_engine
 
 # SGD with momentum: what each mode should hold per parameter at its fullest point of a step.
-THEORY = {"O0": 4 + 4 + 4, "O1": 4 + 4 + 4, "O2": 2 + 2 + 4 + 4 + 4, "O3": 2 + 2 + 2, "O5": 2 + 2 + 4 + 4 + 4, "native-bf16": 4 + 4 + 4}
+FP32 = 4 + 4 + 4  # param, grad, momentum: every mode whose weights stay fp32 (autocast casts on the fly)
+MASTERED = 2 + 2 + 4 + 4 + 4  # low-precision param and grad, fp32 master, master grad, momentum
+THEORY = {"O0": FP32, "O1": FP32, "O2": MASTERED, "O3": 2 + 2 + 2, "O4": FP32, "O5": MASTERED, "native-fp16": FP32, "native-bf16": FP32}
 
 
 def _held_bytes(model, optimizer, engine) -> int:
