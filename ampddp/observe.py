@@ -74,10 +74,12 @@ class RunObserver:
         elif self._lines:
             print(text, flush=True)
 
-    def resumed(self, step: int, epoch: int) -> None:
-        """Mark a resume: records of later steps written before it were never applied to the run."""
+    def started(self, step: int, epoch: int, samples_seen: int) -> None:
+        """Mark where this run starts (0, or the step it resumed at): records of later steps written
+        before it, by a run that died after them, were never applied to the model."""
+        self._last_time, self._last_samples = time.perf_counter(), samples_seen
         if self.active:
-            self._write({"kind": "resume", "step": step, "epoch": epoch})
+            self._write({"kind": "start", "step": step, "epoch": epoch})
 
     def evaluation(self, step: int, epoch: int, result: dict[str, Any]) -> None:
         self.last_eval = result
@@ -109,6 +111,9 @@ class RunObserver:
         }
         if not self.active:
             return summary
+        # The best evaluation of the whole run, including those before a resume.
+        accuracies = [r["accuracy"] for r in read_metrics(self.run_dir) if r.get("kind") == "eval" and r.get("accuracy") is not None]
+        summary["best_eval_accuracy"] = max(accuracies, default=self.best_accuracy)
         if self._bar is not None:
             self._bar.close()
         if self._writer is not None:
@@ -123,7 +128,7 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """The run's history as it applies to the final model.
 
     metrics.jsonl is append-only; a run that died after logging step k+n but whose last checkpoint
-    was step k logged those n steps again after resuming. Each ``resume`` record drops the earlier
+    was step k logged those n steps again after resuming. Each ``start`` record drops the earlier
     records of steps beyond it, so every optimizer step appears once, as it was really applied.
     """
     path = Path(run_dir) / METRICS_FILE
@@ -134,8 +139,8 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
         if not line.strip():
             continue
         record = json.loads(line)
-        if record.get("kind") == "resume":
-            history = [kept for kept in history if kept.get("kind") == "resume" or kept["step"] <= record["step"]]
+        if record.get("kind") == "start":
+            history = [kept for kept in history if kept.get("kind") == "start" or kept["step"] <= record["step"]]
         history.append(record)
     return history
 

@@ -196,6 +196,8 @@ class Trainer:
         run stopped early (after writing a checkpoint to resume from).
         """
         self._maybe_resume()
+        if self.observer is not None:
+            self.observer.started(self.progress.global_step, self.progress.epoch, self.progress.samples_seen)
         own = not isinstance(self.stop_signals, StopSignals)
         stop = StopSignals(self.stop_signals) if own else self.stop_signals
         with stop if own else contextlib.nullcontext():
@@ -433,6 +435,4 @@ class Trainer:
                 self.env.rank,
                 shared[keys.WORLD_SIZE],
             )
-        if self.observer is not None:
-            self.observer.resumed(self.progress.global_step, self.progress.epoch)
         logger.info("resumed from %s at step %d (epoch %d)", ref.path, self.progress.global_step, self.progress.epoch)

@@ -23,13 +23,14 @@ def _disk_bandwidth(folder: Path, size: int) -> float:
         os.fsync(handle.fileno())
     elapsed = time.perf_counter() - start
     path.unlink()
-    return size / elapsed / 1e6
+    return size / elapsed / 2**20
 
 
 def run(device: str, budget: Budget) -> list[Row]:
     size_mb = budget.pick(4, 32, 256)
     state = {f"layer{i}.weight": torch.randn(size_mb * 2**20 // 4 // 16) for i in range(16)}
-    with tempfile.TemporaryDirectory() as tmp:
+    # Beside the results, not in /tmp: /tmp is often a RAM file system, where fsync costs nothing.
+    with tempfile.TemporaryDirectory(dir=Path.cwd(), prefix=".ampddp-bench-") as tmp:
         folder = Path(tmp)
         ours_path, raw_path = folder / "ours.pt", folder / "raw.pt"
         repeats = budget.pick(1, 5, 7)
@@ -41,8 +42,8 @@ def run(device: str, budget: Budget) -> list[Row]:
             torch.save(state, raw_path)
 
         bandwidth = _disk_bandwidth(folder, size_mb * 2**20)
-        save = side_by_side("checkpoint/save", ours_save, raw_save, repeats=repeats, per=size_mb, unit="MB/s", throughput=True,
-                            note=f"atomic + fsync'd vs plain torch.save; raw disk write {bandwidth:.0f} MB/s (fsync'd)")  # fmt: skip
+        save = side_by_side("checkpoint/save", ours_save, raw_save, repeats=repeats, per=size_mb, unit="MiB/s", throughput=True,
+                            note=f"atomic + fsync'd vs plain torch.save; raw disk write {bandwidth:.0f} MiB/s (fsync'd)")  # fmt: skip
 
         def durable_raw_save() -> None:
             with open(raw_path, "wb") as handle:
@@ -51,7 +52,7 @@ def run(device: str, budget: Budget) -> list[Row]:
                 os.fsync(handle.fileno())
 
         durable = side_by_side("checkpoint/save-vs-fsynced-torch-save", ours_save, durable_raw_save, repeats=repeats, per=size_mb,
-                               unit="MB/s", throughput=True, note="same durability: torch.save, then fsync")  # fmt: skip
+                               unit="MiB/s", throughput=True, note="same durability: torch.save, then fsync")  # fmt: skip
 
         def ours_load() -> None:
             load_safely(ours_path)
@@ -59,6 +60,6 @@ def run(device: str, budget: Budget) -> list[Row]:
         def raw_load() -> None:
             torch.load(raw_path, weights_only=False)
 
-        load = side_by_side("checkpoint/load", ours_load, raw_load, repeats=repeats, per=size_mb, unit="MB/s", throughput=True,
+        load = side_by_side("checkpoint/load", ours_load, raw_load, repeats=repeats, per=size_mb, unit="MiB/s", throughput=True,
                             note="weights_only=True vs plain torch.load")  # fmt: skip
     return [save, durable, load]

@@ -9,7 +9,7 @@ peak. On CPU this suite runs only when named (``--only cuda-suite --smoke``), to
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +21,9 @@ RESNET_MODES = ("O0", "O1", "O2", "O3", "O4", "O5", "native-fp16", "native-bf16"
 GPT_MODES = ("native-bf16", "O4")  # token ids are integers: the modes that cast inputs to bf16 do not apply
 NVIDIA_RESNET50 = "NVIDIA ResNet-50 v1.5 training, 1 GPU: A100 80GB 938 img/s TF32 vs 2470 mixed (2.63x); V100 16GB 367 vs 1200 img/s"
 # Dense bf16 tensor-core peaks (no sparsity), FLOP/s, by a substring of the device name.
-BF16_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "L4": 121e12}
+# More specific names first: an "H100 PCIe" must not match the SXM part's figure.
+BF16_PEAK = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12,
+             "L4": 121e12}  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -35,15 +37,6 @@ def _fast_fp32() -> Iterator[None]:
     finally:
         torch.set_float32_matmul_precision(matmul)
         torch.backends.cudnn.benchmark = benchmark
-
-
-def _synced(fn: Callable[[], None], device: str) -> Callable[[], None]:
-    def run() -> None:
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-
-    return run
 
 
 class Block(nn.Module):
@@ -94,8 +87,7 @@ def _resnet_rows(device: str, budget: Budget) -> list[Row]:
     modes = RESNET_MODES if device == "cuda" or budget.size != "smoke" else ("O0", "O5", "native-bf16")
     rows = []
     for mode in modes:
-        ours = _synced(engine_loop(mode, model, data, steps), device)
-        theirs = _synced(plain_loop(mode, model, data, steps), device)
+        ours, theirs = engine_loop(mode, model, data, steps), plain_loop(mode, model, data, steps)
         rows.append(side_by_side(f"cuda-suite/resnet50/{mode}/train", ours, theirs, repeats=repeats, per=steps * size,
                                  unit="images/s", throughput=True, note="vs hand-written loop, same precision"))  # fmt: skip
     reference = next((row.ampddp for row in rows if row.name.endswith("/O0/train")), None)
@@ -120,8 +112,8 @@ def _gpt_rows(device: str, budget: Budget) -> list[Row]:
     rows = []
     for mode in GPT_MODES:
         ours, theirs = engine_loop(mode, model, data, steps), plain_loop(mode, model, data, steps)
-        row = side_by_side(f"cuda-suite/gpt-{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M/{mode}/train", _synced(ours, device),
-                           _synced(theirs, device), repeats=repeats, per=flops / 1e12, unit="TFLOP/s", throughput=True)  # fmt: skip
+        row = side_by_side(f"cuda-suite/gpt-{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M/{mode}/train", ours, theirs,
+                           repeats=repeats, per=flops / 1e12, unit="TFLOP/s", throughput=True)  # fmt: skip
         mfu = (
             f"MFU {row.ampddp * 1e12 / peak:.1%} of {name}'s {peak / 1e12:.0f} TFLOP/s dense bf16"
             if peak

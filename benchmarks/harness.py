@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+import torch
+
 SIZES = ("smoke", "quick", "full")
 
 
@@ -38,8 +40,11 @@ class Row:
 
 
 def timed(fn: Callable[[], None]) -> float:
+    """Wall time of ``fn``, including the GPU work it queued (CUDA runs asynchronously)."""
     start = time.perf_counter()
     fn()
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 

@@ -106,7 +106,11 @@ def plain_loop(mode: str, model: nn.Module, data, steps: int) -> Callable[[], No
 
 
 def _manual_master_loop(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, dtype: torch.dtype) -> Callable[[], None]:
-    """Low-precision model (BatchNorm fp32), fp32 master copy, overflow check: the classic O2/O5 by hand."""
+    """Low-precision model (BatchNorm fp32), fp32 master copy: the classic O2/O5 by hand.
+
+    fp16 scales the loss and skips a step whose gradients overflowed; bf16 (the range of fp32) does
+    neither, as ampddp's O5 does not.
+    """
     for module in model.modules():
         if not isinstance(module, nn.modules.batchnorm._BatchNorm):
             for param in module.parameters(recurse=False):
@@ -115,7 +119,9 @@ def _manual_master_loop(model: nn.Module, x: torch.Tensor, y: torch.Tensor, step
     masters = [p.detach().float().requires_grad_() for p in half]
     full = [p for p in model.parameters() if p.dtype == torch.float32]
     optimizer = sgd(masters + full)
-    scale = 2.0**16 if dtype == torch.float16 else 1.0
+    scaled = dtype == torch.float16
+    scale = 2.0**16 if scaled else 1.0
+    inverse = torch.full((1,), 1 / scale, device=x.device)
     x = x.to(dtype)
 
     def run() -> None:
@@ -126,9 +132,10 @@ def _manual_master_loop(model: nn.Module, x: torch.Tensor, y: torch.Tensor, step
             torch._foreach_copy_(grads, [p.grad for p in half])
             for master, grad in zip(masters, grads):
                 master.grad = grad
-            found = torch.zeros(1)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads + [p.grad for p in full], found, torch.full((1,), 1 / scale))
-            if not found.item():
+            found = torch.zeros(1, device=x.device)
+            if scaled:
+                torch._amp_foreach_non_finite_check_and_unscale_(grads + [p.grad for p in full], found, inverse)
+            if not scaled or not found.item():
                 optimizer.step()
                 with torch.no_grad():
                     torch._foreach_copy_(half, masters)

@@ -85,7 +85,8 @@ def uninterrupted_torchrun(tmp_path_factory) -> str:
 
 def kill_one_worker_mid_epoch(job: subprocess.Popen, run_dir: Path) -> None:
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not any(r["step"] >= 40 for r in read_metrics(run_dir) if r["kind"] == "train"):
+    while not any(r["step"] >= 40 for r in read_metrics(run_dir) if r["kind"] == "train"):
+        assert time.monotonic() < deadline and job.poll() is None, "the job never reached step 40"
         time.sleep(0.05)
     victims = worker_pids(job.pid)
     assert len(victims) == 2
@@ -96,7 +97,7 @@ def assert_every_step_applied_once(run_dir: Path, resumes: int) -> None:
     """The kill came after step 40 was logged, so the run resumed from step 39 (its checkpoint) or later."""
     records = read_metrics(run_dir)
     assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, 121)), "no optimizer step lost or applied twice"
-    resumed_at = [r["step"] for r in records if r["kind"] == "resume"]
+    resumed_at = [r["step"] for r in records if r["kind"] == "start" and r["step"] > 0]
     assert len(resumed_at) == resumes and all(39 <= step < 120 for step in resumed_at), resumed_at
 
 
@@ -149,9 +150,10 @@ def test_stop_signals_are_validated():
 
 
 def test_metrics_history_drops_steps_a_resume_went_back_over(tmp_path):
-    lines = [{"kind": "train", "step": s} for s in (1, 2, 3, 4)] + [{"kind": "eval", "step": 4}, {"kind": "resume", "step": 2}]
+    lines = [{"kind": "start", "step": 0}] + [{"kind": "train", "step": s} for s in (1, 2, 3)] + [{"kind": "start", "step": 0}]
+    lines += [{"kind": "train", "step": s} for s in (1, 2, 3, 4)] + [{"kind": "eval", "step": 4}, {"kind": "start", "step": 2}]
     lines += [{"kind": "train", "step": s} for s in (3, 4, 5)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     history = read_metrics(tmp_path)
-    expected = [("train", 1), ("train", 2), ("resume", 2), ("train", 3), ("train", 4), ("train", 5)]
+    expected = [("start", 0), ("start", 0), ("train", 1), ("train", 2), ("start", 2), ("train", 3), ("train", 4), ("train", 5)]
     assert [(r["kind"], r["step"]) for r in history] == expected

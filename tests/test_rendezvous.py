@@ -8,7 +8,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from ampddp.distributed.rendezvous import TOKEN_KEY, agree_on_namespace
+from ampddp.distributed.rendezvous import TOKEN_KEY, agree_on_namespace, fresh_agent_store
 from ampddp.errors import PeerFailureError
 
 
@@ -62,3 +62,31 @@ def test_a_rank_that_never_joins_is_named_and_the_others_give_up_too():
 def test_rank_zero_never_answering_is_an_error():
     with pytest.raises(PeerFailureError, match=r"rank 1 got no reply from rank 0 within 0\.5 s"):
         agree_on_namespace(dist.HashStore(), 1, 2, timeout_s=0.5)
+
+
+def test_agent_store_clients_share_one_fresh_prefix_per_attempt():
+    """Over a real TCPStore (as torchrun's agent hosts it): each attempt's keys live apart from the last."""
+    agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    attempts = []
+    for _ in range(2):
+        stores: dict[int, dist.Store] = {}
+
+        def rank_main(rank: int, stores: dict[int, dist.Store] = stores) -> None:
+            stores[rank] = fresh_agent_store("127.0.0.1", agent.port, rank, 2, timeout_s=20)
+
+        threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in (1, 0)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+        assert not stores[0].check(["address/1"]), "a previous attempt's key is visible"
+        stores[1].set("address/1", f"attempt-{len(attempts)}")
+        assert stores[0].get("address/1").decode() == f"attempt-{len(attempts)}"
+        attempts.append(stores)
+    assert attempts[0][0].get("address/1") == b"attempt-0"
+
+
+def test_rank_zero_never_answering_over_tcp_is_an_error():
+    agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    with pytest.raises(PeerFailureError, match="rank 1 got no reply from rank 0"):
+        fresh_agent_store("127.0.0.1", agent.port, 1, 2, timeout_s=0.5)
