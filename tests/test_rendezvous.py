@@ -56,7 +56,7 @@ def test_a_rank_that_never_joins_is_named_and_the_others_give_up_too():
     with pytest.raises(PeerFailureError, match=r"rank\(s\) \[2\] did not join within 1 s"):
         agree_on_namespace(store, 0, 3, timeout_s=1)
     helper.join(timeout=10)
-    assert [str(error) for error in errors] == ["rendezvous: rank 1 got no reply from rank 0 within 2 s (distributed.timeout_s)"]
+    assert len(errors) == 1 and str(errors[0]).startswith("rendezvous: rank 1 got no reply from rank 0 within 2 s; see rank 0's log")
 
 
 def test_rank_zero_never_answering_is_an_error():
@@ -89,4 +89,4 @@ def test_agent_store_clients_share_one_fresh_prefix_per_attempt():
 def test_rank_zero_never_answering_over_tcp_is_an_error():
     agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     with pytest.raises(PeerFailureError, match="rank 1 got no reply from rank 0"):
-        fresh_agent_store("127.0.0.1", agent.port, 1, 2, timeout_s=0.5)
+        fresh_agent_store("127.0.0.1", agent.port, 1, 2, timeout_s=0.25)  # waits twice the collective timeout

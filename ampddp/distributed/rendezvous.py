@@ -48,7 +48,10 @@ def agree_on_namespace(store: dist.Store, rank: int, world_size: int, timeout_s:
         acks = [f"ampddp/rendezvous/ack/{token}/{peer}" for peer in range(1, world_size)]
         if not _wait(store, acks, timeout_s):
             missing = [peer for peer, key in enumerate(acks, start=1) if not store.check([key])]
-            raise PeerFailureError(f"rendezvous: rank(s) {missing} did not join within {timeout_s:g} s (distributed.timeout_s)")
+            raise PeerFailureError(
+                f"rendezvous: rank(s) {missing} did not join within {timeout_s:g} s; see their logs for why they did not start, "
+                "or raise distributed.timeout_s if start-up is slow"
+            )
         for key in acks:
             store.set(f"ampddp/rendezvous/go/{token}/{store.get(key).decode()}", "1")
         return token
@@ -56,7 +59,10 @@ def agree_on_namespace(store: dist.Store, rank: int, world_size: int, timeout_s:
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise PeerFailureError(f"rendezvous: rank {rank} got no reply from rank 0 within {timeout_s:g} s (distributed.timeout_s)")
+            raise PeerFailureError(
+                f"rendezvous: rank {rank} got no reply from rank 0 within {timeout_s:g} s; see rank 0's log for why it did not "
+                "start, or raise distributed.timeout_s if start-up is slow"
+            )
         if _wait(store, [TOKEN_KEY], remaining):
             token = store.get(TOKEN_KEY).decode()
             store.set(f"ampddp/rendezvous/ack/{token}/{rank}", nonce)
@@ -65,7 +71,12 @@ def agree_on_namespace(store: dist.Store, rank: int, world_size: int, timeout_s:
 
 
 def fresh_agent_store(addr: str, port: int, rank: int, world_size: int, timeout_s: float) -> dist.Store:
-    """Client of the agent's store, seen through a prefix no earlier attempt has written under."""
+    """Client of the agent's store, seen through a prefix no earlier attempt has written under.
+
+    The handshake waits up to twice the collective timeout: with torchrun's static rendezvous each
+    node restarts on its own, and another node's workers may need a whole ``timeout_s`` to notice
+    (in a collective of the dead attempt) before their agent restarts them too.
+    """
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"ampddp/{agree_on_namespace(store, rank, world_size, timeout_s)}/", store)
+    return dist.PrefixStore(f"ampddp/{agree_on_namespace(store, rank, world_size, 2 * timeout_s)}/", store)
