@@ -85,13 +85,20 @@ class LossScaler:
     def unscale_(self, grads: Sequence[torch.Tensor]) -> torch.Tensor | None:
         """Multiply ``grads`` in place by 1/scale with torch's fused kernel.
 
-        Returns a per-call found-inf tensor (not yet read on the host), or None if no grads.
+        Returns a per-call found-inf tensor (not yet read on the host), or None if no grads or the
+        scale is static: a static scale never skips a step, so the check would be a wasted pass over
+        every gradient (and at scale 1, as in O0/O4/O5, so would the multiply).
         """
         if not grads:
             return None
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for grad in grads:
             groups.setdefault((grad.device, grad.dtype), []).append(grad)
+        if not self.dynamic:
+            if self.loss_scale != 1.0:
+                for tensors in groups.values():
+                    torch._foreach_mul_(tensors, 1.0 / self.loss_scale)
+            return None
         found: list[torch.Tensor] = []
         for (device, _), tensors in groups.items():
             found_inf = torch.zeros(1, dtype=torch.float32, device=device)
