@@ -271,14 +271,19 @@ class Trainer:
         # a non-finite loss is traced to its module while the weights are still those that made it.
         # One all-reduce carries the loss and whether any rank received a stop signal.
         local_stop = float(stop is not None and stop.received is not None)
-        reduced = sum_across_ranks(torch.tensor([loss_sum.item(), local_stop], dtype=torch.float64))
-        loss_value, stop_agreed = float(reduced[0]) / max(total, 1.0), bool(reduced[1] > 0)
+        if self.env.distributed:
+            reduced = sum_across_ranks(torch.tensor([loss_sum.item(), local_stop], dtype=torch.float64))
+            loss_total, stop_agreed = float(reduced[0]), bool(reduced[1] > 0)
+        else:
+            loss_total, stop_agreed = loss_sum.item(), local_stop > 0
+        loss_value = loss_total / max(total, 1.0)
         self._check_loss(loss_value, window[-1])
         logging_step = (self.progress.global_step + 1) % self.log_every == 0
         grad_norm = None
-        if self.clip_grad_norm is not None or logging_step:
-            limit = self.clip_grad_norm if self.clip_grad_norm is not None else float("inf")
-            grad_norm = self.engine.clip_grad_norm_([self.optimizer], limit)
+        if self.clip_grad_norm is not None:
+            grad_norm = self.engine.clip_grad_norm_([self.optimizer], self.clip_grad_norm)
+        elif logging_step:
+            grad_norm = self.engine.grad_norm([self.optimizer])
         stepped = self.engine.step(self.optimizer)
         if stepped and self.scheduler is not None:
             self.scheduler.step()

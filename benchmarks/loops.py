@@ -79,33 +79,42 @@ AUTOCAST = {"O1": torch.float16, "native-fp16": torch.float16, "native-bf16": to
 MASTER_COPY = {"O2": torch.float16, "O5": torch.bfloat16}
 
 
-def plain_loop(mode: str, model: nn.Module, data, steps: int) -> Callable[[], None]:
-    """What a user writes by hand for the same precision."""
-    model = copy.deepcopy(model)
-    x, y = data
-    device = x.device.type
+def plain_step(mode: str, model: nn.Module, device: str) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """One training step as a user writes it by hand for the same precision (``model`` is used, not copied)."""
+    if mode in MASTER_COPY:
+        return _manual_master_step(model, MASTER_COPY[mode])
     if mode == "O3":
         model.half()
-        x = x.half()
-    if mode in MASTER_COPY:
-        return _manual_master_loop(model, x, y, steps, MASTER_COPY[mode])
     optimizer = sgd(model.parameters())
     dtype = AUTOCAST.get(mode)
     scaler = torch.amp.GradScaler(device, enabled=dtype is torch.float16)
 
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        if mode == "O3":
+            x = x.half()
+        with torch.autocast(device, dtype=dtype or torch.float32, enabled=dtype is not None):
+            loss = F.cross_entropy(model(x).float(), y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+    return step
+
+
+def plain_loop(mode: str, model: nn.Module, data, steps: int) -> Callable[[], None]:
+    """``steps`` hand-written steps on one fixed batch, on a copy of ``model``."""
+    x, y = data
+    step = plain_step(mode, copy.deepcopy(model), x.device.type)
+
     def run() -> None:
         for _ in range(steps):
-            optimizer.zero_grad(set_to_none=True)
-            with torch.autocast(device, dtype=dtype or torch.float32, enabled=dtype is not None):
-                loss = F.cross_entropy(model(x).float(), y)
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
+            step(x, y)
 
     return run
 
 
-def _manual_master_loop(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, dtype: torch.dtype) -> Callable[[], None]:
+def _manual_master_step(model: nn.Module, dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor], None]:
     """Low-precision model (BatchNorm fp32), fp32 master copy: the classic O2/O5 by hand.
 
     fp16 scales the loss and skips a step whose gradients overflowed; bf16 (the range of fp32) does
@@ -121,25 +130,58 @@ def _manual_master_loop(model: nn.Module, x: torch.Tensor, y: torch.Tensor, step
     optimizer = sgd(masters + full)
     scaled = dtype == torch.float16
     scale = 2.0**16 if scaled else 1.0
-    inverse = torch.full((1,), 1 / scale, device=x.device)
-    x = x.to(dtype)
+    device = half[0].device
 
-    def run() -> None:
-        for _ in range(steps):
-            optimizer.zero_grad(set_to_none=True)
-            (F.cross_entropy(model(x).float(), y) * scale).backward()
-            grads = [torch.empty_like(m) for m in masters]
-            torch._foreach_copy_(grads, [p.grad for p in half])
-            for master, grad in zip(masters, grads):
-                master.grad = grad
-            found = torch.zeros(1, device=x.device)
-            if scaled:
-                torch._amp_foreach_non_finite_check_and_unscale_(grads + [p.grad for p in full], found, inverse)
-            if not scaled or not found.item():
-                optimizer.step()
-                with torch.no_grad():
-                    torch._foreach_copy_(half, masters)
-            for p in half:
-                p.grad = None
+    inverse = torch.full((1,), 1 / scale, device=device)
 
-    return run
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        (F.cross_entropy(model(x.to(dtype)).float(), y) * scale).backward()
+        grads = [torch.empty_like(m) for m in masters]
+        torch._foreach_copy_(grads, [p.grad for p in half])
+        for master, grad in zip(masters, grads):
+            master.grad = grad
+        found = torch.zeros(1, device=device)
+        if scaled:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads + [p.grad for p in full], found, inverse)
+        if not scaled or not found.item():
+            optimizer.step()
+            with torch.no_grad():
+                torch._foreach_copy_(half, masters)
+        for p in half:
+            p.grad = None
+
+    return step
+
+
+def trainer_and_plain_epochs(
+    mode: str, model: nn.Module, data, batch_size: int, steps: int
+) -> tuple[Callable[[], None], Callable[[], None]]:
+    """``steps`` steps of ampddp's Trainer, and of a hand-written loop, both fed by a shuffling DataLoader."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ampddp.distributed import detect_env
+    from ampddp.trainer import Trainer
+
+    dataset = TensorDataset(*data)
+    env = detect_env({}, device=data[0].device.type)
+    trainer = Trainer(copy.deepcopy(model), sgd, dataset, env=env, precision=mode, batch_size=batch_size, max_epochs=10**6,
+                      max_steps=steps, log_every=10)  # fmt: skip
+
+    def ours() -> None:
+        trainer.max_steps = trainer.progress.global_step + steps
+        trainer.fit()
+
+    step = plain_step(mode, copy.deepcopy(model), data[0].device.type)
+    batches = _endless(DataLoader(dataset, batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(0)))
+
+    def theirs() -> None:
+        for _, (x, y) in zip(range(steps), batches):
+            step(x, y)
+
+    return ours, theirs
+
+
+def _endless(loader):
+    while True:
+        yield from loader

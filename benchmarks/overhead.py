@@ -1,17 +1,18 @@
-"""Framework overhead: ampddp's engine loop and apex-style facade vs the hand-written loop, two models.
+"""Framework overhead: ampddp's engine, apex-style facade and Trainer vs the hand-written loop.
 
-The MLP (many small layers, ~3 ms/step on CPU) shows per-step Python cost; ResNet-18 shows what a
-real convolutional model pays. fp16 convolution backward on CPU is ~40x slower than fp32 (1.7 s per
-ResNet-18 step here), so on CPU the fp16 ResNet-18 modes run only without ``--quick``.
+The MLP (many small layers, ~3 ms/step on CPU) shows per-step Python cost, for all three; ResNet-18
+shows what a real convolutional model pays. fp16 convolution backward on CPU is ~40x slower than
+fp32 (1.7 s per ResNet-18 step here), so on CPU the fp16 ResNet-18 modes run only without ``--quick``.
 """
 
 from __future__ import annotations
 
 from harness import Budget, Row, side_by_side
-from loops import batch, engine_loop, facade_loop, many_layer_mlp, plain_loop, resnet
+from loops import batch, engine_loop, facade_loop, many_layer_mlp, plain_loop, resnet, trainer_and_plain_epochs
 
 MODES = ("O0", "O1", "native-bf16", "O2", "O3", "O4", "O5")
 FP16_MODES = ("O1", "O2", "O3")
+TRAINER_SAMPLES = 4096  # the MLP's data set for the Trainer rows: 64 batches of 64
 
 
 def _workloads(device: str, budget: Budget) -> dict:
@@ -45,4 +46,14 @@ def run(device: str, budget: Budget) -> list[Row]:
             if mode.startswith("O") and label == "mlp":
                 facade = facade_loop(mode, model, data, steps)
                 rows.append(side_by_side(f"overhead/{label}/{mode}/amp-facade", facade, baseline, repeats=repeats, per=steps))
+            if label == "mlp":
+                rows.append(_trainer_row(mode, model, device, steps, repeats))
     return rows
+
+
+def _trainer_row(mode: str, model, device: str, steps: int, repeats: int) -> Row:
+    """The whole Trainer step (data loading, logging every 10 steps, stop checks) vs the same hand-written epoch loop."""
+    data = batch(TRAINER_SAMPLES, device)
+    ours, theirs = trainer_and_plain_epochs(mode, model, data, 64, steps)
+    return side_by_side(f"overhead/mlp/{mode}/trainer", ours, theirs, repeats=repeats, per=steps,
+                        note="both fed by a shuffling DataLoader")  # fmt: skip

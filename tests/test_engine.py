@@ -79,6 +79,23 @@ def test_o2_clipping_acts_on_unscaled_fp32_masters_and_matches_fp32():
         torch.testing.assert_close(master, ref, rtol=1e-2, atol=1e-3)
 
 
+@pytest.mark.parametrize("mode", ["O2", "native-bf16"])
+def test_grad_norm_for_logging_measures_unscaled_grads_and_changes_none(mode):
+    x, y = make_batches(1)[0]
+    engine, model, optimizer = setup(mode, **({"verbosity": 0} if mode == "O2" else {}))
+    with engine.forward_context():
+        loss = F.cross_entropy(model(x), y)
+    engine.backward(loss)
+    norm = engine.grad_norm([optimizer])
+    grads = [p.grad.clone() for p in engine.master_params(optimizer)]
+    assert norm.item() == pytest.approx(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item())
+    first = next(iter(engine.master_params(optimizer)))
+    first.grad[0] = float("inf")  # an infinite norm must not turn the gradients into NaN (clipping at inf would)
+    assert engine.grad_norm([optimizer]).item() == float("inf")
+    assert torch.equal(first.grad[1:], grads[0][1:])
+    assert not any(p.grad.isnan().any() for p in engine.master_params(optimizer))
+
+
 def test_unknown_optimizer_and_mixed_loss_ids_are_errors():
     engine, model, _ = setup("O1", num_losses=2, verbosity=0)
     stranger = torch.optim.SGD(make_mlp().parameters(), lr=0.1)

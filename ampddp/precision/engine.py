@@ -80,8 +80,17 @@ class PrecisionEngine(ABC):
 
     def clip_grad_norm_(self, optimizers: Iterable[Optimizer], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Unscale, then clip the global norm over the params the optimizers step."""
+        return torch.nn.utils.clip_grad_norm_(self._unscaled_params(optimizers), max_norm, norm_type=norm_type, foreach=True)
+
+    def grad_norm(self, optimizers: Iterable[Optimizer], norm_type: float = 2.0) -> torch.Tensor:
+        """Unscale, then measure the global gradient norm without touching the gradients (for logging:
+        clipping at an infinite limit would still rewrite every gradient)."""
+        grads = [p.grad for p in self._unscaled_params(optimizers)]
+        return torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=True)
+
+    def _unscaled_params(self, optimizers: Iterable[Optimizer]) -> list[nn.Parameter]:
         params = []
         for optimizer in optimizers:
             self.unscale_(optimizer)
             params.extend(p for p in self.master_params(optimizer) if p.grad is not None)
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type, foreach=True)
+        return params
