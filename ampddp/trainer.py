@@ -260,13 +260,15 @@ class Trainer:
         local = [len(batch[-1]) for batch in window]
         total = float(sum_across_ranks(sum(local)).item()) if self.env.distributed else float(sum(local))
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), device=self.env.device)
+        loss_sum: torch.Tensor | None = None
         for index, batch in enumerate(window):
             with self.run.grad_sync.micro_step(is_last=index == len(window) - 1):
                 loss, count = self.compute_loss(batch)
                 # Weight each micro-batch by its share of the global batch: exact with uneven counts.
-                self.engine.backward(loss * (count * self.env.world_size / total))
-            loss_sum += loss.detach().float() * count
+                weight = count * self.env.world_size / total
+                self.engine.backward(loss * weight if weight != 1.0 else loss)
+            share = loss.detach().float() * count
+            loss_sum = share if loss_sum is None else loss_sum + share
         # The global mean loss, read before the step: every rank takes the same decisions below, and
         # a non-finite loss is traced to its module while the weights are still those that made it.
         # One all-reduce carries the loss and whether any rank received a stop signal.
