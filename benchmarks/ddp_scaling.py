@@ -8,7 +8,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from harness import Budget, Row
+from harness import Budget, Row, paired_ratio, spread
 from loops import batch, many_layer_mlp, sgd
 from torch.nn.parallel import DistributedDataParallel
 
@@ -59,15 +59,6 @@ def _measure(env, steps: int, repeats: int) -> dict[str, list[float]]:
     return samples
 
 
-def _paired(ours: list[float], theirs: list[float]) -> float:
-    """Median of per-repeat time ratios (both sides of a repeat ran back to back)."""
-    return statistics.median(t / o for o, t in zip(ours, theirs))
-
-
-def _spread(times: list[float]) -> float:
-    return (max(times) - min(times)) / statistics.median(times)
-
-
 def run(device: str, budget: Budget) -> list[Row]:
     if device != "cpu":
         return []
@@ -80,10 +71,10 @@ def run(device: str, budget: Budget) -> list[Row]:
     scaling = f"weak scaling 1->2 processes: ampddp {efficiency['ampddp']:.2f}, torch DDP {efficiency['torch']:.2f}"
     syncbn_note = "cost of synchronising 8 BatchNorm layers every step (below 1 by design)"
     return [
-        Row("ddp/2-processes/ampddp-vs-torch-ddp", rate2["ampddp"], rate2["torch"], "samples/s", _paired(two["ampddp"], two["torch"]),
-            repeats, _spread(two["ampddp"]), scaling),
+        Row("ddp/2-processes/ampddp-vs-torch-ddp", rate2["ampddp"], rate2["torch"], "samples/s", paired_ratio(two["ampddp"], two["torch"]),
+            repeats, spread(two["ampddp"]), scaling),
         Row("ddp/2-processes/portable-syncbn-vs-plain-bn", rate2["syncbn"], rate2["ampddp"], "samples/s",
-            _paired(two["syncbn"], two["ampddp"]), repeats, _spread(two["syncbn"]), syncbn_note),
+            paired_ratio(two["syncbn"], two["ampddp"]), repeats, spread(two["syncbn"]), syncbn_note),
     ]  # fmt: skip
 
 

@@ -39,6 +39,18 @@ class Row:
         return asdict(self)
 
 
+def paired_ratio(ours: list[float], theirs: list[float]) -> float:
+    """Median of per-repeat time ratios theirs/ours (> 1: ours faster); both sides of a repeat ran
+    back to back, so a slow moment of the machine hits both and cancels out."""
+    return statistics.median(t / o for o, t in zip(ours, theirs))
+
+
+def spread(times: list[float]) -> float:
+    """(max - min) / median: how much repeats of one side disagree."""
+    middle = statistics.median(times)
+    return (max(times) - min(times)) / middle if middle else 0.0
+
+
 def timed(fn: Callable[[], None]) -> float:
     """Wall time of ``fn``, including the GPU work it queued (CUDA runs asynchronously)."""
     start = time.perf_counter()
@@ -53,9 +65,7 @@ def side_by_side(name: str, ours: Callable[[], None], theirs: Callable[[], None]
     """Time ``ours`` and ``theirs`` alternately; values are per ``per`` items (steps, bytes, ...).
 
     ``throughput``: report items per second (higher is better) instead of time per item. The ratio
-    is the median of the per-repeat ratios: each repeat runs both sides back to back, so a slow
-    moment of the machine hits both and cancels out (on a shared 2-core machine single timings move
-    by ±10%).
+    is ``paired_ratio`` (on a shared 2-core machine single timings move by ±10%).
     """
     for _ in range(warmup):
         ours()
@@ -67,9 +77,8 @@ def side_by_side(name: str, ours: Callable[[], None], theirs: Callable[[], None]
         (a if first is ours else b).append(t_first)
         (b if first is ours else a).append(t_second)
     ours_s, theirs_s = statistics.median(a), statistics.median(b)
-    spread = (max(a) - min(a)) / ours_s if ours_s else 0.0
-    ratio = statistics.median(theirs / ours for ours, theirs in zip(a, b))
+    ratio, disagreement = paired_ratio(a, b), spread(a)
     if throughput:
-        return Row(name, per / ours_s, per / theirs_s, unit, ratio, repeats, spread, note)
+        return Row(name, per / ours_s, per / theirs_s, unit, ratio, repeats, disagreement, note)
     scale = 1000.0 / per if unit.startswith("ms") else 1.0 / per
-    return Row(name, ours_s * scale, theirs_s * scale, unit, ratio, repeats, spread, note)
+    return Row(name, ours_s * scale, theirs_s * scale, unit, ratio, repeats, disagreement, note)

@@ -131,7 +131,6 @@ def _manual_master_step(model: nn.Module, dtype: torch.dtype) -> Callable[[torch
     scaled = dtype == torch.float16
     scale = 2.0**16 if scaled else 1.0
     device = half[0].device
-
     inverse = torch.full((1,), 1 / scale, device=device)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
@@ -141,10 +140,12 @@ def _manual_master_step(model: nn.Module, dtype: torch.dtype) -> Callable[[torch
         torch._foreach_copy_(grads, [p.grad for p in half])
         for master, grad in zip(masters, grads):
             master.grad = grad
-        found = torch.zeros(1, device=device)
+        overflowed = False
         if scaled:
+            found = torch.zeros(1, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(grads + [p.grad for p in full], found, inverse)
-        if not scaled or not found.item():
+            overflowed = bool(found.item())
+        if not overflowed:
             optimizer.step()
             with torch.no_grad():
                 torch._foreach_copy_(half, masters)

@@ -70,9 +70,7 @@ def _cuda_peak_mb(mode: str, ours: bool, budget: Budget) -> float:
     torch.cuda.reset_peak_memory_stats()
     _make_loop(mode, ours, model, data, 2)()
     torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated()
-    del model
-    return max(peak - before, PAGE) / MB
+    return max(torch.cuda.max_memory_allocated() - before, PAGE) / MB
 
 
 def _peaks(device: str, budget: Budget) -> dict[tuple[str, bool], float | None]:
