@@ -2,8 +2,18 @@
 
 Everything apex kept in process-wide globals lives in an ``Amp`` object here. The module-level
 functions (``amp.initialize``, ``amp.scale_loss``, ...) belong to one default instance; create more
-with ``amp.Amp()`` to train independent set-ups in one process. Calling ``initialize`` again starts
-the instance afresh (new scalers, hooks of the previous set-up removed).
+with ``amp.Amp()`` to train independent set-ups in one process.
+
+Each ``initialize`` makes a set-up (engine, scalers, hooks) of its own; earlier set-ups keep
+training, as in apex's own tests, except one that holds a model or optimizer passed again, which is
+removed first. ``scale_loss`` and ``master_params`` go to the set-up holding the optimizer;
+``state_dict``/``load_state_dict`` and ``_amp_state`` describe the newest set-up, as apex's globals did.
+
+When O1/O4 casting applies (apex: process-wide from ``initialize``): inside the forward of a model
+given to ``initialize``, and after it returns on the same thread — the loss computed outside the
+model — until ``scale_loss`` is entered, an optimizer of the set-up steps, a model's next forward
+begins, or ``end_casts()``. After the forward only apex's op lists apply (no device autocast), as
+with apex's patched functions. The engine API (``build_engine``) keeps casting inside the forward.
 """
 
 from __future__ import annotations
@@ -12,14 +22,17 @@ import contextlib
 import re
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 
 from ampddp.errors import AmpUsageError, ConfigError
 from ampddp.precision.apex_backend import ApexEngine
+from ampddp.precision.cast_context import OpCastContext
 from ampddp.precision.factory import build_engine
 from ampddp.precision.opt_level import OptLevelEngine, check_models_and_optimizers
 from ampddp.precision.policy import check_opt_level
@@ -47,12 +60,72 @@ def _as_list(value: Any, kind: type, name: str) -> tuple[list[Any], bool]:
     raise AmpUsageError(f"{name} must be a {kind.__name__} or a list of them, got {type(value).__name__}")
 
 
+@dataclass
+class SetUp:
+    """What one ``initialize`` made: the engine, the objects it holds, and the cast-window hooks."""
+
+    engine: OptLevelEngine | ApexEngine
+    models: list[nn.Module]
+    optimizers: list[Optimizer]
+    hooks: list[RemovableHandle] = field(default_factory=list)
+
+    @property
+    def cast_context(self) -> OpCastContext | None:
+        context = self.engine.forward_context()
+        return context if isinstance(context, OpCastContext) else None
+
+    def holds(self, obj: object) -> bool:
+        return any(obj is held for held in (*self.models, *self.optimizers))
+
+    def close_window(self) -> None:
+        context = self.cast_context
+        if context is not None:
+            context.close_window()
+
+    def install_window_hooks(self) -> None:
+        """Casting outlives the forward until the loss is handed to ``scale_loss`` (see module doc)."""
+        if self.cast_context is None:
+            return
+
+        def close_before_forward(module: nn.Module, args: Any) -> None:
+            context = self.cast_context
+            if context is not None and not context.active:
+                context.close_window()
+
+        def open_after_forward(module: nn.Module, args: Any, output: Any) -> None:
+            context = self.cast_context  # None once op casting was stopped (handle._deactivate)
+            if context is not None:
+                context.open_window()
+
+        def close_before_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+            self.close_window()
+
+        for model in self.models:
+            self.hooks.append(model.register_forward_pre_hook(close_before_forward, prepend=True))
+            self.hooks.append(model.register_forward_hook(open_after_forward))
+        self.hooks += [optimizer.register_step_pre_hook(close_before_step) for optimizer in self.optimizers]
+
+    def teardown(self) -> None:
+        self.close_window()
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks = []
+        self.engine.teardown()
+
+
 class Amp:
-    """One amp set-up: its op registry, its engine (scalers, masters, hooks)."""
+    """The amp API over this instance's op registry and set-ups (engines, scalers, masters, hooks)."""
 
     def __init__(self) -> None:
         self._registry = OpRegistry()
-        self._engine: OptLevelEngine | ApexEngine | None = None
+        self._setups: list[SetUp] = []
+        self.allow_incoming_model_not_fp32 = False
+        """Accept models with fp16/bf16 params in ``initialize`` (apex's ``_amp_state`` flag of that name)."""
+
+    @property
+    def registry(self) -> OpRegistry:
+        """This instance's op registrations (``register_*_function``)."""
+        return self._registry
 
     # ---- registration (before initialize) ------------------------------------------------------
     def register_half_function(self, module: Any, name: str) -> None:
@@ -90,24 +163,60 @@ class Amp:
         """
         model_list, models_were_list = _as_list(models, nn.Module, "models")
         optimizer_list, optimizers_were_list = ([], False) if optimizers is None else _as_list(optimizers, Optimizer, "optimizers")
-        engine = build_engine(check_opt_level(opt_level), impl=impl, registry=self._registry, enabled=enabled, **overrides)
-        check_models_and_optimizers(model_list, optimizer_list)
-        if self._engine is not None:
-            self._engine.teardown()
-            self._engine = None
+        allow_low = self.allow_incoming_model_not_fp32
+        options = {"allow_low_precision_models": True} if allow_low and impl == "builtin" else {}
+        engine = build_engine(check_opt_level(opt_level), impl=impl, registry=self._registry, enabled=enabled, **options, **overrides)
+        check_models_and_optimizers(model_list, optimizer_list, allow_low)
+        self.end_casts()
+        for earlier in [s for s in self._setups if any(s.holds(obj) for obj in (*model_list, *optimizer_list))]:
+            earlier.teardown()
+            self._setups.remove(earlier)
         engine.setup(model_list, optimizer_list)
-        self._engine = engine
+        setup = SetUp(engine, model_list, optimizer_list)
+        setup.install_window_hooks()
+        self._setups.append(setup)
         out_models = model_list if models_were_list else model_list[0]
         if optimizers is None:
             return out_models
         return out_models, (optimizer_list if optimizers_were_list else optimizer_list[0])
 
     @property
+    def setups(self) -> tuple[SetUp, ...]:
+        """Live set-ups, oldest first."""
+        return tuple(self._setups)
+
+    @property
     def engine(self) -> OptLevelEngine | ApexEngine:
-        """The engine behind this instance (raises before ``initialize``)."""
-        if self._engine is None:
+        """The engine of the newest set-up (raises before ``initialize``)."""
+        if not self._setups:
             raise AmpUsageError("amp.initialize(model, optimizer, opt_level=...) must be called first")
-        return self._engine
+        return self._setups[-1].engine
+
+    def _engine_for(self, optimizers: list[Optimizer]) -> OptLevelEngine | ApexEngine:
+        """The set-up holding these optimizers (one set-up must hold them all)."""
+        engine = self.engine
+        owners = {id(s): s for optimizer in optimizers for s in self._setups if s.holds(optimizer)}
+        if len(owners) > 1:
+            raise AmpUsageError(
+                "these optimizers were passed to different amp.initialize calls; call scale_loss once per set-up, "
+                "with the optimizers that set-up holds"
+            )
+        return next(iter(owners.values())).engine if owners else engine
+
+    def end_casts(self) -> None:
+        """End O1/O4 casting left on after a forward on this thread (the next forward starts it again)."""
+        for setup in self._setups:
+            setup.close_window()
+
+    @contextlib.contextmanager
+    def disable_casts(self) -> Iterator[None]:
+        """No O1/O4 casts on this thread inside the block (apex's ``amp.disable_casts``)."""
+        with contextlib.ExitStack() as stack:
+            for setup in self._setups:
+                context = setup.cast_context
+                if context is not None:
+                    stack.enter_context(context.suspended())
+            yield
 
     # ---- per iteration --------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -129,17 +238,21 @@ class Amp:
         if delay_overflow_check:
             raise ConfigError("delay_overflow_check=True is not supported; valid: False (the overflow check runs when scale_loss exits)")
         optimizer_list, _ = _as_list(optimizers, Optimizer, "optimizers")
-        with self.engine.scale_loss(loss, optimizer_list, loss_id=loss_id, delay_unscale=delay_unscale) as scaled:
+        engine = self._engine_for(optimizer_list)
+        self.end_casts()
+        with engine.scale_loss(loss, optimizer_list, loss_id=loss_id, delay_unscale=delay_unscale) as scaled:
             yield scaled
 
     def forward_context(self) -> AbstractContextManager[Any]:
-        """The O1/O4 op-cast context; models from ``initialize`` enter it on their own. Use it for a
-        loss computed outside the model, so loss functions run in fp32 as they did under apex."""
-        return self.engine.forward_context()
+        """The newest set-up's O1/O4 op-cast context, with device autocast: models from ``initialize``
+        enter it on their own; enter it for other code that should cast as a forward does."""
+        context = self.engine.forward_context()
+        self.end_casts()
+        return context
 
     def master_params(self, optimizer: Optimizer) -> Iterator[nn.Parameter]:
         """The params ``optimizer`` steps: fp32 masters under O2/O5. Clip these."""
-        return self.engine.master_params(optimizer)
+        return self._engine_for([optimizer]).master_params(optimizer)
 
     # ---- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, dict[str, Any]]:
@@ -198,6 +311,8 @@ state_dict = default.state_dict
 load_state_dict = default.load_state_dict
 grad_scaler_state_dict = default.grad_scaler_state_dict
 forward_context = default.forward_context
+end_casts = default.end_casts
+disable_casts = default.disable_casts
 register_half_function = default.register_half_function
 register_float_function = default.register_float_function
 register_promote_function = default.register_promote_function
@@ -205,8 +320,11 @@ register_bfloat16_function = default.register_bfloat16_function
 
 __all__ = [
     "Amp",
+    "SetUp",
     "bfloat16_function",
     "default",
+    "disable_casts",
+    "end_casts",
     "float_function",
     "forward_context",
     "grad_scaler_state_dict",

@@ -73,6 +73,9 @@ def test_o1_model_forward_runs_the_op_lists_without_an_explicit_context():
     amp.initialize(model, opt_level="O1", verbosity=0)
     assert model(torch.randn(2, 4)).dtype == torch.float32
     assert seen == [torch.float16]
+    # apex: casting stays on after the forward (the loss) until scale_loss / a step / end_casts
+    assert F.softmax(torch.randn(2).half(), -1).dtype == torch.float32
+    amp.end_casts()
     assert F.softmax(torch.randn(2).half(), -1).dtype == torch.float16
 
 
@@ -294,16 +297,48 @@ def test_step_after_delay_unscale_is_an_error():
         optimizer.step()
 
 
-def test_initialize_again_starts_afresh_and_unhooks_the_previous_setup():
+def test_initialize_again_keeps_the_earlier_setup_training():
+    """apex's test_restoring: a reference and a restored model, each initialized, both train."""
     amp = Amp()
     first = nn.Sequential(nn.Linear(4, 4))
     optimizer = torch.optim.SGD(first.parameters(), lr=0.1)
-    amp.initialize(first, optimizer, opt_level="O1", loss_scale=8.0, verbosity=0)
+    amp.initialize(first, optimizer, opt_level="O2", loss_scale=8.0, verbosity=0)
     second = make_mlp()
-    amp.initialize(second, sgd(second), opt_level="O1", verbosity=0)
-    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 2.0**16
-    assert first(torch.randn(2, 4)).dtype == torch.float32
+    second_opt = sgd(second)
+    amp.initialize(second, second_opt, opt_level="O1", verbosity=0)
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 2.0**16  # the newest set-up, as apex's globals
+    before = [p.detach().clone() for p in amp.master_params(optimizer)]
+    with amp.scale_loss(first(torch.randn(2, 4)).float().sum(), optimizer) as scaled:
+        scaled.backward()
+    optimizer.step()
+    assert first[0].weight.dtype == torch.float16
+    assert all(not torch.equal(a, b) for a, b in zip(before, amp.master_params(optimizer)))
+    assert torch.equal(first[0].weight, next(iter(amp.master_params(optimizer))).half())
+    x, y = make_batches(1)[0]
+    with amp.scale_loss(F.cross_entropy(second(x), y), second_opt) as scaled:
+        scaled.backward()
+    second_opt.step()
+
+
+def test_initialize_with_a_model_again_replaces_its_setup():
+    amp = Amp()
+    model = nn.Sequential(nn.Linear(4, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, optimizer, opt_level="O1", loss_scale=8.0, verbosity=0)
+    amp.initialize(model, opt_level="O0", verbosity=0)
+    assert len(amp.setups) == 1
+    assert model(torch.randn(2, 4)).dtype == torch.float32
     with pytest.raises(AmpUsageError, match="not passed to initialize"), amp.scale_loss(torch.ones(()), optimizer):
+        pass
+
+
+def test_scale_loss_over_optimizers_of_two_setups_is_an_error():
+    amp = Amp()
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    opt_a, opt_b = sgd(a), sgd(b)
+    amp.initialize(a, opt_a, opt_level="O1", verbosity=0)
+    amp.initialize(b, opt_b, opt_level="O1", verbosity=0)
+    with pytest.raises(AmpUsageError, match=r"different amp.initialize"), amp.scale_loss(torch.ones(()), [opt_a, opt_b]):
         pass
 
 

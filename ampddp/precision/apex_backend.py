@@ -38,6 +38,12 @@ def import_apex_amp() -> ModuleType:
         module = importlib.import_module("apex.amp")
     except ImportError as error:
         raise ConfigError(f"{APEX_MISSING} (import failed: {error})") from None
+    if module.__name__.startswith("ampddp."):
+        raise ConfigError(
+            "precision impl 'apex' asks for NVIDIA's own apex.amp, but in this process `apex` is ampddp.apex, ampddp's "
+            "stand-in on native torch (`python -m ampddp.apex` or ampddp.apex.aliasing.alias_apex() made it so): delegating "
+            "would run ampddp twice. Use impl='builtin' (the default), or run without the runner where NVIDIA apex 25.04 is installed."
+        )
     if not hasattr(module, "initialize"):
         raise ConfigError(f"{APEX_MISSING} (the installed apex has no apex.amp.initialize)")
     return module

@@ -5,6 +5,10 @@ thread only) and casts the inputs of listed ops; device autocast runs underneath
 composite Python functions call internally are lowered too. Registered functions that torch cannot
 intercept are swapped in their module for the context's duration and restored on exit. Nothing is
 left patched once the outermost context exits, and two contexts share no state.
+
+A *window* (``open_window``/``close_window``) keeps only the op lists applied on this thread after
+a forward has returned, as apex's process-wide patching did for the loss computed outside the
+model; the ``amp`` facade opens and closes it (see ``ampddp/amp.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,9 +29,14 @@ from ampddp.precision.casting import map_tensors
 from ampddp.precision.registry import BFLOAT16, CAST_ATTRIBUTE, FP32, LOW, PROMOTE, Registration, tensors_in
 
 BANNED = "banned"
+INPLACE_FP32 = "inplace-float"
+"""In-place form of an fp32-list op (``exp_``): refused on low-precision tensors, as apex did."""
 ORIGINAL_ATTRIBUTE = "__ampddp_original__"
 _SWAP_LOCK = threading.Lock()
 """Guards installing/removing dispatchers in user modules, which any thread's context may do."""
+_WINDOW = threading.local()
+"""This thread's open window, if any: ``(context, opened)``. One per thread, like apex's single set
+of patches: a window, or any context being entered, closes the window open before it."""
 NAMESPACES = (torch, F, torch.Tensor)
 _LOW_TYPES = (torch.float16, torch.bfloat16)
 
@@ -41,7 +51,7 @@ def _lookup(names: tuple[str, ...] | list[str]) -> list[Any]:
     for name in names:
         for namespace in NAMESPACES:
             fn = getattr(namespace, name, None)
-            if fn is not None:
+            if fn is not None and not isinstance(fn, types.ModuleType):
                 found.append(fn)
     return found
 
@@ -60,6 +70,10 @@ def build_op_table(registrations: tuple[Registration, ...]) -> OpTable:
     kinds: dict[Any, str] = {}
     for names, kind in ((op_lists.PROMOTE_OPS, PROMOTE), (op_lists.FP32_OPS, FP32), (op_lists.LOW_PRECISION_OPS, LOW)):
         kinds.update(dict.fromkeys(_lookup(names), kind))
+    for name in op_lists.FP32_OPS:
+        in_place = None if name.startswith("__") else getattr(torch.Tensor, f"{name}_", None)
+        if in_place is not None:
+            kinds[in_place] = INPLACE_FP32
     banned_messages: dict[Any, str] = {}
     for name, message in op_lists.BANNED_OPS.items():
         for fn in _lookup([name]):
@@ -150,6 +164,19 @@ def _floating_dtypes(args: Any, kwargs: dict[str, Any]) -> set[torch.dtype]:
     return seen
 
 
+def _remove_mode(mode: TorchFunctionMode) -> None:
+    """Take ``mode`` off this thread's torch-function mode stack wherever it sits; modes pushed
+    above it (by user code still inside their ``with``) stay, in their order."""
+    above = []
+    while torch._C._len_torch_function_stack() > 0:
+        top = torch._C._pop_torch_function_stack()
+        if top is mode:
+            break
+        above.append(top)
+    for other in reversed(above):
+        torch._C._push_on_torch_function_stack(other)
+
+
 def _copy_into(out: Any, result: Any) -> None:
     if isinstance(out, torch.Tensor):
         with torch.no_grad():
@@ -167,14 +194,35 @@ class _OpCastMode(TorchFunctionMode):
         self._low = low_dtype
         self._device_types = device_types
         self._cache = cache
+        self._suspended = False
+
+    @contextlib.contextmanager
+    def suspended(self) -> Any:
+        """Pass every call through unchanged for the block (apex's ``disable_casts``)."""
+        kinds, was = self._kinds, self._suspended
+        self._kinds, self._suspended = {}, True
+        try:
+            yield
+        finally:
+            self._kinds, self._suspended = kinds, was
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         kind = self._kinds.get(func)
         if kind is None:
+            if self._suspended:
+                return func(*args, **kwargs)
             kind = self._kinds.get(getattr(func, ORIGINAL_ATTRIBUTE, None)) or getattr(func, CAST_ATTRIBUTE, None)
             if kind is None:
                 return func(*args, **kwargs)
+        if kind == INPLACE_FP32:
+            if args and isinstance(args[0], torch.Tensor) and args[0].dtype in _LOW_TYPES:
+                name = getattr(func, "__name__", str(func))
+                raise NotImplementedError(
+                    f"in-place {name} on a {args[0].dtype} tensor under an op-casting opt level: the op runs in fp32 and "
+                    f"its result cannot be written back in place; use the out-of-place form (x = x.{name.rstrip('_')}())"
+                )
+            return func(*args, **kwargs)
         if kwargs.get("out") is not None:
             # An out= buffer must be written, not replaced by a cast copy: compute, then copy in.
             out = kwargs.pop("out")
@@ -191,7 +239,7 @@ class _OpCastMode(TorchFunctionMode):
             return func(*args, **kwargs)
         if kind == BANNED and _floating_dtypes(args, kwargs) & set(_LOW_TYPES):
             name = getattr(func, "__name__", str(func))
-            raise RuntimeError(f"{name} called with low-precision input under an op-casting opt level: {self._banned[func]}")
+            raise NotImplementedError(f"{name} called with low-precision input under an op-casting opt level: {self._banned[func]}")
         with self._autocast_off():
             return func(*self._cast(args, torch.float32), **self._cast(kwargs, torch.float32))
 
@@ -210,6 +258,21 @@ class _OpCastMode(TorchFunctionMode):
         return stack
 
 
+def end_thread_casts() -> None:
+    """Close the window open on this thread, whichever context opened it."""
+    opened = getattr(_WINDOW, "opened", None)
+    _WINDOW.opened = _WINDOW.owner = None
+    if opened is not None:
+        opened.close()
+
+
+class _Opened(contextlib.ExitStack):
+    """What one opening of the context pushed (autocast, the cast mode, swaps), closed in reverse."""
+
+    cast_mode: _OpCastMode | None = None
+    cache: _CastCache | None = None
+
+
 class OpCastContext:
     """Re-entrant (per thread) context that applies an OpTable; reusable across iterations."""
 
@@ -224,10 +287,16 @@ class OpCastContext:
         """Whether this context is entered on the calling thread."""
         return getattr(self._local, "depth", 0) > 0
 
+    @property
+    def window_open(self) -> bool:
+        """Whether this context's window (op lists without device autocast) is open on the calling thread."""
+        return getattr(_WINDOW, "owner", None) is self
+
     def __enter__(self) -> OpCastContext:
         depth = getattr(self._local, "depth", 0)
         if depth == 0:
-            self._local.stack = self._open()
+            end_thread_casts()
+            self._local.stack = self._open(with_autocast=True)
         self._local.depth = depth + 1
         return self
 
@@ -237,14 +306,55 @@ class OpCastContext:
             stack, self._local.stack = self._local.stack, None
             stack.close()
 
-    def _open(self) -> contextlib.ExitStack:
-        stack = contextlib.ExitStack()
-        try:
+    def open_window(self) -> None:
+        """Keep the op lists (not device autocast) applied on this thread until ``close_window``.
+
+        A no-op inside the context (the outer forward still runs) or when a window is open already.
+        """
+        if self.active or self.window_open:
+            return
+        end_thread_casts()
+        _WINDOW.opened = self._open(with_autocast=False)
+        _WINDOW.owner = self
+
+    def close_window(self) -> None:
+        """Close this context's window on the calling thread, if it has one open there."""
+        if self.window_open:
+            end_thread_casts()
+
+    def clear_cache(self) -> None:
+        """Forget cached casts of the context entered on this thread (a context held open across
+        iterations, as the legacy ``amp.init`` handle holds it, calls this after each backward)."""
+        opened = getattr(self._local, "stack", None)
+        if opened is not None and opened.cache is not None:
+            opened.cache.clear()
+
+    @contextlib.contextmanager
+    def suspended(self) -> Any:
+        """No casts on this thread for the block, whether the context or a window is open."""
+        with contextlib.ExitStack() as stack:
+            window = _WINDOW.opened if self.window_open else None
+            for opened in (getattr(self._local, "stack", None), window):
+                mode = getattr(opened, "cast_mode", None)
+                if mode is not None:
+                    stack.enter_context(mode.suspended())
             for device_type in self._device_types:
-                stack.enter_context(torch.autocast(device_type=device_type, dtype=self._low))
+                stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
+            yield
+
+    def _open(self, with_autocast: bool) -> _Opened:
+        stack = _Opened()
+        try:
+            if with_autocast:
+                for device_type in self._device_types:
+                    stack.enter_context(torch.autocast(device_type=device_type, dtype=self._low))
             cache = _CastCache()
             stack.callback(cache.clear)
-            stack.enter_context(_OpCastMode(self._table, self._low, self._device_types, cache))
+            stack.cache = cache
+            mode = _OpCastMode(self._table, self._low, self._device_types, cache)
+            torch._C._push_on_torch_function_stack(mode)
+            stack.callback(_remove_mode, mode)
+            stack.cast_mode = mode
             for entry in self._table.swaps:
                 dispatcher = _install_dispatcher(entry.module, entry.name)
                 stack.callback(_release_dispatcher, entry.module, entry.name, dispatcher)

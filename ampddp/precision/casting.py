@@ -65,9 +65,10 @@ def first_non_fp32_param(model: nn.Module) -> tuple[str, torch.dtype] | None:
 
 
 def device_types(models: list[nn.Module]) -> tuple[str, ...]:
-    """The device types ('cpu', 'cuda', ...) the models' parameters live on, in first-seen order."""
+    """The device types ('cpu', 'cuda', ...) the models' parameters live on, in first-seen order;
+    without any params (the legacy ``amp.init`` handle), CPU and CUDA when present."""
     seen: dict[str, None] = {}
     for model in models:
         for param in model.parameters():
             seen.setdefault(param.device.type, None)
-    return tuple(seen) or ("cpu",)
+    return tuple(seen) or (("cpu", "cuda") if torch.cuda.is_available() else ("cpu",))

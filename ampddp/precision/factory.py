@@ -13,10 +13,13 @@ from ampddp.precision.policy import resolve_policy
 from ampddp.precision.registry import OpRegistry
 
 
-def build_engine(mode: str = "O1", impl: str = "builtin", registry: OpRegistry | None = None, **overrides: Any) -> PrecisionEngine:
+def build_engine(
+    mode: str = "O1", impl: str = "builtin", registry: OpRegistry | None = None, allow_low_precision_models: bool = False, **overrides: Any
+) -> PrecisionEngine:
     """Create the engine for ``mode`` (O0-O5, native-fp16, native-bf16).
 
     ``overrides`` are apex ``initialize`` keywords for O-levels, GradScaler settings for native modes.
+    ``allow_low_precision_models``: the builtin O-level engine accepts models with fp16/bf16 params.
     """
     if mode not in PRECISION_MODES:
         raise choice_error("precision mode", mode, PRECISION_MODES)
@@ -28,4 +31,4 @@ def build_engine(mode: str = "O1", impl: str = "builtin", registry: OpRegistry |
         return NativeAmpEngine(NATIVE_MODES[mode], **overrides)
     if impl == "apex":
         return ApexEngine(mode, registry=registry, **overrides)
-    return OptLevelEngine(resolve_policy(mode, **overrides), registry=registry)
+    return OptLevelEngine(resolve_policy(mode, **overrides), registry=registry, allow_low_precision_models=allow_low_precision_models)

@@ -168,6 +168,29 @@ class OptimizerGrads:
             )
 
     @torch.no_grad()
+    def adopt_model_writes(self) -> bool:
+        """Masters of params whose model value was overwritten after set-up take the model's value.
+
+        A model param that differs from its master in the model dtype was written by someone else
+        since the masters were made (DDP's broadcast of rank 0's weights, an in-place edit); apex
+        made masters lazily at the first step and so followed such writes. One host read.
+        """
+        if not self.model_params:
+            return False
+        differs = torch.stack([(p != m.to(p.dtype)).any() for p, m in zip(self.model_params, self.masters)])
+        changed = differs.tolist()
+        for param, master, stale in zip(self.model_params, self.masters, changed):
+            if stale:
+                master.copy_(param)
+        return any(changed)
+
+    @torch.no_grad()
+    def copy_master_values_to_model(self) -> None:
+        """Model params take their masters' values (grads untouched)."""
+        if self.model_params:
+            torch._foreach_copy_(self.model_params, self.masters)
+
+    @torch.no_grad()
     def copy_masters_to_model(self) -> None:
         if self.model_params:
             torch._foreach_copy_(self.model_params, self.masters)

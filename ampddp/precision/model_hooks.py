@@ -44,6 +44,11 @@ class ForwardHooks:
             self._local.running = []
         return self._local.running
 
+    def drop_context(self) -> None:
+        """Forwards stop entering the op-cast context (input/output casts go on)."""
+        self.unwind_interrupted()
+        self._context = None
+
     def unwind_interrupted(self, module_id: int | None = None) -> None:
         """Exit contexts left entered by forwards that never returned (all, or down to one model)."""
         running = self._running()

@@ -31,6 +31,8 @@ FP32_OPS = (
     "reciprocal", "rsqrt", "sinh", "tan", "pow", "__pow__", "__rpow__",
     # reductions
     "cumprod", "cumsum", "dist", "norm", "prod", "std", "sum", "var", "renorm", "logsumexp",
+    # device transfer: apex casts before copying to the host
+    "cpu",
 )  # fmt: skip
 
 PROMOTE_OPS = (

@@ -26,6 +26,7 @@ from ampddp.precision.cast_context import OpCastContext, build_op_table
 from ampddp.precision.casting import convert_model, device_types, first_non_fp32_param
 from ampddp.precision.engine import PrecisionEngine
 from ampddp.precision.master import OptimizerGrads
+from ampddp.precision.master_sync import reconcile_masters
 from ampddp.precision.model_hooks import ForwardHooks, install_fp32_state_hooks
 from ampddp.precision.policy import PrecisionPolicy
 from ampddp.precision.registry import OpRegistry
@@ -34,8 +35,14 @@ from ampddp.precision.scaler import LossScaler
 logger = logging.getLogger("ampddp.precision")
 
 
-def check_models_and_optimizers(models: Sequence[nn.Module], optimizers: Sequence[Optimizer]) -> None:
-    """Refuse the inputs apex refused (and the ones it silently mishandled)."""
+def check_models_and_optimizers(
+    models: Sequence[nn.Module], optimizers: Sequence[Optimizer], allow_low_precision_models: bool = False
+) -> None:
+    """Refuse the inputs apex refused (and the ones it silently mishandled).
+
+    ``allow_low_precision_models`` accepts models with fp16/bf16 params on entry (apex's
+    ``_amp_state.allow_incoming_model_not_fp32``); their masters then start from those values.
+    """
     wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
     for index, model in enumerate(models):
         if not isinstance(model, nn.Module):
@@ -45,7 +52,7 @@ def check_models_and_optimizers(models: Sequence[nn.Module], optimizers: Sequenc
                 f"models[{index}] is already wrapped in {type(model).__name__}: pass the bare model to "
                 "initialize/setup and wrap it in DistributedDataParallel afterwards"
             )
-        bad = first_non_fp32_param(model)
+        bad = None if allow_low_precision_models else first_non_fp32_param(model)
         if bad is not None:
             raise AmpUsageError(
                 f"models[{index}] parameter {bad[0]!r} is {bad[1]}; models must be fp32 when passed in "
@@ -77,8 +84,9 @@ class _PendingStep:
 class OptLevelEngine(PrecisionEngine):
     """apex opt-level semantics for the models/optimizers given to ``setup``."""
 
-    def __init__(self, policy: PrecisionPolicy, registry: OpRegistry | None = None) -> None:
+    def __init__(self, policy: PrecisionPolicy, registry: OpRegistry | None = None, allow_low_precision_models: bool = False) -> None:
         self.policy = policy
+        self._allow_low_precision_models = allow_low_precision_models
         self.mode = policy.opt_level
         self._registrations = registry.entries() if registry is not None else ()
         self.scalers = [LossScaler.from_policy(policy) for _ in range(policy.num_losses)]
@@ -91,7 +99,7 @@ class OptLevelEngine(PrecisionEngine):
 
     # ---- set-up -------------------------------------------------------------------------------
     def setup(self, models: list[nn.Module], optimizers: list[Optimizer]) -> tuple[list[nn.Module], list[Optimizer]]:
-        check_models_and_optimizers(models, optimizers)
+        check_models_and_optimizers(models, optimizers, self._allow_low_precision_models)
         self.teardown()
         policy = self.policy
         casts_model = policy.enabled and policy.cast_model_type not in (None, torch.float32)
@@ -104,10 +112,7 @@ class OptLevelEngine(PrecisionEngine):
         self._param_names = {id(p): f"models[{i}].{name}" for i, model in enumerate(models) for name, p in model.named_parameters()}
         self._records = {}
         for optimizer in optimizers:
-            record = OptimizerGrads(optimizer, casts_model and policy.uses_master_weights, fp32_data)
-            self._records[id(optimizer)] = record
-            self._handles.append(optimizer.register_step_pre_hook(self._make_pre_step(record)))
-            self._handles.append(optimizer.register_step_post_hook(self._make_post_step(record)))
+            self.add_optimizer(optimizer, fp32_data)
         if not policy.enabled:
             return models, optimizers
         if policy.patch_torch_functions:
@@ -124,6 +129,17 @@ class OptLevelEngine(PrecisionEngine):
             logger.info("ampddp %s: %s", policy.opt_level, policy.describe())
         return models, optimizers
 
+    def add_optimizer(self, optimizer: Optimizer, fp32_data: dict[int, torch.Tensor] | None = None) -> None:
+        """Track an optimizer (masters, skip hooks); ``setup`` calls it, the legacy ``amp.init`` handle
+        calls it for optimizers it meets later. ``fp32_data``: exact fp32 values of params already cast."""
+        if id(optimizer) in self._records:
+            return
+        makes_masters = self.policy.enabled and self.policy.uses_master_weights
+        record = OptimizerGrads(optimizer, makes_masters, fp32_data)
+        self._records[id(optimizer)] = record
+        self._handles.append(optimizer.register_step_pre_hook(self._make_pre_step(record)))
+        self._handles.append(optimizer.register_step_post_hook(self._make_post_step(record)))
+
     def _master_of(self, param: nn.Parameter) -> nn.Parameter | None:
         for record in self._records.values():
             master = record.master_of(param)
@@ -132,8 +148,13 @@ class OptLevelEngine(PrecisionEngine):
         return None
 
     def _make_pre_step(self, record: OptimizerGrads) -> Any:
+        first_step = [True]
+
         def pre_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
             record.sync_param_groups()
+            if first_step[0]:
+                first_step[0] = False
+                reconcile_masters(record)
             if record.skip_pending:
                 record.drop_grads()
                 return
@@ -150,11 +171,21 @@ class OptLevelEngine(PrecisionEngine):
         return post_step
 
     def teardown(self) -> None:
+        if self._cast_context is not None:
+            self._cast_context.close_window()
         if self._forward_hooks is not None:
             self._forward_hooks.unwind_interrupted()
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+    def stop_op_casting(self) -> None:
+        """End O1/O4 op casting for this set-up (apex's ``handle._deactivate``); loss scaling goes on."""
+        if self._cast_context is not None:
+            self._cast_context.close_window()
+        self._cast_context = None
+        if self._forward_hooks is not None:
+            self._forward_hooks.drop_context()
 
     # ---- per step -----------------------------------------------------------------------------
     def forward_context(self) -> AbstractContextManager[Any]:

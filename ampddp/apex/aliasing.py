@@ -1,0 +1,66 @@
+"""Make ``import apex`` (and ``import amp_C``) resolve to ``ampddp.apex`` in this process.
+
+An import hook at the front of ``sys.meta_path`` maps ``apex.X.Y`` to ``ampddp.apex.X.Y``: the same
+module objects under both names, so ``apex.amp is ampddp.apex.amp``. A name ampddp.apex does not
+provide fails with a ``ModuleNotFoundError`` that names it and what to use instead. The runner
+(``python -m ampddp.apex``) installs it; a program can also call :func:`alias_apex` itself (e.g.
+in a process started with the ``spawn`` method, which does not inherit its parent's hooks).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+from types import ModuleType
+from typing import Any
+
+ALIASES = {"apex": "ampddp.apex", "amp_C": "ampddp.apex.amp_C"}
+
+
+class _AliasLoader(importlib.abc.Loader):
+    def __init__(self, target: str) -> None:
+        self.target = target
+
+    def create_module(self, spec: Any) -> ModuleType:
+        try:
+            return importlib.import_module(self.target)
+        except ModuleNotFoundError as error:
+            if error.name is None or not self.target.startswith(error.name):
+                raise
+            raise ModuleNotFoundError(_missing_message(spec.name), name=spec.name) from None
+
+    def exec_module(self, module: ModuleType) -> None:
+        """The target module ran when it was imported under its own name."""
+
+
+def _missing_message(name: str) -> str:
+    from ampddp.apex import REPLACEMENTS
+
+    parts = name.split(".")
+    hint = REPLACEMENTS.get(parts[1]) if len(parts) > 1 and parts[0] == "apex" else None
+    suggestion = f"use {hint}" if hint else "see the table of apex names in ampddp's README (Migrating from apex)"
+    return f"{name} is not provided by ampddp.apex (apex's stand-in on native torch); {suggestion}"
+
+
+class ApexAliasFinder(importlib.abc.MetaPathFinder):
+    """Finds ``apex``/``amp_C`` modules as their ``ampddp.apex`` counterparts."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        root, _, rest = fullname.partition(".")
+        if root not in ALIASES:
+            return None
+        aliased = ALIASES[root] + (f".{rest}" if rest else "")
+        # The loader hands back the real ampddp module, which keeps its own __spec__ and __path__.
+        return importlib.util.spec_from_loader(fullname, _AliasLoader(aliased))
+
+
+def alias_apex() -> None:
+    """Install the alias hook (idempotent). A real ``apex`` already imported is replaced by ours."""
+    if not any(isinstance(finder, ApexAliasFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, ApexAliasFinder())
+    for name in [n for n in sys.modules if n.partition(".")[0] in ALIASES]:
+        module = sys.modules[name]
+        if not getattr(module, "__name__", "").startswith("ampddp."):
+            del sys.modules[name]

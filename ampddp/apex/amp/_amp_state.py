@@ -1,0 +1,189 @@
+"""``apex.amp._amp_state``: apex's global state object, as a view of the default ``amp`` set-up.
+
+apex kept loss scalers, opt properties and the O1 handle in one process-wide object that scripts
+and apex's own tests read and write (``_amp_state.loss_scalers[0]._loss_scale = 4.0``,
+``_amp_state.allow_incoming_model_not_fp32 = True``). Here every attribute reads and writes
+through to the newest set-up of ``ampddp.amp.default``, so nothing is copied or goes stale.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+from torch.optim import Optimizer
+
+from ampddp.amp import Amp, default
+from ampddp.errors import AmpUsageError, ConfigError
+from ampddp.precision.cast_context import OpCastContext
+from ampddp.precision.opt_level import OptLevelEngine
+from ampddp.precision.policy import PrecisionPolicy
+from ampddp.precision.scaler import LossScaler
+
+
+class ScalerView:
+    """apex's ``LossScaler`` attributes over one live ampddp scaler."""
+
+    def __init__(self, scaler: LossScaler) -> None:
+        self._scaler = scaler
+
+    def loss_scale(self) -> float:
+        return self._scaler.loss_scale
+
+    @property
+    def _loss_scale(self) -> float:
+        return self._scaler.loss_scale
+
+    @_loss_scale.setter
+    def _loss_scale(self, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ConfigError(f"loss scale {value!r} is not valid; it must be a finite number > 0")
+        self._scaler.loss_scale = float(value)
+
+    @property
+    def _unskipped(self) -> int:
+        return self._scaler.unskipped
+
+    @_unskipped.setter
+    def _unskipped(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"unskipped {value!r} is not valid; it must be a whole number >= 0")
+        self._scaler.unskipped = value
+
+    @property
+    def dynamic(self) -> bool:
+        return self._scaler.dynamic
+
+    @property
+    def _min_loss_scale(self) -> float | None:
+        return self._scaler.min_scale
+
+    @property
+    def _max_loss_scale(self) -> float:
+        return self._scaler.max_scale
+
+    @property
+    def _scale_seq_len(self) -> int:
+        return self._scaler.growth_interval
+
+
+class PropertiesView:
+    """apex's ``opt_properties`` (read-only: an opt level's properties are fixed at ``initialize``)."""
+
+    def __init__(self, policy: PrecisionPolicy) -> None:
+        self._policy = policy
+
+    def __getattr__(self, name: str) -> Any:
+        policy = self.__dict__["_policy"]
+        if name == "options":
+            return policy.describe()
+        if hasattr(policy, name):
+            return getattr(policy, name)
+        raise AttributeError(f"opt_properties has no {name!r}; it has {', '.join(sorted(policy.describe()))}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "_policy":
+            object.__setattr__(self, name, value)
+            return
+        raise AmpUsageError(f"opt_properties.{name} cannot be changed after amp.initialize; pass {name}=... to amp.initialize instead")
+
+
+class SetUpHandle:
+    """apex's O1 ``handle`` of the newest set-up: ``_deactivate()`` ends its op casting."""
+
+    def __init__(self, amp: Amp, engine: OptLevelEngine) -> None:
+        self._amp = amp
+        self._engine = engine
+
+    def _deactivate(self) -> None:
+        self._engine.stop_op_casting()
+
+    def is_active(self) -> bool:
+        return isinstance(self._engine.forward_context(), OpCastContext)
+
+    def _clear_cache(self) -> None:
+        self._amp.end_casts()
+
+    def disable_casts(self) -> Any:
+        return self._amp.disable_casts()
+
+    def scale_loss(self, loss: Any, optimizers: Any, **kwargs: Any) -> Any:
+        return self._amp.scale_loss(loss, optimizers, **kwargs)
+
+    @property
+    def verbose(self) -> bool:
+        return self._engine.policy.verbosity > 0
+
+    @property
+    def _default_scaler(self) -> ScalerView:
+        return ScalerView(self._engine.scalers[0])
+
+
+WRITABLE = ("allow_incoming_model_not_fp32", "hard_override")
+
+
+class AmpStateView:
+    """apex's ``_amp_state`` over an ``Amp`` instance (the default one for ``apex.amp``)."""
+
+    def __init__(self, amp: Amp) -> None:
+        object.__setattr__(self, "_amp", amp)
+
+    def _engine(self, what: str) -> OptLevelEngine:
+        amp = self.__dict__["_amp"]
+        if not amp.setups:
+            raise AttributeError(f"_amp_state.{what} exists after amp.initialize(model, optimizer, opt_level=...) has been called")
+        engine = amp.engine
+        if not isinstance(engine, OptLevelEngine):
+            raise AttributeError(f"_amp_state.{what} describes the builtin engine; impl='apex' keeps its state in apex itself")
+        return engine
+
+    @property
+    def allow_incoming_model_not_fp32(self) -> bool:
+        return self._amp.allow_incoming_model_not_fp32
+
+    @property
+    def hard_override(self) -> bool:
+        return False
+
+    @property
+    def loss_scalers(self) -> list[ScalerView]:
+        return [ScalerView(scaler) for scaler in self._engine("loss_scalers").scalers]
+
+    @property
+    def opt_properties(self) -> PropertiesView:
+        return PropertiesView(self._engine("opt_properties").policy)
+
+    @property
+    def handle(self) -> SetUpHandle:
+        return SetUpHandle(self._amp, self._engine("handle"))
+
+    @property
+    def verbosity(self) -> int:
+        return self._engine("verbosity").policy.verbosity
+
+    @property
+    def min_loss_scale(self) -> float | None:
+        return self._engine("min_loss_scale").policy.min_loss_scale
+
+    @property
+    def max_loss_scale(self) -> float:
+        return self._engine("max_loss_scale").policy.max_loss_scale
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "allow_incoming_model_not_fp32":
+            self._amp.allow_incoming_model_not_fp32 = bool(value)
+        elif name == "hard_override":
+            if value:
+                raise ConfigError("_amp_state.hard_override=True (skip apex's property checks) is not supported; pass valid overrides")
+        else:
+            raise AttributeError(f"_amp_state.{name} cannot be set; writable: {', '.join(WRITABLE)} (and loss_scalers[i]._loss_scale)")
+
+
+_amp_state = AmpStateView(default)
+
+
+def master_params(optimizer: Optimizer) -> Iterator[nn.Parameter]:
+    """apex's ``_amp_state.master_params``: the params ``optimizer`` steps (fp32 masters under O2/O5)."""
+    return default.master_params(optimizer)
