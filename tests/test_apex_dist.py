@@ -1,0 +1,67 @@
+"""apex's documented order on 2 gloo processes: ``amp.initialize`` first, then DDP, ranks seeded
+differently (apex's tests/distributed/amp_master_params): every rank must end with the same model
+and master params, and model == master in the model dtype."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import make_batches, make_mlp
+from torch.nn.parallel import DistributedDataParallel
+
+from ampddp.amp import Amp
+from ampddp.distributed import launch_local
+
+
+def wrap(model, kind, options):
+    if kind == "torch":
+        return DistributedDataParallel(model, **options)
+    from ampddp.apex.parallel import DistributedDataParallel as ApexDDP
+
+    return ApexDDP(model, **options)
+
+
+def seeded_differently_worker(env, opt_level, kind, options):
+    amp = Amp()
+    model = make_mlp(seed=100 + env.rank, batchnorm=True)
+    initial = next(model.parameters()).detach().clone()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0)
+    ddp = wrap(model, kind, options)
+    for x, y in make_batches(4, batch=16, seed=5):
+        shard = slice(env.rank * 8, env.rank * 8 + 8)
+        optimizer.zero_grad()
+        loss = F.cross_entropy(ddp(x[shard]), y[shard])
+        with amp.scale_loss(loss, optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+    params = [p.detach().clone() for p in model.parameters()]
+    masters = [p.detach().clone() for p in amp.master_params(optimizer)]
+    return initial, params, masters
+
+
+CASES = [
+    ("O2", "torch", {}),
+    ("O5", "torch", {}),
+    ("O2", "apex", {"delay_allreduce": True}),
+    ("O2", "apex", {"gradient_predivide_factor": 2.0}),
+    ("O5", "apex", {"allreduce_always_fp32": True, "message_size": 256}),
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("opt_level, kind, options", CASES, ids=[f"{c[0]}-{c[1]}-{'-'.join(c[2]) or 'default'}" for c in CASES])
+def test_initialize_then_ddp_with_differently_seeded_ranks_keeps_ranks_identical(opt_level, kind, options):
+    (init0, params0, masters0), (init1, params1, masters1) = launch_local(
+        seeded_differently_worker, 2, (opt_level, kind, options), timeout_s=60, job_timeout_s=240
+    )
+    assert not torch.equal(init0, init1)  # the ranks really started apart
+    for a, b in zip(params0, params1):
+        assert torch.equal(a, b)
+    for a, b in zip(masters0, masters1):
+        assert torch.equal(a, b)
+    low = torch.float16 if opt_level == "O2" else torch.bfloat16
+    assert any(p.dtype == low for p in params0)
+    for param, master in zip(params0, masters0):
+        assert torch.equal(param, master.to(param.dtype))
