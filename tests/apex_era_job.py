@@ -45,7 +45,7 @@ if distributed:
 
 data = torch.Generator().manual_seed(0)
 loss_dtypes = []
-for step in range(args.steps):
+for _step in range(args.steps):
     x = torch.randn(8 * world, 8, generator=data)
     y = x[:, :4].argmax(1)
     mine = slice(rank * 8, rank * 8 + 8)

@@ -336,3 +336,23 @@ def test_legacy_handle_scale_loss_and_wrap_optimizer_skip_on_overflow():
     with noop.scale_loss(loss, optimizer) as same:
         assert same is loss
     assert not noop.is_active()
+
+
+@pytest.mark.parametrize("opt_level", ["O0", "O1", "O2", "O3"])
+def test_larc_wrapped_optimizer_is_accepted_by_initialize_and_trains(amp, opt_level):
+    """apex's test_larc: LARC(SGD) through initialize at every fp16 level."""
+    from ampddp.apex.parallel import LARC
+
+    amp, _ = amp
+    model = make_mlp(batchnorm=False)
+    optimizer = LARC(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4))
+    model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    for x, y in make_batches(3):
+        optimizer.zero_grad()
+        with amp.scale_loss(F.cross_entropy(model(x), y), optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+    after = list(model.parameters())
+    assert all(torch.isfinite(p).all() and not torch.equal(p, b) for p, b in zip(after, before))
+    assert all(torch.equal(p, m.to(p.dtype)) for p, m in zip(after, amp.master_params(optimizer)))

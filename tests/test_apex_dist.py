@@ -65,3 +65,24 @@ def test_initialize_then_ddp_with_differently_seeded_ranks_keeps_ranks_identical
     assert any(p.dtype == low for p in params0)
     for param, master in zip(params0, masters0):
         assert torch.equal(param, master.to(param.dtype))
+
+
+def apex_ddp_strategy_worker(env):
+    from ampddp.apex.parallel import DistributedDataParallel as ApexDDP
+    from ampddp.prepare import prepare
+
+    run = prepare(make_mlp(seed=env.rank, batchnorm=False), lambda p: torch.optim.SGD(p, lr=0.1), env, precision="O2",
+                  strategy="apex-ddp", wrap_options={"delay_allreduce": True})  # fmt: skip
+    x, y = make_batches(1, batch=8, seed=env.rank)[0]
+    with run.engine.forward_context():
+        loss = F.cross_entropy(run.model(x), y)
+    run.engine.backward(loss)
+    run.engine.step(run.optimizer)
+    return isinstance(run.model, ApexDDP), [p.detach().clone() for p in run.module.parameters()]
+
+
+@pytest.mark.timeout(200)
+def test_apex_ddp_strategy_uses_ampddp_apex_parallel_without_nvidia_apex():
+    (is_apex0, params0), (is_apex1, params1) = launch_local(apex_ddp_strategy_worker, 2, timeout_s=60, job_timeout_s=150)
+    assert is_apex0 and is_apex1
+    assert all(torch.equal(a, b) for a, b in zip(params0, params1))

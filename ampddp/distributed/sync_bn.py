@@ -8,7 +8,6 @@ batch sizes (even zero), inputs may be fp16/bf16, and any backend (gloo, nccl) w
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import torch
@@ -17,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ampddp.errors import ConfigError, choice_error
+from ampddp.distributed.apex_parallel import apex_parallel_attr
+from ampddp.errors import choice_error
 
 SYNC_BN_IMPLS = ("auto", "torch", "apex", "portable")
 
@@ -128,21 +128,15 @@ def _resolve_impl(impl: str, module: nn.Module) -> str:
 def convert_sync_batchnorm(module: nn.Module, impl: str = "auto", process_group: Any = None) -> nn.Module:
     """Replace every BatchNorm (not InstanceNorm) with a synchronised one; params and stats are kept.
 
-    ``impl``: ``torch`` (nn.SyncBatchNorm, CUDA only), ``apex`` (apex.parallel's converter),
+    ``impl``: ``torch`` (nn.SyncBatchNorm, CUDA only), ``apex`` (apex.parallel's converter: NVIDIA's
+    from an old apex build, else ``ampddp.apex.parallel``'s),
     ``portable`` (any backend) or ``auto`` (torch's on CUDA, portable elsewhere).
     """
     chosen = _resolve_impl(impl, module)
     if chosen == "torch":
         return nn.SyncBatchNorm.convert_sync_batchnorm(module, process_group)
     if chosen == "apex":
-        try:
-            apex_parallel = importlib.import_module("apex.parallel")
-        except ImportError as error:
-            raise ConfigError(
-                f"sync_bn impl 'apex' needs apex.parallel, which apex removed after tag 25.04 (import failed: {error}); "
-                "use impl='portable' (any backend) or 'torch' (CUDA)"
-            ) from None
-        return apex_parallel.convert_syncbn_model(module, process_group=process_group)
+        return apex_parallel_attr("convert_syncbn_model")(module, process_group=process_group)
     return _convert_portable(module, process_group)
 
 

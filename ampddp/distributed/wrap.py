@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import importlib
 from contextlib import AbstractContextManager
 from typing import Any
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ampddp.distributed.apex_parallel import apex_parallel_attr
 from ampddp.distributed.data import sum_across_ranks
 from ampddp.distributed.env import DistEnv
 from ampddp.errors import ConfigError, choice_error
@@ -17,21 +17,11 @@ from ampddp.errors import ConfigError, choice_error
 STRATEGIES = ("ddp", "apex-ddp", "dp", "none")
 
 
-def _apex_ddp_class() -> type:
-    try:
-        return importlib.import_module("apex.parallel").DistributedDataParallel
-    except (ImportError, AttributeError) as error:
-        raise ConfigError(
-            "distributed strategy 'apex-ddp' needs apex.parallel.DistributedDataParallel, which apex removed "
-            f"upstream after tag 25.04 (May 2025) (import failed: {error}). Build apex 25.04 to use it, or use "
-            "strategy 'ddp' (torch DistributedDataParallel), which works everywhere."
-        ) from None
-
-
 def wrap_model(model: nn.Module, strategy: str, env: DistEnv, **options: Any) -> nn.Module:
     """Wrap an already converted, placed and optimizer-bound model for data parallelism.
 
-    ``ddp``: torch DDP (device_ids bound on CUDA); ``apex-ddp``: apex's DDP; ``dp``: nn.DataParallel
+    ``ddp``: torch DDP (device_ids bound on CUDA); ``apex-ddp``: apex's DDP (NVIDIA's from an old
+    apex build, else ``ampddp.apex.parallel``'s, with apex's options); ``dp``: nn.DataParallel
     over all visible GPUs (single process); ``none``: the model itself. A single-process run gets
     the bare model for ``ddp``/``apex-ddp`` since there is nobody to synchronise with.
     """
@@ -46,7 +36,7 @@ def wrap_model(model: nn.Module, strategy: str, env: DistEnv, **options: Any) ->
     if not env.distributed:
         return model
     if strategy == "apex-ddp":
-        return _apex_ddp_class()(model, **options)
+        return apex_parallel_attr("DistributedDataParallel")(model, **options)
     device_ids = [env.device.index] if env.device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=device_ids, **options)
 
