@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import checkpoint_io
 import cuda_suite
 import ddp_scaling
+import fused_optimizers
 import memory
 import modes
 import optimizer_step
@@ -35,6 +36,7 @@ BENCHMARKS = {
     "modes": modes.run,
     "memory": memory.run,
     "optimizer-step": optimizer_step.run,
+    "fused-optimizers": fused_optimizers.run,
     "checkpoint": checkpoint_io.run,
     "ddp": ddp_scaling.run,
     "cuda-suite": cuda_suite.run,
