@@ -168,6 +168,9 @@ class Amp:
         engine = build_engine(check_opt_level(opt_level), impl=impl, registry=self._registry, enabled=enabled, **options, **overrides)
         check_models_and_optimizers(model_list, optimizer_list, allow_low)
         self.end_casts()
+        for setup in self._setups:
+            if isinstance(setup.engine, OptLevelEngine):
+                setup.engine.unwind_interrupted_forwards()
         for earlier in [s for s in self._setups if any(s.holds(obj) for obj in (*model_list, *optimizer_list))]:
             earlier.teardown()
             self._setups.remove(earlier)

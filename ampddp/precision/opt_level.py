@@ -179,6 +179,11 @@ class OptLevelEngine(PrecisionEngine):
             handle.remove()
         self._handles = []
 
+    def unwind_interrupted_forwards(self) -> None:
+        """Exit op-cast contexts that forwards interrupted by KeyboardInterrupt left entered on this thread."""
+        if self._forward_hooks is not None:
+            self._forward_hooks.unwind_interrupted()
+
     def stop_op_casting(self) -> None:
         """End O1/O4 op casting for this set-up (apex's ``handle._deactivate``); loss scaling goes on."""
         if self._cast_context is not None:
