@@ -356,3 +356,25 @@ def test_larc_wrapped_optimizer_is_accepted_by_initialize_and_trains(amp, opt_le
     after = list(model.parameters())
     assert all(torch.isfinite(p).all() and not torch.equal(p, b) for p, b in zip(after, before))
     assert all(torch.equal(p, m.to(p.dtype)) for p, m in zip(after, amp.master_params(optimizer)))
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2", "O5"])
+def test_a_deep_copy_of_an_initialized_model_works_as_an_ema_copy(amp, opt_level):
+    """timm's ModelEma deep-copies the model after amp.initialize and averages weights into the copy."""
+    amp, _ = amp
+    model = make_mlp(batchnorm=True)
+    optimizer = sgd(model)
+    model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0)
+    ema = copy.deepcopy(model)
+    x, y = make_batches(1)[0]
+    with amp.scale_loss(F.cross_entropy(model(x), y), optimizer) as scaled:
+        scaled.backward()
+    optimizer.step()
+    with torch.no_grad():
+        for e, m in zip(ema.state_dict().values(), model.state_dict().values()):
+            if e.is_floating_point():
+                e.mul_(0.5).add_(m, alpha=0.5)
+    ema.load_state_dict(ema.state_dict())
+    assert ema(x).dtype == model(x).dtype
+    assert all(e is not m for e, m in zip(ema.parameters(), model.parameters()))
+    assert {p.dtype for p in ema.parameters()} == {p.dtype for p in model.parameters()}

@@ -35,6 +35,10 @@ class ForwardHooks:
         self._output_dtype = output_dtype
         self._local = threading.local()
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> ForwardHooks:
+        """A deep copy of a set-up model (an EMA copy, as timm's ModelEma makes) shares its engine's hooks."""
+        return self
+
     @property
     def needed(self) -> bool:
         return self._context is not None or self._input_dtype is not None or self._output_dtype is not None
