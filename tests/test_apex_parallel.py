@@ -561,3 +561,29 @@ def test_apex_parallel_names_resolve_and_unknown_ones_explain():
         from ampddp.apex.parallel import multiproc  # noqa: F401
     with pytest.raises(AttributeError, match=r"provides: .*convert_syncbn_model"):
         parallel.not_a_name  # noqa: B018
+
+
+def _cuda_sync_bn_case(env) -> dict:
+    sizes = (3, 5)
+    x = torch.randn(sum(sizes), 3, 4, 4, generator=torch.Generator().manual_seed(11)) * 2 + 1
+    mine = slice(sum(sizes[: env.rank]), sum(sizes[: env.rank + 1]))
+    layer = SyncBatchNorm(3).cuda()
+    local = x[mine].cuda().requires_grad_()
+    out = layer(local)
+    out.sum().backward()
+    return {"out": out.detach().cpu(), "running_mean": layer.running_mean.cpu(), "slice": (mine.start, mine.stop)}
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(200)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sync_batchnorm_on_cuda_uses_torch_kernels_with_the_same_numerics():
+    """Both ranks on one GPU over gloo (CUDA tensors), so a single-GPU machine runs it too."""
+    results = launch_local(_cuda_sync_bn_case, WORLD, device="cpu", backend="gloo", timeout_s=60, job_timeout_s=150)
+    x = torch.randn(8, 3, 4, 4, generator=torch.Generator().manual_seed(11)) * 2 + 1
+    reference = nn.BatchNorm2d(3)
+    expected = reference(x).detach()
+    for result in results:
+        start, stop = result["slice"]
+        torch.testing.assert_close(result["out"], expected[start:stop], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(result["running_mean"], reference.running_mean, rtol=1e-4, atol=1e-5)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ampddp.apex.runner import RunnerUsageError, local_rank_flag, parse
+from ampddp.apex.runner import RunnerUsageError, local_rank_flag, main, parse
 from ampddp.distributed import free_port
 
 JOB = Path(__file__).with_name("apex_era_job.py")
@@ -80,12 +80,13 @@ def test_old_torch_distributed_launch_passes_local_rank_in_the_apex_spelling(tmp
     assert first["params"] == second["params"]
 
 
-def test_runner_usage_errors_exit_2_with_the_usage(tmp_path):
+def test_runner_usage_errors_exit_2_with_the_usage(tmp_path, capsys):
     for args, message in [([], "no program given"), (["missing.py"], "does not exist"), (["--bogus"], "unknown runner option"),
                           (["-m"], "-m needs a module name"), (["--local-rank=x", "s.py"], "whole number")]:  # fmt: skip
-        done = run(["-m", "ampddp.apex", *args], cwd=tmp_path, timeout=60)
-        assert done.returncode == 2 and message in done.stderr, (args, done.stderr)
-        assert "usage: python -m ampddp.apex" in done.stderr or "whole number" in done.stderr
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert message in err, (args, err)
+        assert "usage: python -m ampddp.apex" in err or "whole number" in err
 
 
 def test_parse_and_local_rank_spelling():
@@ -102,11 +103,21 @@ def test_under_the_runner_impl_apex_is_refused_and_missing_apex_modules_name_a_r
     script.write_text(
         "import torch\n"
         "from apex import amp\n"
+        "import amp_C\n"
+        "from apex.fp16_utils import *\n"
+        "from apex.multi_tensor_apply import multi_tensor_applier\n"
+        "from apex.normalization import FusedLayerNorm\n"
+        "from apex.normalization.fused_layer_norm import fused_layer_norm_affine\n"
+        "from apex.optimizers import FusedAdam, FusedLAMB\n"
+        "from apex.optimizers.fused_sgd import FusedSGD\n"
+        "from apex.parallel.LARC import LARC\n"
+        "print('PATHS', amp_C.__name__, FP16_Optimizer.__module__, network_to_half.__name__, FusedSGD.__module__)\n"
         "try:\n    import apex.contrib.xentropy\nexcept ModuleNotFoundError as error:\n    print('MISSING', error)\n"
         "try:\n    amp.initialize(torch.nn.Linear(2, 2), opt_level='O1', impl='apex')\n"
         "except Exception as error:\n    print('REFUSED', type(error).__name__, error)\n"
     )
     done = run(["-m", "ampddp.apex", str(script)], cwd=tmp_path, timeout=120)
     assert done.returncode == 0, done.stderr
+    assert "PATHS ampddp.apex.amp_C ampddp.apex.fp16_utils.fp16_optimizer network_to_half ampddp.apex.optimizers.fused_sgd" in done.stdout
     assert "MISSING apex.contrib is not provided by ampddp.apex" in done.stdout
     assert "REFUSED ConfigError" in done.stdout and "impl='builtin'" in done.stdout

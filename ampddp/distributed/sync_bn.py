@@ -111,6 +111,10 @@ class PortableSyncBatchNorm(_BatchNorm):
             )  # fmt: skip
         running_mean = self.running_mean if self.track_running_stats else None
         running_var = self.running_var if self.track_running_stats else None
+        return self._synchronised(input, running_mean, running_var, momentum)
+
+    def _synchronised(self, input: torch.Tensor, running_mean: Any, running_var: Any, momentum: float) -> torch.Tensor:
+        """Training-mode normalisation with statistics over the whole group (portable: all-gather in fp32)."""
         return _SyncBatchNormFunction.apply(
             input, self.weight, self.bias, running_mean, running_var, self.eps, momentum, self.process_group
         )

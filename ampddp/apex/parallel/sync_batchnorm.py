@@ -4,9 +4,10 @@ apex deleted ``apex.parallel`` in May 2025; its SyncBatchNorm needed apex's CUDA
 ``channel_last`` and ``fuse_relu``. This one keeps apex's signature and numerics (batch statistics over
 every rank of the process group, unbiased variance in the running estimate, evaluation from the
 running statistics without communication) and adds what apex lacked: exact statistics when ranks hold
-different batch sizes, and CPU/gloo. ``channel_last=True`` means the input's last dimension holds the
-channels (e.g. ``(N, H, W, C)``); ``fuse_relu=True`` applies ``relu(bn(x) + z)``, which apex offered
-only on its channel-last path, so it is accepted only with ``channel_last=True``.
+different batch sizes, and CPU/gloo. On CUDA the statistics come from torch's sync-BN kernels.
+``channel_last=True`` means the input's last dimension holds the channels (e.g. ``(N, H, W, C)``);
+``fuse_relu=True`` applies ``relu(bn(x) + z)``, which apex offered only on its channel-last path, so
+it is accepted only with ``channel_last=True``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.modules._functions import SyncBatchNorm as _TorchSyncBatchNorm
 
 from ampddp.apex._names import unknown_name
 from ampddp.distributed.sync_bn import PortableSyncBatchNorm
@@ -78,6 +81,16 @@ class SyncBatchNorm(PortableSyncBatchNorm):
         if z is not None:
             out = out + z
         return F.relu(out) if self.fuse_relu else out
+
+    def _synchronised(self, input: torch.Tensor, running_mean: Any, running_var: Any, momentum: float) -> torch.Tensor:
+        """On CUDA, torch's sync-BN kernels (what torch's nn.SyncBatchNorm runs); elsewhere the portable
+        implementation. The choice depends on the device only, so every rank makes the same one."""
+        if input.device.type != "cuda":
+            return super()._synchronised(input, running_mean, running_var, momentum)
+        group = self.process_group if self.process_group is not None else dist.group.WORLD
+        return _TorchSyncBatchNorm.apply(
+            input, self.weight, self.bias, running_mean, running_var, self.eps, momentum, group, dist.get_world_size(group)
+        )
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, channel_last={self.channel_last}, fuse_relu={self.fuse_relu}"
