@@ -10,9 +10,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 
 from ampddp.diagnostics import overflow_origin
 from ampddp.errors import AmpUsageError, ConfigError, closest
+from ampddp.precision.buffer_guard import BufferGuard
 from ampddp.precision.casting import device_types
 from ampddp.precision.engine import PrecisionEngine
 from ampddp.precision.opt_level import check_models_and_optimizers
@@ -54,6 +56,8 @@ class NativeAmpEngine(PrecisionEngine):
         self._stepped = False
         self._skipped = 0
         self._named_params: list[tuple[str, nn.Parameter]] = []
+        self._buffer_guard: BufferGuard | None = None
+        self._handles: list[RemovableHandle] = []
 
     def setup(self, models: list[nn.Module], optimizers: list[Optimizer]) -> tuple[list[nn.Module], list[Optimizer]]:
         check_models_and_optimizers(models, optimizers)
@@ -61,7 +65,16 @@ class NativeAmpEngine(PrecisionEngine):
         self.scaler = torch.amp.GradScaler(self._device_types[0], **self._scaler_args)
         self._optimizers = list(optimizers)
         self._named_params = [(f"models[{i}].{name}", p) for i, model in enumerate(models) for name, p in model.named_parameters()]
+        self.teardown()
+        if self.scaler.is_enabled():
+            self._buffer_guard = BufferGuard(models)
+            self._handles = self._buffer_guard.install(models)
         return models, optimizers
+
+    def teardown(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     def forward_context(self) -> AbstractContextManager[Any]:
         stack = contextlib.ExitStack()
@@ -105,6 +118,12 @@ class NativeAmpEngine(PrecisionEngine):
         self._skipped += int(skipped)
         if skipped:
             self.last_overflow = overflow_origin(self._named_params)
+        if self._buffer_guard is not None:
+            # A skipped step leaves no trace: buffers its forwards changed (BatchNorm statistics) go back.
+            if skipped:
+                self._buffer_guard.restore()
+            else:
+                self._buffer_guard.commit()
         return not skipped
 
     def master_params(self, optimizer: Optimizer) -> Iterator[nn.Parameter]:

@@ -22,6 +22,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ampddp.diagnostics import overflow_origin
 from ampddp.errors import AmpUsageError, ConfigError, NonFiniteGradientsError
+from ampddp.precision.buffer_guard import BufferGuard
 from ampddp.precision.cast_context import OpCastContext, build_op_table
 from ampddp.precision.casting import convert_model, device_types, first_non_fp32_param
 from ampddp.precision.engine import PrecisionEngine
@@ -92,6 +93,7 @@ class OptLevelEngine(PrecisionEngine):
         self.scalers = [LossScaler.from_policy(policy) for _ in range(policy.num_losses)]
         self._records: dict[int, OptimizerGrads] = {}
         self._handles: list[RemovableHandle] = []
+        self._buffer_guard: BufferGuard | None = None
         self._cast_context: OpCastContext | None = None
         self._forward_hooks: ForwardHooks | None = None
         self._param_names: dict[int, str] = {}
@@ -125,6 +127,9 @@ class OptLevelEngine(PrecisionEngine):
             self._handles += self._forward_hooks.install(model)
             if casts_model:
                 self._handles += install_fp32_state_hooks(model, self._master_of)
+        if any(scaler.dynamic for scaler in self.scalers):
+            self._buffer_guard = BufferGuard(models)
+            self._handles += self._buffer_guard.install(models)
         if policy.verbosity > 0:
             logger.info("ampddp %s: %s", policy.opt_level, policy.describe())
         return models, optimizers
@@ -156,16 +161,24 @@ class OptLevelEngine(PrecisionEngine):
                 first_step[0] = False
                 reconcile_masters(record)
             if record.skip_pending:
+                self._restore_buffers()
                 record.drop_grads()
                 return
             record.check_ready_to_step()
 
         return pre_step
 
+    def _restore_buffers(self) -> None:
+        """A skipped step leaves no trace: buffers its forwards changed (BatchNorm statistics) go back."""
+        if self._buffer_guard is not None:
+            self._buffer_guard.restore()
+
     def _make_post_step(self, record: OptimizerGrads) -> Any:
         def post_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
             if not record.skip_pending:
                 record.copy_masters_to_model()
+                if self._buffer_guard is not None:
+                    self._buffer_guard.commit()
             record.reset_step_state()
 
         return post_step
@@ -258,6 +271,8 @@ class OptLevelEngine(PrecisionEngine):
         loss_id = self._pending.loss_id if self._pending else 0
         skip = self._update(loss_id, _overflowed(records, self.scalers[loss_id]), records)
         self._pending = _PendingStep(loss_id, stepped=True)
+        if skip:
+            self._restore_buffers()
         for record in records:
             if skip:
                 record.drop_grads()

@@ -1,0 +1,42 @@
+"""Find non-finite values in a state about to be saved, so a poisoned state is never a checkpoint.
+
+A run whose weights, optimizer moments or BatchNorm statistics became inf/NaN must not write them as
+its newest complete checkpoint: resume would start from garbage, and retention would delete the
+last good checkpoint. The check reads one flag per device on the host; only when it is set does it
+walk the state again to name the first offending entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+
+def _float_tensors(state: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(state, torch.Tensor):
+        if state.is_floating_point() or state.is_complex():
+            yield path, state
+    elif isinstance(state, Mapping):
+        for key, value in state.items():
+            yield from _float_tensors(value, f"{path}.{key}" if path else str(key))
+    elif isinstance(state, (list, tuple)):
+        for index, value in enumerate(state):
+            yield from _float_tensors(value, f"{path}[{index}]")
+
+
+def first_non_finite(state: Any) -> str | None:
+    """The dotted path of the first float tensor in ``state`` holding inf/NaN, or None if all are finite."""
+    entries = list(_float_tensors(state))
+    if not entries:
+        return None
+    flags: dict[torch.device, list[torch.Tensor]] = {}
+    for _, tensor in entries:
+        flags.setdefault(tensor.device, []).append(torch.isfinite(tensor).all())
+    if all(bool(torch.stack(group).all()) for group in flags.values()):
+        return None
+    for path, tensor in entries:
+        if not bool(torch.isfinite(tensor).all()):
+            return path
+    return None
