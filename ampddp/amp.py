@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import re
+import threading
+import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -32,7 +34,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ampddp.errors import AmpUsageError, ConfigError
 from ampddp.precision.apex_backend import ApexEngine
-from ampddp.precision.cast_context import OpCastContext
+from ampddp.precision.cast_context import OpCastContext, end_thread_casts, suspend_thread_casts
 from ampddp.precision.factory import build_engine
 from ampddp.precision.opt_level import OptLevelEngine, check_models_and_optimizers
 from ampddp.precision.policy import check_opt_level
@@ -62,30 +64,33 @@ def _as_list(value: Any, kind: type, name: str) -> tuple[list[Any], bool]:
 
 @dataclass
 class SetUp:
-    """What one ``initialize`` made: the engine, the objects it holds, and the cast-window hooks."""
+    """What one ``initialize`` made: the engine, the objects it holds, and the cast-window hooks.
+
+    Its hooks on the models and optimizers keep it alive exactly as long as they live (the ``Amp``
+    holds only the newest set-up strongly), so dropping a fold's model and optimizer frees it all.
+    """
 
     engine: OptLevelEngine | ApexEngine
     models: list[nn.Module]
     optimizers: list[Optimizer]
     hooks: list[RemovableHandle] = field(default_factory=list)
+    thread: int = field(default_factory=threading.get_ident)
+    """The thread that called ``initialize``: the only one whose forwards open a cast window."""
+    live: bool = True
 
     @property
     def cast_context(self) -> OpCastContext | None:
         context = self.engine.forward_context()
-        return context if isinstance(context, OpCastContext) else None
+        return context if isinstance(context, OpCastContext) and self.live else None
 
     def holds(self, obj: object) -> bool:
         return any(obj is held for held in (*self.models, *self.optimizers))
 
-    def close_window(self) -> None:
-        context = self.cast_context
-        if context is not None:
-            context.close_window()
+    def install_hooks(self) -> None:
+        """Casting outlives the forward until the loss is handed to ``scale_loss`` (see module doc).
 
-    def install_window_hooks(self) -> None:
-        """Casting outlives the forward until the loss is handed to ``scale_loss`` (see module doc)."""
-        if self.cast_context is None:
-            return
+        The hooks are shared by deep copies of the models (an EMA copy), so each checks ``live``.
+        """
 
         def close_before_forward(module: nn.Module, args: Any) -> None:
             context = self.cast_context
@@ -93,20 +98,29 @@ class SetUp:
                 context.close_window()
 
         def open_after_forward(module: nn.Module, args: Any, output: Any) -> None:
-            context = self.cast_context  # None once op casting was stopped (handle._deactivate)
-            if context is not None:
+            context = self.cast_context  # None once torn down or op casting was stopped (handle._deactivate)
+            if context is not None and threading.get_ident() == self.thread:
                 context.open_window()
 
         def close_before_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-            self.close_window()
+            if self.live:
+                end_thread_casts()
 
         for model in self.models:
             self.hooks.append(model.register_forward_pre_hook(close_before_forward, prepend=True))
             self.hooks.append(model.register_forward_hook(open_after_forward))
         self.hooks += [optimizer.register_step_pre_hook(close_before_step) for optimizer in self.optimizers]
 
+    def unwind(self) -> None:
+        """Exit contexts left entered by forwards interrupted with KeyboardInterrupt on this thread."""
+        if isinstance(self.engine, OptLevelEngine):
+            self.engine.unwind_interrupted_forwards()
+
     def teardown(self) -> None:
-        self.close_window()
+        context = self.cast_context
+        if context is not None:
+            context.close_window()
+        self.live = False
         for handle in self.hooks:
             handle.remove()
         self.hooks = []
@@ -118,7 +132,9 @@ class Amp:
 
     def __init__(self) -> None:
         self._registry = OpRegistry()
-        self._setups: list[SetUp] = []
+        self._setups: list[weakref.ref[SetUp]] = []
+        self._newest: SetUp | None = None
+        self._initialized_optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
         self.allow_incoming_model_not_fp32 = False
         """Accept models with fp16/bf16 params in ``initialize`` (apex's ``_amp_state`` flag of that name)."""
 
@@ -167,17 +183,23 @@ class Amp:
         options = {"allow_low_precision_models": True} if allow_low and impl == "builtin" else {}
         engine = build_engine(check_opt_level(opt_level), impl=impl, registry=self._registry, enabled=enabled, **options, **overrides)
         check_models_and_optimizers(model_list, optimizer_list, allow_low)
+        for index, optimizer in enumerate(optimizer_list):
+            if optimizer in self._initialized_optimizers:
+                raise AmpUsageError(
+                    f"optimizers[{index}] was already passed to amp.initialize (its param groups may hold that set-up's fp32 "
+                    "masters); pass each optimizer through initialize once, as apex required: build a new optimizer over "
+                    "the model's parameters for a new set-up"
+                )
         self.end_casts()
-        for setup in self._setups:
-            if isinstance(setup.engine, OptLevelEngine):
-                setup.engine.unwind_interrupted_forwards()
-        for earlier in [s for s in self._setups if any(s.holds(obj) for obj in (*model_list, *optimizer_list))]:
+        for earlier in [s for s in self.setups if any(s.holds(obj) for obj in (*model_list, *optimizer_list))]:
             earlier.teardown()
-            self._setups.remove(earlier)
         engine.setup(model_list, optimizer_list)
         setup = SetUp(engine, model_list, optimizer_list)
-        setup.install_window_hooks()
-        self._setups.append(setup)
+        setup.install_hooks()
+        self._setups = [ref for ref in self._setups if (live := ref()) is not None and live.live]
+        self._setups.append(weakref.ref(setup))
+        self._newest = setup
+        self._initialized_optimizers.update(optimizer_list)
         out_models = model_list if models_were_list else model_list[0]
         if optimizers is None:
             return out_models
@@ -185,20 +207,21 @@ class Amp:
 
     @property
     def setups(self) -> tuple[SetUp, ...]:
-        """Live set-ups, oldest first."""
-        return tuple(self._setups)
+        """Live set-ups, oldest first (those whose models and optimizers still exist)."""
+        found = [ref() for ref in self._setups]
+        return tuple(setup for setup in found if setup is not None and setup.live)
 
     @property
     def engine(self) -> OptLevelEngine | ApexEngine:
         """The engine of the newest set-up (raises before ``initialize``)."""
-        if not self._setups:
+        if self._newest is None or not self._newest.live:
             raise AmpUsageError("amp.initialize(model, optimizer, opt_level=...) must be called first")
-        return self._setups[-1].engine
+        return self._newest.engine
 
     def _engine_for(self, optimizers: list[Optimizer]) -> OptLevelEngine | ApexEngine:
         """The set-up holding these optimizers (one set-up must hold them all)."""
         engine = self.engine
-        owners = {id(s): s for optimizer in optimizers for s in self._setups if s.holds(optimizer)}
+        owners = {id(s): s for optimizer in optimizers for s in self.setups if s.holds(optimizer)}
         if len(owners) > 1:
             raise AmpUsageError(
                 "these optimizers were passed to different amp.initialize calls; call scale_loss once per set-up, "
@@ -207,18 +230,18 @@ class Amp:
         return next(iter(owners.values())).engine if owners else engine
 
     def end_casts(self) -> None:
-        """End O1/O4 casting left on after a forward on this thread (the next forward starts it again)."""
-        for setup in self._setups:
-            setup.close_window()
+        """End O1/O4 casting left on this thread: the window after a forward, and contexts that forwards
+        interrupted by KeyboardInterrupt left entered (the next forward starts casting again)."""
+        end_thread_casts()
+        for setup in self.setups:
+            setup.unwind()
 
     @contextlib.contextmanager
     def disable_casts(self) -> Iterator[None]:
-        """No O1/O4 casts on this thread inside the block (apex's ``amp.disable_casts``)."""
-        with contextlib.ExitStack() as stack:
-            for setup in self._setups:
-                context = setup.cast_context
-                if context is not None:
-                    stack.enter_context(context.suspended())
+        """No O1/O4 casts on this thread inside the block, forwards included (apex's ``amp.disable_casts``)."""
+        contexts = [context for setup in self.setups if (context := setup.cast_context) is not None]
+        device_types = tuple(dict.fromkeys(d for context in contexts for d in context.device_types))
+        with suspend_thread_casts(contexts, device_types):
             yield
 
     # ---- per iteration --------------------------------------------------------------------------
@@ -242,7 +265,7 @@ class Amp:
             raise ConfigError("delay_overflow_check=True is not supported; valid: False (the overflow check runs when scale_loss exits)")
         optimizer_list, _ = _as_list(optimizers, Optimizer, "optimizers")
         engine = self._engine_for(optimizer_list)
-        self.end_casts()
+        end_thread_casts()
         with engine.scale_loss(loss, optimizer_list, loss_id=loss_id, delay_unscale=delay_unscale) as scaled:
             yield scaled
 
@@ -250,7 +273,7 @@ class Amp:
         """The newest set-up's O1/O4 op-cast context, with device autocast: models from ``initialize``
         enter it on their own; enter it for other code that should cast as a forward does."""
         context = self.engine.forward_context()
-        self.end_casts()
+        end_thread_casts()
         return context
 
     def master_params(self, optimizer: Optimizer) -> Iterator[nn.Parameter]:

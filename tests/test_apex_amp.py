@@ -378,3 +378,113 @@ def test_a_deep_copy_of_an_initialized_model_works_as_an_ema_copy(amp, opt_level
     assert ema(x).dtype == model(x).dtype
     assert all(e is not m for e, m in zip(ema.parameters(), model.parameters()))
     assert {p.dtype for p in ema.parameters()} == {p.dtype for p in model.parameters()}
+
+
+# ---- the cast window against the rest of the process ---------------------------------------------------
+def test_the_window_sits_under_the_users_torch_function_modes(amp):
+    amp, _ = amp
+    model = nn.Linear(4, 4)
+    amp.initialize(model, opt_level="O1", verbosity=0)
+    x = torch.randn(2, 4)
+    with torch.device("meta"):
+        model(x)
+    assert torch.zeros(1).device.type == "cpu"  # leaving the block popped its own mode, not the window's
+    assert F.softmax(torch.randn(2).half(), -1).dtype == torch.float32
+    amp.end_casts()
+    assert not torch.overrides._is_torch_function_mode_enabled()
+
+
+def test_disable_casts_covers_forwards_run_inside_it(amp):
+    amp, _ = amp
+    model = nn.Linear(4, 4)
+    amp.initialize(model, opt_level="O1", verbosity=0)
+    with amp.disable_casts():
+        assert model(torch.randn(2, 4)).dtype == torch.float32
+        assert F.linear(torch.randn(2, 4), torch.randn(4, 4)).dtype == torch.float32
+    assert model(torch.randn(2, 4)).dtype == torch.float16
+
+
+def test_a_deep_copy_stops_casting_when_its_setup_is_replaced(amp):
+    amp, _ = amp
+    model = nn.Linear(4, 4)
+    amp.initialize(model, opt_level="O1", verbosity=0)
+    ema = copy.deepcopy(model)
+    amp.initialize(model, opt_level="O0", verbosity=0)
+    assert ema(torch.randn(2, 4)).dtype == torch.float32
+    assert not torch.overrides._is_torch_function_mode_enabled()
+
+
+def test_forwards_on_other_threads_leave_nothing_behind(amp):
+    import threading
+    import types
+
+    amp, _ = amp
+    helpers = types.SimpleNamespace(scale=lambda x: x * 2)
+    amp.register_float_function(helpers, "scale")
+    original = helpers.scale
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return helpers.scale(self.fc(x))
+
+    model = Model()
+    amp.initialize(model, opt_level="O1", verbosity=0)
+    outputs = []
+    worker = threading.Thread(target=lambda: outputs.append(model(torch.randn(2, 4)).dtype))
+    worker.start()
+    worker.join()
+    assert outputs == [torch.float32]  # the registered function ran in fp32 inside the forward
+    assert helpers.scale is original  # and nothing stays swapped once that thread's forward returned
+    assert not torch.overrides._is_torch_function_mode_enabled()
+
+
+def test_setups_of_dropped_models_are_freed(amp):
+    import gc
+    import weakref
+
+    amp, _ = amp
+    refs = []
+    for _ in range(3):  # k-fold: a fresh model and optimizer per fold
+        model = make_mlp(batchnorm=False)
+        optimizer = sgd(model)
+        amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+        refs.append(weakref.ref(model))
+    del model, optimizer
+    gc.collect()
+    assert [ref() is None for ref in refs] == [True, True, False]  # only the newest set-up is held
+    assert len(amp.setups) == 1
+
+
+def test_an_optimizer_goes_through_initialize_once(amp):
+    amp, _ = amp
+    model = make_mlp(batchnorm=False)
+    optimizer = sgd(model)
+    amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    with pytest.raises(AmpUsageError, match=r"optimizers\[0\] was already passed to amp.initialize"):
+        amp.initialize(make_mlp(batchnorm=False), optimizer, opt_level="O1", verbosity=0)
+
+
+def test_end_casts_unwinds_a_forward_interrupted_by_keyboard_interrupt(amp):
+    amp, _ = amp
+
+    class Interrupted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            self.fc(x)
+            raise KeyboardInterrupt
+
+    model = Interrupted()
+    amp.initialize(model, opt_level="O1", verbosity=0)
+    with pytest.raises(KeyboardInterrupt):
+        model(torch.randn(2, 4))
+    assert torch.is_autocast_enabled("cpu")
+    amp.end_casts()
+    assert not torch.is_autocast_enabled("cpu")
+    assert torch.mm(torch.randn(2, 2), torch.randn(2, 2)).dtype == torch.float32

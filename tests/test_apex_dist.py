@@ -86,3 +86,25 @@ def test_apex_ddp_strategy_uses_ampddp_apex_parallel_without_nvidia_apex():
     (is_apex0, params0), (is_apex1, params1) = launch_local(apex_ddp_strategy_worker, 2, timeout_s=60, job_timeout_s=150)
     assert is_apex0 and is_apex1
     assert all(torch.equal(a, b) for a, b in zip(params0, params1))
+
+
+def independent_models_worker(env):
+    """No DDP: each rank trains its own model under O2; nothing may synchronise them."""
+    amp = Amp()
+    model = make_mlp(seed=7, batchnorm=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    with torch.no_grad():
+        next(model.parameters()).fill_(float(env.rank + 1))  # a write after initialize, on this rank only
+    x, y = make_batches(1, batch=8)[0]
+    with amp.scale_loss(F.cross_entropy(model(x), y), optimizer) as scaled:
+        scaled.backward()
+    optimizer.step()
+    return next(model.parameters()).detach().clone(), next(iter(amp.master_params(optimizer))).detach().clone()
+
+
+@pytest.mark.timeout(200)
+def test_without_ddp_ranks_stay_independent_and_masters_follow_local_writes():
+    (param0, master0), (param1, master1) = launch_local(independent_models_worker, 2, timeout_s=60, job_timeout_s=150)
+    assert torch.all(param0 == 1) and torch.all(param1 == 2)
+    assert torch.equal(master0, param0.float()) and torch.equal(master1, param1.float())

@@ -121,3 +121,24 @@ def test_under_the_runner_impl_apex_is_refused_and_missing_apex_modules_name_a_r
     assert "PATHS ampddp.apex.amp_C ampddp.apex.fp16_utils.fp16_optimizer network_to_half ampddp.apex.optimizers.fused_sgd" in done.stdout
     assert "MISSING apex.contrib is not provided by ampddp.apex" in done.stdout
     assert "REFUSED ConfigError" in done.stdout and "impl='builtin'" in done.stdout
+
+
+@pytest.mark.timeout(300)
+def test_processes_the_program_spawns_resolve_apex_too(tmp_path):
+    script = tmp_path / "spawning.py"
+    script.write_text(
+        "import multiprocessing as mp\n"
+        "import subprocess, sys\n"
+        "from apex import amp\n"
+        "def work(x):\n    import apex, amp_C\n    return apex.__name__ + ' ' + amp_C.__name__\n"
+        "if __name__ == '__main__':\n"
+        "    print('FILE', __file__)\n"
+        "    with mp.get_context('spawn').Pool(1) as pool:\n        print('SPAWNED', pool.map(work, [0])[0])\n"
+        "    child = subprocess.run([sys.executable, '-c', 'import apex; print(apex.__name__)'], capture_output=True, text=True)\n"
+        "    print('SUBPROCESS', child.stdout.strip())\n"
+    )
+    done = run(["-m", "ampddp.apex", "spawning.py"], cwd=tmp_path, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"FILE {script}" in done.stdout  # absolute, as python gives __main__.__file__
+    assert "SPAWNED ampddp.apex ampddp.apex.amp_C" in done.stdout
+    assert "SUBPROCESS ampddp.apex" in done.stdout

@@ -3,8 +3,9 @@
 An import hook at the front of ``sys.meta_path`` maps ``apex.X.Y`` to ``ampddp.apex.X.Y``: the same
 module objects under both names, so ``apex.amp is ampddp.apex.amp``. A name ampddp.apex does not
 provide fails with a ``ModuleNotFoundError`` that names it and what to use instead. The runner
-(``python -m ampddp.apex``) installs it; a program can also call :func:`alias_apex` itself (e.g.
-in a process started with the ``spawn`` method, which does not inherit its parent's hooks).
+(``python -m ampddp.apex``) installs it, and puts a small shim folder on ``PYTHONPATH`` so that
+processes the program starts (``spawn`` workers, subprocesses) alias ``apex`` too; a program can also
+call :func:`alias_apex` itself.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.util
+import os
 import sys
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -56,6 +59,10 @@ class ApexAliasFinder(importlib.abc.MetaPathFinder):
         return importlib.util.spec_from_loader(fullname, _AliasLoader(aliased))
 
 
+SHIM_DIR = Path(__file__).with_name("_shim")
+"""Put on PYTHONPATH by the runner: child processes find ``apex`` there, which aliases itself."""
+
+
 def alias_apex() -> None:
     """Install the alias hook (idempotent). A real ``apex`` already imported is replaced by ours."""
     if not any(isinstance(finder, ApexAliasFinder) for finder in sys.meta_path):
@@ -64,3 +71,13 @@ def alias_apex() -> None:
         module = sys.modules[name]
         if not getattr(module, "__name__", "").startswith("ampddp."):
             del sys.modules[name]
+
+
+def alias_apex_in_children() -> None:
+    """Make processes this one starts (``spawn`` workers, subprocesses) alias ``apex`` as well."""
+    current = os.environ.get("PYTHONPATH", "")
+    parts = current.split(os.pathsep) if current else []
+    if str(SHIM_DIR) not in parts:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(SHIM_DIR), *parts])
+    if str(SHIM_DIR) not in sys.path:
+        sys.path.append(str(SHIM_DIR))  # spawn children take the parent's sys.path over their own

@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ampddp.apex.aliasing import alias_apex
+from ampddp.apex.aliasing import alias_apex, alias_apex_in_children
 
 USAGE = "usage: python -m ampddp.apex [--local-rank N] SCRIPT [ARGS...]  |  python -m ampddp.apex [--local-rank N] -m MODULE [ARGS...]"
 LOCAL_RANK_FLAGS = ("--local-rank", "--local_rank")
@@ -76,6 +76,7 @@ def _source_of(program: Program) -> str:
 def run(program: Program) -> None:
     """Run ``program`` as ``__main__`` with apex aliased; its exceptions and SystemExit propagate."""
     alias_apex()
+    alias_apex_in_children()
     args = list(program.args)
     if program.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", program.local_rank)
@@ -84,10 +85,10 @@ def run(program: Program) -> None:
         sys.argv = [program.target, *args]
         runpy.run_module(program.target, run_name="__main__", alter_sys=True)
         return
-    script = str(Path(program.target))
-    sys.argv = [script, *args]
-    sys.path[0] = str(Path(script).resolve().parent)
-    runpy.run_path(script, run_name="__main__")
+    sys.argv = [program.target, *args]
+    script = Path(program.target).resolve()  # __main__.__file__ is absolute, as python gives it since 3.9
+    sys.path[0] = str(script.parent)
+    runpy.run_path(str(script), run_name="__main__")
 
 
 def main(argv: list[str]) -> int:

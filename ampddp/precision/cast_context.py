@@ -37,6 +37,8 @@ _SWAP_LOCK = threading.Lock()
 _WINDOW = threading.local()
 """This thread's open window, if any: ``(context, opened)``. One per thread, like apex's single set
 of patches: a window, or any context being entered, closes the window open before it."""
+_SUSPENDED = threading.local()
+"""How many ``suspend_thread_casts`` blocks this thread is inside."""
 NAMESPACES = (torch, F, torch.Tensor)
 _LOW_TYPES = (torch.float16, torch.bfloat16)
 
@@ -266,6 +268,24 @@ def end_thread_casts() -> None:
         opened.close()
 
 
+def _suspension_depth() -> int:
+    return getattr(_SUSPENDED, "depth", 0)
+
+
+def _push_below_others(mode: TorchFunctionMode) -> None:
+    """Push a mode that outlives the user's ``with`` blocks underneath their modes, so that leaving
+    one of those blocks (``with torch.device(...)`` pops whatever is on top) never pops it. It stays
+    above the default-device mode of ``torch.set_default_device``, which must remain at the bottom."""
+    above = [torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())]
+    default_device = getattr(getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None), "device_context", None)
+    below = [m for m in above[-1:] if default_device is not None and m is default_device]
+    for other in below:
+        torch._C._push_on_torch_function_stack(other)
+    torch._C._push_on_torch_function_stack(mode)
+    for other in reversed(above[: len(above) - len(below)]):
+        torch._C._push_on_torch_function_stack(other)
+
+
 class _Opened(contextlib.ExitStack):
     """What one opening of the context pushed (autocast, the cast mode, swaps), closed in reverse."""
 
@@ -274,13 +294,23 @@ class _Opened(contextlib.ExitStack):
 
 
 class OpCastContext:
-    """Re-entrant (per thread) context that applies an OpTable; reusable across iterations."""
+    """Re-entrant (per thread) context that applies an OpTable; reusable across iterations.
+
+    Three ways to apply it on a thread: entered (``with``: device autocast plus the op lists, on top
+    of the mode stack, as a forward needs), a *window* (op lists only, one per thread, see module
+    doc), and *held* (op lists only, until ``release``: the legacy ``amp.init`` handle).
+    """
 
     def __init__(self, table: OpTable, low_dtype: torch.dtype, device_types: tuple[str, ...]) -> None:
         self._table = table
         self._low = low_dtype
         self._device_types = device_types
         self._local = threading.local()
+
+    @property
+    def device_types(self) -> tuple[str, ...]:
+        """The device types whose autocast the context drives."""
+        return self._device_types
 
     @property
     def active(self) -> bool:
@@ -296,7 +326,7 @@ class OpCastContext:
         depth = getattr(self._local, "depth", 0)
         if depth == 0:
             end_thread_casts()
-            self._local.stack = self._open(with_autocast=True)
+            self._local.stack = self._open(with_autocast=_suspension_depth() == 0, at_bottom=False)
         self._local.depth = depth + 1
         return self
 
@@ -309,12 +339,13 @@ class OpCastContext:
     def open_window(self) -> None:
         """Keep the op lists (not device autocast) applied on this thread until ``close_window``.
 
-        A no-op inside the context (the outer forward still runs) or when a window is open already.
+        A no-op inside the context (the outer forward still runs), when a window is open already, or
+        inside ``suspend_thread_casts``.
         """
-        if self.active or self.window_open:
+        if self.active or self.window_open or _suspension_depth() > 0:
             return
         end_thread_casts()
-        _WINDOW.opened = self._open(with_autocast=False)
+        _WINDOW.opened = self._open(with_autocast=False, at_bottom=True)
         _WINDOW.owner = self
 
     def close_window(self) -> None:
@@ -322,27 +353,31 @@ class OpCastContext:
         if self.window_open:
             end_thread_casts()
 
+    def hold(self) -> None:
+        """Apply the op lists on this thread until ``release`` (idempotent)."""
+        if getattr(self._local, "held", None) is None:
+            self._local.held = self._open(with_autocast=False, at_bottom=True)
+
+    def release(self) -> None:
+        """End ``hold`` on this thread."""
+        held, self._local.held = getattr(self._local, "held", None), None
+        if held is not None:
+            held.close()
+
     def clear_cache(self) -> None:
-        """Forget cached casts of the context entered on this thread (a context held open across
-        iterations, as the legacy ``amp.init`` handle holds it, calls this after each backward)."""
-        opened = getattr(self._local, "stack", None)
-        if opened is not None and opened.cache is not None:
-            opened.cache.clear()
+        """Forget cached casts of the held opening on this thread (it spans iterations: the legacy
+        ``amp.init`` handle calls this after each backward, as apex cleared its cache)."""
+        held = getattr(self._local, "held", None)
+        if held is not None and held.cache is not None:
+            held.cache.clear()
 
-    @contextlib.contextmanager
-    def suspended(self) -> Any:
-        """No casts on this thread for the block, whether the context or a window is open."""
-        with contextlib.ExitStack() as stack:
-            window = _WINDOW.opened if self.window_open else None
-            for opened in (getattr(self._local, "stack", None), window):
-                mode = getattr(opened, "cast_mode", None)
-                if mode is not None:
-                    stack.enter_context(mode.suspended())
-            for device_type in self._device_types:
-                stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
-            yield
+    def opened_modes(self) -> list[_OpCastMode]:
+        """The cast modes this context has open on the calling thread (entered, window, held)."""
+        window = _WINDOW.opened if self.window_open else None
+        openings = (getattr(self._local, "stack", None), window, getattr(self._local, "held", None))
+        return [opened.cast_mode for opened in openings if opened is not None and opened.cast_mode is not None]
 
-    def _open(self, with_autocast: bool) -> _Opened:
+    def _open(self, with_autocast: bool, at_bottom: bool) -> _Opened:
         stack = _Opened()
         try:
             if with_autocast:
@@ -352,7 +387,12 @@ class OpCastContext:
             stack.callback(cache.clear)
             stack.cache = cache
             mode = _OpCastMode(self._table, self._low, self._device_types, cache)
-            torch._C._push_on_torch_function_stack(mode)
+            if _suspension_depth() > 0:
+                stack.enter_context(mode.suspended())
+            if at_bottom:
+                _push_below_others(mode)
+            else:
+                torch._C._push_on_torch_function_stack(mode)
             stack.callback(_remove_mode, mode)
             stack.cast_mode = mode
             for entry in self._table.swaps:
@@ -362,3 +402,21 @@ class OpCastContext:
             stack.close()
             raise
         return stack
+
+
+@contextlib.contextmanager
+def suspend_thread_casts(contexts: list[OpCastContext], device_types: tuple[str, ...]) -> Any:
+    """No op-list casts and no autocast on this thread inside the block (apex's ``disable_casts``):
+    the modes ``contexts`` have open pass calls through, and forwards run inside the block open theirs
+    already passing through."""
+    _SUSPENDED.depth = _suspension_depth() + 1
+    try:
+        with contextlib.ExitStack() as stack:
+            for context in contexts:
+                for mode in context.opened_modes():
+                    stack.enter_context(mode.suspended())
+            for device_type in device_types:
+                stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
+            yield
+    finally:
+        _SUSPENDED.depth -= 1

@@ -177,7 +177,8 @@ class OptimizerGrads:
         """
         if not self.model_params:
             return False
-        differs = torch.stack([(p != m.to(p.dtype)).any() for p, m in zip(self.model_params, self.masters)])
+        device = self.masters[0].device
+        differs = torch.stack([(p != m.to(p.dtype)).any().to(device) for p, m in zip(self.model_params, self.masters)])
         changed = differs.tolist()
         for param, master, stale in zip(self.model_params, self.masters, changed):
             if stale:

@@ -3,14 +3,21 @@
 apex's documented order is ``amp.initialize`` and then ``DistributedDataParallel``, whose
 constructor broadcasts rank 0's (already low-precision) weights into the model. Masters taken at
 ``initialize`` from each rank's own fp32 weights would then disagree between ranks and the ranks
-would train apart. At each optimizer's first step the ranks agree (one tiny all-reduce) whether any
-rank's model was overwritten; if so rank 0's exact masters are broadcast and every model takes them.
+would train apart. At each optimizer's first step, a master whose model param was overwritten since
+set-up takes the model's value; and when the model runs inside a DDP wrapper (seen at its forward),
+the ranks of that wrapper's process group agree (one tiny all-reduce) whether any of them was
+overwritten — if so, the group's first rank's exact masters are broadcast and every model takes them.
+Without DDP there is no collective: ranks that train independent models stay independent.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from ampddp.precision.master import OptimizerGrads
 
@@ -18,16 +25,23 @@ BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
 """Same bucket size DDP uses for its start-up broadcast."""
 
 
-def reconcile_masters(record: OptimizerGrads) -> None:
-    """Masters follow model writes made since set-up; across ranks, everybody takes rank 0's masters."""
+def active_ddp_group(module: nn.Module) -> Any:
+    """The process group of the DDP wrapper whose forward is running ``module`` now, or None."""
+    active = getattr(DistributedDataParallel, "_get_active_ddp_module", None)
+    ddp = active() if active is not None else None
+    return ddp.process_group if ddp is not None and ddp.module is module else None
+
+
+def reconcile_masters(record: OptimizerGrads, ddp_group: Any = None) -> None:
+    """Masters follow model writes made since set-up; within a DDP group, everybody takes its first rank's."""
     if not record.masters:
         return
     changed = record.adopt_model_writes()
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+    if ddp_group is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(ddp_group) <= 1:
         return
     flag = torch.tensor([1.0 if changed else 0.0], device=record.masters[0].device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ddp_group)
     if flag.item() == 0:
         return
-    dist._broadcast_coalesced(dist.group.WORLD, [master.data for master in record.masters], BROADCAST_BUCKET_BYTES, 0)
+    dist._broadcast_coalesced(ddp_group, [master.data for master in record.masters], BROADCAST_BUCKET_BYTES, 0)
     record.copy_master_values_to_model()

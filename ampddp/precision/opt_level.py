@@ -27,7 +27,7 @@ from ampddp.precision.cast_context import OpCastContext, build_op_table
 from ampddp.precision.casting import convert_model, device_types, first_non_fp32_param
 from ampddp.precision.engine import PrecisionEngine
 from ampddp.precision.master import OptimizerGrads
-from ampddp.precision.master_sync import reconcile_masters
+from ampddp.precision.master_sync import active_ddp_group, reconcile_masters
 from ampddp.precision.model_hooks import ForwardHooks, install_fp32_state_hooks
 from ampddp.precision.policy import PrecisionPolicy
 from ampddp.precision.registry import OpRegistry
@@ -94,6 +94,7 @@ class OptLevelEngine(PrecisionEngine):
         self._records: dict[int, OptimizerGrads] = {}
         self._handles: list[RemovableHandle] = []
         self._buffer_guard: BufferGuard | None = None
+        self._ddp_group: Any = None
         self._cast_context: OpCastContext | None = None
         self._forward_hooks: ForwardHooks | None = None
         self._param_names: dict[int, str] = {}
@@ -127,6 +128,8 @@ class OptLevelEngine(PrecisionEngine):
             self._handles += self._forward_hooks.install(model)
             if casts_model:
                 self._handles += install_fp32_state_hooks(model, self._master_of)
+        if casts_model and policy.uses_master_weights:
+            self._handles += [model.register_forward_pre_hook(self._note_ddp_group) for model in models]
         if any(scaler.dynamic for scaler in self.scalers):
             self._buffer_guard = BufferGuard(models)
             self._handles += self._buffer_guard.install(models)
@@ -159,7 +162,7 @@ class OptLevelEngine(PrecisionEngine):
             record.sync_param_groups()
             if first_step[0]:
                 first_step[0] = False
-                reconcile_masters(record)
+                reconcile_masters(record, self._ddp_group)
             if record.skip_pending:
                 self._restore_buffers()
                 record.drop_grads()
@@ -167,6 +170,11 @@ class OptLevelEngine(PrecisionEngine):
             record.check_ready_to_step()
 
         return pre_step
+
+    def _note_ddp_group(self, module: nn.Module, args: Any) -> None:
+        """Remember the DDP wrapper's group a model runs in, for the masters' first-step agreement."""
+        if self._ddp_group is None:
+            self._ddp_group = active_ddp_group(module)
 
     def _restore_buffers(self) -> None:
         """A skipped step leaves no trace: buffers its forwards changed (BatchNorm statistics) go back."""
@@ -187,7 +195,8 @@ class OptLevelEngine(PrecisionEngine):
         if self._cast_context is not None:
             self._cast_context.close_window()
         if self._forward_hooks is not None:
-            self._forward_hooks.unwind_interrupted()
+            # Deep copies of the models (an EMA copy) share these hooks: they stop casting ops too.
+            self._forward_hooks.drop_context()
         for handle in self._handles:
             handle.remove()
         self._handles = []

@@ -2,9 +2,10 @@
 
 Before ``amp.initialize`` existed, apex cast torch functions from ``amp.init()`` until
 ``handle._deactivate()``, with no model involved; apex's own op-casting tests are written that way.
-Here the handle holds an O1 (fp16) or O4 (``patch_type=torch.bfloat16``) op-cast context open on
-the thread that called ``init`` — the set-up that asked for it — and closes it in ``_deactivate``:
-nothing is patched, and nothing outlives the handle. Loss scaling uses the O-level engine, with
+Here the handle holds apex's O1 (fp16) or O4 (``patch_type=torch.bfloat16``) op lists on the
+thread that called ``init`` — the set-up that asked for it — without device autocast, as apex's
+patched functions had none, and ends them in ``_deactivate``: nothing is patched, and nothing
+outlives the handle. Loss scaling uses the O-level engine, with
 optimizers added as the handle first meets them.
 """
 
@@ -22,7 +23,7 @@ from torch.optim import Optimizer
 from ampddp.amp import default
 from ampddp.errors import AmpUsageError, ConfigError
 from ampddp.precision import op_lists
-from ampddp.precision.cast_context import OpCastContext
+from ampddp.precision.cast_context import OpCastContext, suspend_thread_casts
 from ampddp.precision.opt_level import OptLevelEngine
 from ampddp.precision.policy import resolve_policy
 from ampddp.precision.registry import FP32, OpRegistry
@@ -60,7 +61,7 @@ class AmpHandle:
             raise AmpUsageError("the legacy amp.init handle needs op casting; this policy has none")
         self._context: OpCastContext | None = context
         self._thread = threading.get_ident()
-        context.__enter__()
+        context.hold()
 
     def is_active(self) -> bool:
         return self._context is not None
@@ -75,7 +76,7 @@ class AmpHandle:
             return
         self._check_thread("_deactivate")
         context, self._context = self._context, None
-        context.__exit__(None, None, None)
+        context.release()
         self._engine.teardown()
 
     def _clear_cache(self) -> None:
@@ -87,7 +88,7 @@ class AmpHandle:
         if self._context is None:
             yield
             return
-        with self._context.suspended():
+        with suspend_thread_casts([self._context], self._context.device_types):
             yield
 
     @contextlib.contextmanager
