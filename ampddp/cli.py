@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from ampddp.checkpoint.inspect import format_summary, summarize
 from ampddp.config import describe_keys, load_config
-from ampddp.errors import AmpUsageError, CheckpointError, ConfigError
+from ampddp.errors import AmpUsageError, CheckpointError, ConfigError, NonFiniteGradientsError
 from ampddp.preemption import EXIT_PREEMPTED
+
+EXIT_USAGE = 2
+"""A bad recipe, setting, path or checkpoint: refused before anything was written."""
+EXIT_NONFINITE = 3
+"""Training stopped because the loss or gradients stayed non-finite (NonFiniteGradientsError)."""
+EXIT_BROKEN_PIPE = 141
+"""stdout was closed early (``ampddp inspect RUN | head``): 128 + SIGPIPE, as a shell tool reports it."""
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -53,13 +61,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _one_line(error: BaseException) -> str:
+    return " ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush cannot fail on the closed pipe again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no real file descriptor (e.g. captured in tests)
+        pass
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return args.handler(args)
     except (CheckpointError, ConfigError, AmpUsageError) as error:
-        print(f"ampddp {args.command}: error: {error}", file=sys.stderr)
-        return 2
+        print(f"ampddp {args.command}: error: {_one_line(error)}", file=sys.stderr)
+        return EXIT_USAGE
+    except NonFiniteGradientsError as error:
+        print(f"ampddp {args.command}: error: training stopped: {_one_line(error)}", file=sys.stderr)
+        return EXIT_NONFINITE
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; its exit status: 0, EXIT_USAGE, EXIT_NONFINITE, EXIT_PREEMPTED or EXIT_BROKEN_PIPE."""
+    try:
+        code = _run(build_parser().parse_args(argv))
+        sys.stdout.flush()  # a closed pipe fails here, not in the interpreter's exit-time flush
+        return code
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ plain arguments from here, never this object.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -25,6 +27,41 @@ def _choices(*values: str) -> dict[str, tuple[str, ...]]:
     return {"choices": values}
 
 
+@dataclass(frozen=True)
+class Bounds:
+    """The range a number must lie in; ``low_open`` / ``high_open`` exclude the end point."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def admits(self, value: float) -> bool:
+        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
+
+    def describe(self) -> str:
+        def number(x: float | None) -> str:
+            return str(int(x)) if x is not None and float(x).is_integer() else f"{x:g}"
+
+        if self.high is None:
+            return f"{'>' if self.low_open else '>='} {number(self.low)}"
+        return f"in {'(' if self.low_open else '['}{number(self.low)}, {number(self.high)}{')' if self.high_open else ']'}"
+
+
+def _at_least(low: float) -> dict[str, Bounds]:
+    return {"bounds": Bounds(low)}
+
+
+def _above(low: float) -> dict[str, Bounds]:
+    return {"bounds": Bounds(low, low_open=True)}
+
+
+def _between(low: float, high: float, *, low_open: bool = False, high_open: bool = False) -> dict[str, Bounds]:
+    return {"bounds": Bounds(low, high, low_open, high_open)}
+
+
 @dataclass
 class PrecisionConfig:
     mode: str = field(default="O1", metadata=_choices(*PRECISION_MODES))
@@ -35,17 +72,17 @@ class PrecisionConfig:
     patch_torch_functions: bool | None = None
     keep_batchnorm_fp32: bool | str | None = None
     master_weights: bool | None = None
-    loss_scale: float | str | None = None
+    loss_scale: float | str | None = field(default=None, metadata=_above(0))
     """A fixed scale, or "dynamic"; None keeps the mode's default."""
     cast_model_outputs: str | None = None
-    min_loss_scale: float | None = None
-    max_loss_scale: float | None = None
-    init_loss_scale: float | None = None
-    growth_factor: float | None = None
-    backoff_factor: float | None = None
-    growth_interval: int | None = None
-    hysteresis: int | None = None
-    verbosity: int | None = None
+    min_loss_scale: float | None = field(default=None, metadata=_above(0))
+    max_loss_scale: float | None = field(default=None, metadata=_above(0))
+    init_loss_scale: float | None = field(default=None, metadata=_above(0))
+    growth_factor: float | None = field(default=None, metadata=_above(1))
+    backoff_factor: float | None = field(default=None, metadata=_between(0, 1, low_open=True, high_open=True))
+    growth_interval: int | None = field(default=None, metadata=_at_least(1))
+    hysteresis: int | None = field(default=None, metadata=_at_least(1))
+    verbosity: int | None = field(default=None, metadata=_at_least(0))
     float_functions: list[str] = field(default_factory=list)
     """Dotted names run in fp32 under O1/O4, e.g. torch.nn.functional.softplus (register_float_function)."""
     half_functions: list[str] = field(default_factory=list)
@@ -56,7 +93,7 @@ class PrecisionConfig:
 class ModelConfig:
     name: str = "small_cnn"
     """A built-in (mlp, small_cnn) or any torchvision classification model (resnet18, ...)."""
-    num_classes: int = 10
+    num_classes: int = field(default=10, metadata=_at_least(1))
 
 
 @dataclass
@@ -65,42 +102,43 @@ class DataConfig:
     """digits: scikit-learn's handwritten digits (no download); cifar10 / imagefolder: from data.root."""
     root: str | None = None
     """Directory of cifar10 (the extracted cifar-10-batches-py) or of an imagefolder (train/ and val/)."""
-    image_size: int = 32
-    channels: int = 3
-    batch_size: int = 64
+    image_size: int = field(default=32, metadata=_at_least(1))
+    channels: int = field(default=3, metadata=_at_least(1))
+    batch_size: int = field(default=64, metadata=_at_least(1))
     """Per process."""
     augment: bool = True
-    eval_fraction: float = 0.25
+    eval_fraction: float = field(default=0.25, metadata=_between(0, 1, low_open=True, high_open=True))
     """digits only: share held out for evaluation."""
 
 
 @dataclass
 class OptimizerConfig:
     name: str = field(default="sgd", metadata=_choices("sgd", "adamw"))
-    lr: float = 0.1
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
+    lr: float = field(default=0.1, metadata=_at_least(0))
+    momentum: float = field(default=0.9, metadata=_between(0, 1, high_open=True))
+    """sgd only."""
+    weight_decay: float = field(default=5e-4, metadata=_at_least(0))
     scheduler: str = field(default="cosine", metadata=_choices("none", "cosine", "step"))
-    step_size: int = 30
+    step_size: int = field(default=30, metadata=_at_least(1))
     """step scheduler: epochs between decays."""
-    gamma: float = 0.1
+    gamma: float = field(default=0.1, metadata=_above(0))
 
 
 @dataclass
 class TrainerConfig:
-    max_epochs: int = 10
-    max_steps: int | None = None
-    seed: int = 0
+    max_epochs: int = field(default=10, metadata=_at_least(1))
+    max_steps: int | None = field(default=None, metadata=_at_least(1))
+    seed: int = field(default=0, metadata=_between(0, 2**32 - 1))
     run_dir: str = "runs/default"
-    grad_accum_steps: int = 1
-    clip_grad_norm: float | None = None
-    eval_every_steps: int | None = None
+    grad_accum_steps: int = field(default=1, metadata=_at_least(1))
+    clip_grad_norm: float | None = field(default=None, metadata=_above(0))
+    eval_every_steps: int | None = field(default=None, metadata=_at_least(1))
     """Also evaluate every K optimizer steps (always at each epoch's end)."""
-    log_every_steps: int = 10
+    log_every_steps: int = field(default=10, metadata=_at_least(1))
     progress: str = field(default="auto", metadata=_choices("auto", "bar", "lines", "off"))
     """auto: a bar on a terminal, periodic lines otherwise."""
     tensorboard: bool = False
-    max_nonfinite_losses: int = 10
+    max_nonfinite_losses: int = field(default=10, metadata=_at_least(1))
     """Consecutive non-finite losses after which training stops with an error."""
     stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
     """Signals that make every rank finish its step, checkpoint, and exit with status 75."""
@@ -108,8 +146,8 @@ class TrainerConfig:
 
 @dataclass
 class CheckpointConfig:
-    every_steps: int | None = None
-    keep_last: int | None = 3
+    every_steps: int | None = field(default=None, metadata=_at_least(1))
+    keep_last: int | None = field(default=3, metadata=_at_least(1))
     resume: str = field(default="auto", metadata=_choices("auto", "never"))
     """auto: continue from the latest complete checkpoint in trainer.run_dir."""
     resume_from: str | None = None
@@ -122,11 +160,11 @@ class CheckpointConfig:
 class DistributedConfig:
     strategy: str = field(default="ddp", metadata=_choices(*STRATEGIES))
     sync_bn: str = field(default="off", metadata=_choices("off", "auto", "torch", "apex", "portable"))
-    nproc_per_node: int = 1
+    nproc_per_node: int = field(default=1, metadata=_at_least(1))
     """Spawn this many local processes when not already started by torchrun/SLURM."""
     backend: str = field(default="auto", metadata=_choices("auto", "nccl", "gloo"))
     device: str = field(default="auto", metadata=_choices("auto", "cuda", "cpu"))
-    timeout_s: float = 600.0
+    timeout_s: float = field(default=600.0, metadata=_above(0))
 
 
 @dataclass
@@ -146,23 +184,106 @@ class RunConfig:
 SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(RunConfig)[f.name] for f in dataclasses.fields(RunConfig)}
 
 
+# PyYAML implements YAML 1.1, whose float pattern wants a dot and a signed exponent: `1e-3` and `1E6`
+# would stay strings. Recipes and overrides read floats in every notation Python writes them.
+_FLOAT_TAG = "tag:yaml.org,2002:float"
+_FLOAT = re.compile(
+    r"""^(?:[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?|[0-9][0-9_]*[eE][-+]?[0-9]+)"""
+    r"""|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"""
+)
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` with Python's float notations (``1e-3``, ``1E6``, ``.5``, ``-2.5e-4``)."""
+
+
+_RecipeLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != _FLOAT_TAG]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_RecipeLoader.add_implicit_resolver(_FLOAT_TAG, _FLOAT, list("-+0123456789."))
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str, first: int, second: int) -> None:
+        super().__init__(
+            f"duplicate key {key!r} on lines {first} and {second}; each key may appear once (YAML would silently keep the last)"
+        )
+
+
+def _refuse_duplicates(node: yaml.Node, where: str = "") -> None:
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                name = f"{where}.{key_node.value}" if where else key_node.value
+                line = key_node.start_mark.line + 1
+                if name in seen:
+                    raise _DuplicateKey(name, seen[name], line)
+                seen[name] = line
+                _refuse_duplicates(value_node, name)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _refuse_duplicates(item, where)
+
+
+def parse_yaml(text: str) -> Any:
+    """One YAML document with Python float notations; raises yaml.YAMLError or _DuplicateKey."""
+    loader = _RecipeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _refuse_duplicates(node)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    mark, problem = getattr(error, "problem_mark", None), getattr(error, "problem", None)
+    if mark is not None and problem:
+        return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
 def _allowed_types(annotation: Any) -> tuple[Any, ...]:
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         return tuple(arg for member in typing.get_args(annotation) for arg in _allowed_types(member))
     return (annotation,)
 
 
-def _coerce(key: str, value: Any, annotation: Any, choices: tuple[str, ...] | None) -> Any:
+def _check_number(key: str, value: float, bounds: Bounds | None) -> float:
+    if isinstance(value, float) and not math.isfinite(value):
+        rule = f" {bounds.describe()}" if bounds else ""
+        raise ConfigError(f"{key}={value!r} is not valid; it must be a finite number{rule}")
+    if bounds is not None and not bounds.admits(value):
+        kind = "a finite number" if isinstance(value, float) else "an integer"
+        raise ConfigError(f"{key}={value!r} is out of range; it must be {kind} {bounds.describe()}")
+    return value
+
+
+def _as_float(value: str) -> float | None:
+    """A quoted number or a bare inf / nan in a float setting: read as the float it spells."""
+    try:
+        return float(value.replace("_", ""))
+    except ValueError:
+        return None
+
+
+def _coerce(key: str, value: Any, annotation: Any, choices: tuple[str, ...] | None, bounds: Bounds | None = None) -> Any:
     allowed = _allowed_types(annotation)
     if isinstance(value, bool) and choices and value is False and "off" in choices:
         value = "off"  # YAML reads a bare `off` as false
     if value is None and type(None) in allowed:
         return None
+    if float in allowed and isinstance(value, str) and _as_float(value) is not None:
+        value = _as_float(value)
     for kind in allowed:
         if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            return _check_number(key, float(value), bounds)
         if kind is int and isinstance(value, int) and not isinstance(value, bool):
-            return value
+            return _check_number(key, value, bounds)
         if kind in (str, bool) and isinstance(value, kind):
             break
         if typing.get_origin(kind) is list and isinstance(value, list) and all(isinstance(v, str) for v in value):
@@ -183,8 +304,9 @@ def _build(section: str, cls: type, values: dict[str, Any]) -> Any:
     kwargs = {}
     for key, value in values.items():
         if key not in fields:
-            raise ConfigError(f"unknown key {section}.{key}{closest(key, fields)}; valid keys in {section}: {', '.join(fields)}")
-        kwargs[key] = _coerce(f"{section}.{key}", value, hints[key], fields[key].metadata.get("choices"))
+            raise ConfigError(f"unknown key {section}.{key}{closest(str(key), fields)}; valid keys in {section}: {', '.join(fields)}")
+        metadata = fields[key].metadata
+        kwargs[key] = _coerce(f"{section}.{key}", value, hints[key], metadata.get("choices"), metadata.get("bounds"))
     return cls(**kwargs)
 
 
@@ -197,37 +319,62 @@ def parse_overrides(overrides: list[str]) -> dict[str, dict[str, Any]]:
         if not sep or not dot or not name:
             raise ConfigError(f"override {item!r} is not of the form section.key=value (e.g. precision.mode=O2)")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else None
+            value = parse_yaml(raw) if raw.strip() else None
         except yaml.YAMLError:
             value = raw
+        except _DuplicateKey as error:
+            raise ConfigError(f"override {item!r}: {error}") from None
         nested.setdefault(section, {})[name] = value
     return nested
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Read a recipe (YAML) and apply overrides; raise ConfigError on the first bad key or value."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"{path}: no such recipe file")
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as error:
-            raise ConfigError(f"{path}: not valid YAML ({str(error).splitlines()[0]})") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: a recipe is a mapping of sections (precision, model, data, ...), found {type(raw).__name__}")
-    for section, values in parse_overrides(overrides or []).items():
-        existing = raw.get(section)
-        raw[section] = {**(existing if isinstance(existing, dict) else {}), **values}
-    sections = {}
+def read_recipe(path: str | Path) -> dict[str, Any]:
+    """The recipe's sections as plain dicts; ConfigError names the file and what is wrong with it."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such recipe file")
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise ConfigError(f"{path}: cannot read the recipe ({error.strerror or error})") from None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte 0x{data[error.start]:02x} at offset {error.start}); save the recipe as UTF-8"
+        ) from None
+    try:
+        raw = parse_yaml(text)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: not valid YAML ({_yaml_problem(error)})") from None
+    except _DuplicateKey as error:
+        raise ConfigError(f"{path}: {error}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: a recipe is a mapping of sections (precision, model, data, ...), found {type(raw).__name__}")
     for section, values in raw.items():
         if section not in SECTIONS:
+            raise ConfigError(
+                f"{path}: unknown section {section!r}{closest(str(section), SECTIONS)}; valid sections: {', '.join(SECTIONS)}"
+            )
+        if values is not None and not isinstance(values, dict):
+            keys = ", ".join(f.name for f in dataclasses.fields(SECTIONS[section]))
+            raise ConfigError(
+                f"{path}: section {section!r} must be a mapping of key: value lines, found {type(values).__name__} {values!r}; "
+                f"valid keys in {section}: {keys}"
+            )
+    return {section: dict(values or {}) for section, values in raw.items()}
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a recipe (YAML) and apply overrides; raise ConfigError on the first bad key or value."""
+    raw = read_recipe(path) if path is not None else {}
+    for section, values in parse_overrides(overrides or []).items():
+        if section not in SECTIONS:
             raise ConfigError(f"unknown section {section!r}{closest(str(section), SECTIONS)}; valid sections: {', '.join(SECTIONS)}")
-        if not isinstance(values, dict):
-            raise ConfigError(f"section {section!r} must be a mapping of keys, found {values!r}")
-        sections[section] = _build(section, SECTIONS[section], values)
-    return RunConfig(**sections)
+        raw[section] = {**raw.get(section, {}), **values}
+    return RunConfig(**{section: _build(section, SECTIONS[section], values) for section, values in raw.items()})
 
 
 def describe_keys() -> str:
@@ -240,3 +387,14 @@ def describe_keys() -> str:
             hint = f" {{{', '.join(choices)}}}" if choices else ""
             lines.append(f"  {section}.{f.name} = {default!r}{hint}")
     return "\n".join(lines)
+
+
+def check_config(config: RunConfig) -> None:
+    """Check every value of a RunConfig again, for one built in code (``load_config`` checks as it reads)."""
+    for section, cls in SECTIONS.items():
+        values = getattr(config, section)
+        if not isinstance(values, cls):
+            raise ConfigError(f"section {section!r} must be a {cls.__name__}, found {type(values).__name__}")
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            _coerce(f"{section}.{f.name}", getattr(values, f.name), hints[f.name], f.metadata.get("choices"), f.metadata.get("bounds"))

@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader, Dataset
 
 from ampddp.checkpoint import keys
-from ampddp.checkpoint.files import load_safely
+from ampddp.checkpoint.finite import first_non_finite
 from ampddp.checkpoint.restore import (
     check_model_state,
     check_optimizer_state,
@@ -35,11 +35,11 @@ from ampddp.checkpoint.restore import (
     restore_precision,
 )
 from ampddp.checkpoint.rng import capture_rng, derive_rng, restore_rng
-from ampddp.checkpoint.store import CheckpointRef, CheckpointStore, find_checkpoint
+from ampddp.checkpoint.store import CheckpointRef, CheckpointStore, find_checkpoint, plan_resume
 from ampddp.diagnostics import first_non_finite_module
 from ampddp.distributed.data import ResumableSampler, broadcast_from_main, eval_sampler, sum_across_ranks
 from ampddp.distributed.env import DistEnv, detect_env, seed_everything
-from ampddp.errors import ConfigError, NonFiniteGradientsError
+from ampddp.errors import CheckpointError, ConfigError, NonFiniteGradientsError
 from ampddp.models import has_convolutions
 from ampddp.observe import RunObserver
 from ampddp.precision.registry import OpRegistry
@@ -384,47 +384,57 @@ class Trainer:
         }
 
     def save_checkpoint(self) -> CheckpointRef | None:
+        """Write a checkpoint of this step collectively (every file hashed into its manifest)."""
         if self.store is None:
             return None
-        ref = self.store.save(self.progress.global_step, self.state_dict(), {keys.RNG: capture_rng()}, self.env)
+        state = self.state_dict()
+        poisoned = first_non_finite({name: state[name] for name in (keys.MODEL, keys.OPTIMIZER, keys.PRECISION)})
+        if poisoned is not None:
+            last = f"step {self._saved_step}" if self._saved_step else "none yet"
+            raise NonFiniteGradientsError(
+                f"{poisoned} is inf/NaN at step {self.progress.global_step}, so no checkpoint was written (the newest complete "
+                f"checkpoint, {last}, stays the last good one); lower the learning rate or check that module's inputs"
+            )
+        ref = self.store.save(self.progress.global_step, state, {keys.RNG: capture_rng()}, self.env)
         self._saved_step = self.progress.global_step
         return ref
 
     def _maybe_resume(self) -> None:
-        if self.resume == "never" or (self.store is None and self.resume == "auto"):
-            start = None
-        else:
-            # Rank 0 decides, so ranks on filesystems with stale caches cannot resume from different steps.
-            found = self.store.latest() if self.resume == "auto" and self.env.is_main else None
-            if self.resume != "auto" and self.env.is_main:
-                found = find_checkpoint(self.resume)
-            start = broadcast_from_main(str(found.path) if found is not None else None, self.env)
-        if self.store is not None:
-            newest = broadcast_from_main(
-                max((ref.step for ref in self.store.complete()), default=None) if self.env.is_main else None, self.env
-            )
-            resume_step = find_checkpoint(start).step if start is not None else 0
-            if newest is not None and newest > resume_step:
-                raise ConfigError(
-                    f"run_dir {self.store.root.parent} already holds checkpoints up to step {newest}, newer than where this run "
-                    f"starts (step {resume_step}); use checkpoint resume 'auto' to continue it, or a new run_dir"
-                )
-        if start is not None:
-            self.load_checkpoint(find_checkpoint(start))
+        # Rank 0 decides (the newest checkpoint that verifies, or the one asked for), so ranks on file
+        # systems with stale caches cannot resume from different steps; every rank raises its error.
+        if self.store is None and self.resume in ("auto", "never"):
+            return
+        plan = broadcast_from_main(plan_resume(self.store, self.resume) if self.env.is_main else None, self.env)
+        if plan["error"] is not None:
+            kind, message = plan["error"]
+            raise (ConfigError if kind == "ConfigError" else CheckpointError)(message)
+        if plan["start"] is not None:
+            self.load_checkpoint(find_checkpoint(plan["start"]))
 
     def load_checkpoint(self, ref: CheckpointRef) -> None:
         """Restore every piece of state; the run continues exactly where the checkpoint was taken.
 
-        Everything is read and checked before anything changes, so a bad checkpoint leaves the
-        trainer as it was.
+        Every file read is verified against the checkpoint's manifest (size and checksum), and
+        everything is read and checked on every rank — the ranks agree — before anything changes,
+        so a bad checkpoint leaves the trainer as it was.
         """
-        shared = CheckpointStore.load_shared(ref)
         where = str(ref.shared_file)
-        rank_file = ref.rank_file(self.env.rank)
-        rng = load_safely(rank_file)[keys.RNG] if rank_file.is_file() else None
-        check_model_state(shared[keys.MODEL], self.run.module, where)
-        check_optimizer_state(shared[keys.OPTIMIZER], self.optimizer, where)
-        check_sampler_state(shared[keys.SAMPLER], self.sampler.state_dict(), where)
+        error: Exception | None = None
+        try:
+            manifest = ref.manifest()
+            shared = CheckpointStore.load_shared(ref, manifest)
+            rank_state = CheckpointStore.load_rank(ref, self.env.rank, manifest)
+            rng = rank_state[keys.RNG] if rank_state is not None else None
+            check_model_state(shared[keys.MODEL], self.run.module, where)
+            check_optimizer_state(shared[keys.OPTIMIZER], self.optimizer, where)
+            check_sampler_state(shared[keys.SAMPLER], self.sampler.state_dict(), where)
+        except (CheckpointError, KeyError) as exc:
+            error = exc if isinstance(exc, CheckpointError) else CheckpointError(f"{ref.path}: checkpoint lacks entry {exc}")
+        failed = int(sum_across_ranks(float(error is not None)).item())
+        if error is not None:
+            raise error
+        if failed:
+            raise CheckpointError(f"{ref.path}: {failed} rank(s) could not read or check their part of this checkpoint; nothing loaded")
         restore_precision(self.engine, shared[keys.PRECISION], where)
         self.run.module.load_state_dict(shared[keys.MODEL])
         self.optimizer.load_state_dict(shared[keys.OPTIMIZER])

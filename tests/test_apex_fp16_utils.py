@@ -151,7 +151,12 @@ def test_matches_o2_engine_bitwise(kind, dynamic):
         assert optimizer.overflow == (not stepped)
         assert optimizer.loss_scale == engine.loss_scale()
         skips.append(optimizer.overflow)
-        assert_same(tensors(half_model[1]), tensors(engine_model))
+        # Parameters always agree. Buffers agree until the first skipped step: the O2 engine then puts
+        # back the BatchNorm statistics the skipped forward wrote (ampddp's never-poison rule), while
+        # FP16_Optimizer, like apex's, only sees parameters. Training-mode forwards use batch
+        # statistics, so the parameters stay bit-identical either way.
+        compared = tensors if not any(skips) else (lambda model: [p.detach() for p in model.parameters()])
+        assert_same(compared(half_model[1]), compared(engine_model))
         assert_same(list(optimizer._grads.master_params()), list(engine.master_params(engine_opt)))
     assert half_model[1][1].weight.dtype == torch.float32 and half_model[1][0].weight.dtype == torch.float16
     if dynamic:

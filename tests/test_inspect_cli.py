@@ -57,4 +57,7 @@ def test_malformed_checkpoints_are_clear_errors(tmp_path, capsys):
     folder = tmp_path / "run" / "checkpoints" / "step-000000001"
     torch.save({"format_version": 1}, folder / "shared.pt")
     assert main(["inspect", str(folder)]) == 2
+    assert "shared.pt: size mismatch" in capsys.readouterr().err, "a replaced file no longer matches the manifest"
+    (folder / "COMPLETE").write_text(json.dumps({"step": 1, "world_size": 1, "files": ["rank-00000.pt", "shared.pt"]}))
+    assert main(["inspect", str(folder)]) == 2, "an old names-only manifest loads unverified, and the content is checked"
     assert "no model" in capsys.readouterr().err

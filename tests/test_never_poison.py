@@ -84,3 +84,27 @@ def test_first_non_finite_names_the_entry():
         == "optimizer.state.0.momentum_buffer"
     )
     assert first_non_finite({"model": {"w": torch.zeros(3)}, "lists": [torch.ones(1), 2.0]}) is None
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("setting", ["optimizer.lr=1e6", "optimizer.lr=1e30"])
+def test_a_diverging_run_never_saves_a_non_finite_checkpoint(tmp_path, setting):
+    """fp32 (no loss scale, nothing skipped): the weights themselves blow up; no such state may be saved."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from ampddp.checkpoint.store import CheckpointStore
+
+    root = Path(__file__).resolve().parents[1]
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "ampddp", "train", str(root / "recipes" / "quickstart.yaml"), f"trainer.run_dir={run_dir}",
+               "precision.mode=O0", setting, "checkpoint.every_steps=1", "trainer.max_steps=40",
+               "trainer.max_nonfinite_losses=3", "trainer.progress=off", "data.batch_size=16"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=root)
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    store = CheckpointStore(run_dir)
+    assert store.complete(), "the run saved no checkpoint at all"
+    for ref in store.complete():
+        assert first_non_finite(store.load_shared(ref)) is None, ref.path

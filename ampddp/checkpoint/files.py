@@ -1,25 +1,104 @@
-"""Atomic, durable writes and safe reads of single checkpoint files.
+"""Atomic, durable writes and safe, verified reads of single checkpoint files.
 
 Write: temporary file in the same directory, flush + fsync, ``os.replace``, fsync the directory,
-so a crash at any moment leaves either the old file or the complete new one. Read:
-``torch.load(weights_only=True)`` only; every failure becomes a one-line ``CheckpointError`` that
-names the file, and nothing on disk is touched.
+so a crash at any moment leaves either the old file or the complete new one. The bytes are hashed
+(xxHash XXH3-128) as they stream to disk, and the writer returns the file's ``FileDigest`` (size and
+checksum) for the checkpoint's ``COMPLETE`` manifest. Read: ``torch.load(weights_only=True)`` only;
+given the expected digest, the file's size and checksum are checked first (one pass over the mapped
+file, which ``torch.load(mmap=True)`` then reads without another copy). Every failure becomes a
+one-line ``CheckpointError`` that names the file, and nothing on disk is touched.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import mmap
 import os
 import pickle
 import zipfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
 
 from ampddp.errors import CheckpointError
+
+CHECKSUM = "xxh3_128"
+"""The checksum of every checkpoint file: XXH3-128 runs at memory speed (~10 GiB/s on one core, vs
+~0.6 for blake2b and ~1.1 for SHA-256 with CPU SHA extensions), so hashing costs a save or load
+only a few percent. It detects corruption, not tampering (the weights-only loader handles that)."""
+
+
+def new_hasher() -> Any:
+    """A fresh XXH3-128 hasher (``update(bytes-like)``, ``hexdigest()``)."""
+    try:
+        import xxhash
+    except ImportError:  # a dependency in setup.py; only a broken install lacks it
+        raise CheckpointError("checkpoint checksums need the xxhash package, which is missing: pip install xxhash") from None
+    return xxhash.xxh3_128()
+
+
+@dataclass(frozen=True)
+class FileDigest:
+    """Size in bytes and checksum of one checkpoint file, as recorded in ``COMPLETE``."""
+
+    size: int
+    checksum: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"size": self.size, CHECKSUM: self.checksum}
+
+    @classmethod
+    def from_json(cls, entry: Any, where: str) -> FileDigest:
+        if not isinstance(entry, dict) or not isinstance(entry.get("size"), int) or not isinstance(entry.get(CHECKSUM), str):
+            raise CheckpointError(f"{where}: malformed manifest entry {entry!r}; expected {{'size': int, '{CHECKSUM}': hex}}")
+        return cls(entry["size"], entry[CHECKSUM])
+
+
+def hash_open_file(handle: BinaryIO, size: int) -> str:
+    """Checksum of the first ``size`` bytes of an open file: one pass over a read-only mapping (no copy)."""
+    hasher = new_hasher()
+    if size > 0:
+        try:
+            mapping = mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_READ)
+        except (OSError, ValueError):
+            mapping = None
+        if mapping is not None:
+            with mapping:
+                hasher.update(mapping)
+        else:  # file systems or platforms without mmap
+            handle.seek(0)
+            while chunk := handle.read(16 * 2**20):
+                hasher.update(chunk)
+    return hasher.hexdigest()
+
+
+def verify_file(path: Path, expected: FileDigest) -> None:
+    """Raise ``CheckpointError`` naming ``path`` unless it has ``expected``'s size and checksum."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as handle:
+            _verify_open_file(path, handle, expected)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing ({expected.size} bytes listed in {path.parent.name}/COMPLETE)") from None
+    except OSError as error:
+        raise CheckpointError(f"{path}: cannot read checkpoint file ({error.strerror or error})") from None
+
+
+def _verify_open_file(path: Path, handle: BinaryIO, expected: FileDigest) -> None:
+    size = os.fstat(handle.fileno()).st_size
+    if size != expected.size:
+        raise CheckpointError(
+            f"{path}: size mismatch: {size} bytes on disk, {expected.size} recorded in COMPLETE (the file is truncated or was replaced)"
+        )
+    actual = hash_open_file(handle, size)
+    if actual != expected.checksum:
+        raise CheckpointError(
+            f"{path}: checksum mismatch: {CHECKSUM} {actual} on disk, {expected.checksum} recorded in COMPLETE (the file is corrupted)"
+        )
 
 
 def fsync_directory(directory: Path) -> None:
@@ -34,8 +113,12 @@ def fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def write_bytes_atomic(path: Path, data: bytes) -> None:
+def write_bytes_atomic(path: Path, data: bytes) -> FileDigest:
+    """Write ``data`` to ``path`` atomically and durably; returns its digest."""
+    hasher = new_hasher()
+    hasher.update(data)
     _write_atomic(Path(path), lambda handle: handle.write(data))
+    return FileDigest(len(data), hasher.hexdigest())
 
 
 def _write_atomic(path: Path, write: Callable[[BinaryIO], Any]) -> None:
@@ -49,13 +132,18 @@ def _write_atomic(path: Path, write: Callable[[BinaryIO], Any]) -> None:
     except OSError as error:
         temporary.unlink(missing_ok=True)
         raise CheckpointError(f"{path}: cannot write checkpoint file ({error.strerror or error})") from error
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
     fsync_directory(path.parent)
 
 
 class _WritebackAsYouGo(io.RawIOBase):
     """File wrapper that starts the kernel's writeback of each finished stretch while serialisation
     goes on, so the closing fsync waits only for the tail instead of the whole file (a checkpoint
-    saves at ~0.9 or more of a plain, non-durable ``torch.save`` instead of ~0.7)."""
+    saves at ~0.9 or more of a plain, non-durable ``torch.save`` instead of ~0.7). Every byte
+    is hashed on its way through (torch's zip writer writes strictly in order, never seeking back),
+    so the file's digest costs no second pass over the data."""
 
     STRETCH = 4 * 2**20
 
@@ -63,13 +151,17 @@ class _WritebackAsYouGo(io.RawIOBase):
         super().__init__()
         self._handle = handle
         self._hint = getattr(os, "posix_fadvise", None)
-        self._start = self._pending = 0
+        self._start = self._pending = self.size = 0
+        self.hasher = new_hasher()
 
     def writable(self) -> bool:
         return True
 
     def write(self, data: Any) -> int:
         written = self._handle.write(data)
+        view = memoryview(data).cast("B")
+        self.hasher.update(view if written == len(view) else view[:written])
+        self.size += written
         self._pending += written
         if self._pending >= self.STRETCH and self._hint is not None:
             self._handle.flush()
@@ -80,18 +172,32 @@ class _WritebackAsYouGo(io.RawIOBase):
         return written
 
 
-def save_atomic(obj: Any, path: Path) -> None:
-    """``torch.save`` ``obj`` to ``path`` atomically and durably (streamed: no extra copy in memory)."""
-    _write_atomic(Path(path), lambda handle: torch.save(obj, _WritebackAsYouGo(handle)))
+def save_atomic(obj: Any, path: Path) -> FileDigest:
+    """``torch.save`` ``obj`` to ``path`` atomically and durably (streamed: no extra copy in memory);
+    returns the file's size and checksum, computed from the bytes as they were written."""
+    writers: list[_WritebackAsYouGo] = []
+
+    def write(handle: BinaryIO) -> None:
+        writers.append(_WritebackAsYouGo(handle))
+        torch.save(obj, writers[0])
+
+    _write_atomic(Path(path), write)
+    return FileDigest(writers[0].size, writers[0].hasher.hexdigest())
 
 
-def load_safely(path: Path, map_location: Any = "cpu") -> dict[str, Any]:
-    """Load a checkpoint file with ``weights_only=True``; raise CheckpointError naming what is wrong."""
+def load_safely(path: Path, map_location: Any = "cpu", expected: FileDigest | None = None) -> dict[str, Any]:
+    """Load a checkpoint file with ``weights_only=True``; raise CheckpointError naming what is wrong.
+
+    With ``expected`` (from the checkpoint's manifest) the size and checksum are verified before
+    anything is unpickled, and the verified file is memory-mapped rather than copied.
+    """
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
+    if expected is not None:
+        verify_file(path, expected)
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
+        state = torch.load(path, map_location=map_location, weights_only=True, mmap=expected is not None)
     except pickle.UnpicklingError as error:
         lines = [line.strip() for line in str(error).splitlines() if line.strip()]
         reason = next((line for line in lines if "GLOBAL" in line or "Unsupported" in line), lines[0] if lines else "unreadable")

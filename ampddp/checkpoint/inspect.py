@@ -1,4 +1,8 @@
-"""What a checkpoint holds, in a few lines or as JSON, plus a digest of its model tensors."""
+"""What a checkpoint holds, in a few lines or as JSON, plus a digest of its model tensors.
+
+Every file is first checked against the checkpoint's manifest (sizes and XXH3-128 checksums): a
+mismatch is a ``CheckpointError`` naming the file; ``integrity`` reports ``verified``, or ``not
+verified (written before checksums)`` for checkpoints whose ``COMPLETE`` lists names only."""
 
 from __future__ import annotations
 
@@ -29,7 +33,9 @@ def model_digest(state: dict[str, torch.Tensor]) -> str:
 def summarize(location: str | Path) -> dict[str, Any]:
     """Summary of a checkpoint folder/file, or of a run dir's latest complete checkpoint."""
     ref = find_checkpoint(location)
-    shared = CheckpointStore.load_shared(ref)
+    manifest = ref.manifest()
+    integrity = ref.verify(manifest)
+    shared = CheckpointStore.load_shared(ref, manifest)
     model = shared.get(keys.MODEL)
     if not isinstance(model, dict):
         raise CheckpointError(f"{ref.shared_file}: no model state in this checkpoint (keys: {sorted(shared)})")
@@ -38,6 +44,8 @@ def summarize(location: str | Path) -> dict[str, Any]:
     scalers = precision.get("scalers", [])
     return {
         "path": str(ref.path),
+        "integrity": integrity,
+        "files": {name: digest.size for name, digest in (manifest.digests or {}).items()} or list(manifest.names),
         "format_version": shared[keys.FORMAT],
         "step": progress.get("global_step", ref.step),
         "epoch": progress.get("epoch"),
@@ -60,6 +68,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     return "\n".join(
         [
             f"checkpoint   {summary['path']}",
+            f"integrity    {summary['integrity']} ({len(summary['files'])} files)",
             f"progress     step {summary['step']}, epoch {summary['epoch']}, {summary['samples_seen']} samples seen",
             f"precision    {summary['mode']} ({summary['impl']}), loss scale {scales}, {summary['skipped_steps']} skipped steps",
             f"world size   {summary['world_size']}",

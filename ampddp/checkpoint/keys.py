@@ -6,9 +6,13 @@ A checkpoint is a directory ``<run_dir>/checkpoints/step-<N>/`` holding
   master values under O2/O5), ``OPTIMIZER``, ``PRECISION`` (mode, policy, loss scalers),
   ``SCHEDULER``, ``PROGRESS``, ``SAMPLER``, ``WORLD_SIZE``;
 - ``rank-<r>.pt`` (written by rank r): ``RNG`` (python, numpy, torch CPU and CUDA generator states);
-- ``COMPLETE`` (JSON, written last by rank 0): only a directory with it is a checkpoint.
+- ``COMPLETE`` (JSON, written last by rank 0): only a directory with it is a checkpoint. It is the
+  manifest: ``{"step", "world_size", "time", "checksum": "xxh3_128", "files": {name: {"size": bytes,
+  "xxh3_128": hex}}}``, every file of every rank; markers written before checksums list the names
+  only (``"files": [name, ...]``) and load unverified.
 
-``<run_dir>/checkpoints/latest`` names the newest complete one. Files hold only tensors and plain
+``<run_dir>/checkpoints/latest`` names the newest complete one; ``<run_dir>/abandoned/`` receives the
+step folders newer than a checkpoint resumed explicitly (``resume_from``) and bad ones overwritten. Files hold only tensors and plain
 containers, numbers and strings, so they load with ``torch.load(weights_only=True)``.
 """
 
@@ -34,3 +38,4 @@ COMPLETE_FILE = "COMPLETE"
 LATEST_FILE = "latest"
 STEP_DIR = "step-{step:09d}"
 STEP_DIR_PREFIX = "step-"
+ABANDONED_DIR = "abandoned"

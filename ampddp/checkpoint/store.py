@@ -1,25 +1,73 @@
-"""The checkpoint directory: step folders, completion markers, the latest pointer, retention.
+"""The checkpoint directory: step folders, completion manifests, the latest pointer, retention.
 
-Rank 0 writes the shared file, every rank its own RNG file; after a barrier rank 0 writes
-``COMPLETE`` and then moves ``latest``. A process killed at any moment leaves the previous complete
-checkpoint in place and ``latest`` pointing at it; half-written folders are never trusted and are
-cleaned up by the next successful save.
+Rank 0 writes the shared file, every rank its own RNG file, each hashing its bytes as they stream
+out; the ranks' digests are gathered and rank 0 writes ``COMPLETE`` — the manifest: every file's
+size and XXH3-128 checksum — and then moves ``latest``. Every load checks the files it reads
+against the manifest. A process killed at any moment leaves the previous complete checkpoint in
+place and ``latest`` pointing at it; half-written folders are never trusted and are cleaned up by
+the next successful save. A checkpoint that does not verify is skipped by ``resume="auto"`` (the
+newest one that verifies wins) and left on disk until a newer good one exists.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from ampddp.checkpoint import keys
-from ampddp.checkpoint.files import fsync_directory, load_safely, save_atomic, write_bytes_atomic
+from ampddp.checkpoint.files import CHECKSUM, FileDigest, fsync_directory, load_safely, save_atomic, verify_file, write_bytes_atomic
 from ampddp.distributed.data import broadcast_from_main, sum_across_ranks
 from ampddp.distributed.env import DistEnv
 from ampddp.errors import CheckpointError, ConfigError
+
+logger = logging.getLogger("ampddp.checkpoint")
+UNVERIFIED = "not verified (written before checksums)"
+VERIFIED = "verified"
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The content of a ``COMPLETE`` marker.
+
+    ``digests`` maps each file name to its size and checksum; ``None`` for a marker written before
+    checksums (its ``files`` were a list of names), which can be checked for presence only.
+    """
+
+    step: int | None
+    world_size: int | None
+    names: tuple[str, ...]
+    digests: dict[str, FileDigest] | None
+
+    @property
+    def verifiable(self) -> bool:
+        return self.digests is not None
+
+
+def read_manifest(folder: Path) -> Manifest:
+    """Parse ``folder/COMPLETE``; a missing or malformed marker is a ``CheckpointError`` naming it."""
+    marker = Path(folder) / keys.COMPLETE_FILE
+    try:
+        content = json.loads(marker.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{folder}: incomplete checkpoint (no {keys.COMPLETE_FILE} marker: the save was interrupted)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{marker}: unreadable completion marker ({str(error).splitlines()[0][:120]})") from None
+    files = content.get("files") if isinstance(content, dict) else None
+    world_size = content.get("world_size")
+    if not isinstance(files, (dict, list)) or not (world_size is None or isinstance(world_size, int)):
+        raise CheckpointError(f"{marker}: malformed completion marker: expected JSON with 'files' and 'world_size'")
+    if isinstance(files, list):  # written before checksums: names only
+        return Manifest(content.get("step"), world_size, tuple(str(name) for name in files), None)
+    digests = {str(name): FileDigest.from_json(entry, f"{marker} ({name})") for name, entry in files.items()}
+    return Manifest(content.get("step"), world_size, tuple(digests), digests)
 
 
 @dataclass(frozen=True)
@@ -35,6 +83,51 @@ class CheckpointRef:
 
     def rank_file(self, rank: int) -> Path:
         return self.path / keys.RANK_FILE.format(rank=rank)
+
+    def manifest(self) -> Manifest:
+        return read_manifest(self.path)
+
+    def verify(self, manifest: Manifest | None = None) -> str:
+        """Check every file of the checkpoint against its manifest; returns ``VERIFIED`` or
+        ``UNVERIFIED`` (an old marker: files present, no checksums to compare). Anything wrong —
+        a file missing, truncated or corrupted, a rank file absent — is a ``CheckpointError`` naming
+        the file and what is wrong."""
+        manifest = manifest or self.manifest()
+        marker = self.path / keys.COMPLETE_FILE
+        required = [keys.SHARED_FILE] + [keys.RANK_FILE.format(rank=r) for r in range(manifest.world_size or 0)]
+        for name in required:
+            if name not in manifest.names:
+                raise CheckpointError(f"{marker}: incomplete checkpoint: {name} is not listed (saved by {manifest.world_size} rank(s))")
+        missing = sorted((n for n in manifest.names if not (self.path / n).is_file()), key=lambda n: (n != keys.SHARED_FILE, n))
+        if missing:
+            others = f"; also missing: {', '.join(missing[1:])}" if len(missing) > 1 else ""
+            raise CheckpointError(f"{self.path / missing[0]}: missing (listed in {keys.COMPLETE_FILE}){others}")
+        for name, digest in (manifest.digests or {}).items():
+            verify_file(self.path / name, digest)
+        return VERIFIED if manifest.verifiable else UNVERIFIED
+
+    def looks_whole(self) -> bool:
+        """Cheap check (no hashing): the marker parses and every listed file is there with its size."""
+        try:
+            manifest = self.manifest()
+        except CheckpointError:
+            return False
+        for name in manifest.names:
+            path = self.path / name
+            size = manifest.digests[name].size if manifest.digests is not None else None
+            if not path.is_file() or (size is not None and path.stat().st_size != size):
+                return False
+        return keys.SHARED_FILE in manifest.names
+
+    def load_file(self, name: str, manifest: Manifest | None = None) -> dict[str, Any]:
+        """Load one file of this checkpoint, verified against the manifest when it has checksums."""
+        manifest = manifest or self.manifest()
+        path = self.path / name
+        if manifest.digests is None:
+            return load_safely(path)
+        if name not in manifest.digests:
+            raise CheckpointError(f"{path}: not listed in {self.path / keys.COMPLETE_FILE}: incomplete checkpoint")
+        return load_safely(path, expected=manifest.digests[name])
 
 
 def _step_of(folder: Path) -> int | None:
@@ -82,21 +175,37 @@ class CheckpointStore:
         ``CheckpointError`` on all of them instead of leaving the others waiting at a barrier.
         """
         folder = self.root / keys.STEP_DIR.format(step=step)
-        exists = broadcast_from_main((folder / keys.COMPLETE_FILE).is_file() if env.is_main else None, env)
+        ref = CheckpointRef(folder, step)
+        exists = broadcast_from_main(self._existing_is_good(ref) if env.is_main else None, env)
         if exists:
             # A step is written once: replacing a complete checkpoint in place could lose it to a crash.
-            return CheckpointRef(folder, step)
-        ref = CheckpointRef(folder, step)
+            return ref
+        digests: dict[str, dict[str, Any]] = {}
         self._run_everywhere(lambda: self._prepare_folder(folder) if env.is_main else None, folder, env)
-        self._run_everywhere(lambda: self._write_parts(ref, shared, rank_state, env), folder, env)
-        self._run_everywhere(lambda: self._finish(folder, step, env) if env.is_main else None, folder, env)
+        self._run_everywhere(lambda: digests.update(self._write_parts(ref, shared, rank_state, env)), folder, env)
+        every_rank = _gather_everywhere(digests, env)
+        files = {name: entry for part in every_rank for name, entry in part.items()}
+        self._run_everywhere(lambda: self._finish(folder, step, env, files) if env.is_main else None, folder, env)
         return ref
 
+    def _existing_is_good(self, ref: CheckpointRef) -> bool:
+        """Whether ``ref`` is already a complete checkpoint that verifies; a bad one is moved aside."""
+        if not (ref.path / keys.COMPLETE_FILE).is_file():
+            return False
+        try:
+            ref.verify()
+        except CheckpointError as error:
+            moved = self.move_aside([ref.path])
+            logger.warning("checkpoint step %d does not verify (%s); moved it to %s and writing it anew", ref.step, error, moved[0])
+            return False
+        return True
+
     @staticmethod
-    def _write_parts(ref: CheckpointRef, shared: dict[str, Any], rank_state: dict[str, Any], env: DistEnv) -> None:
-        save_atomic({**rank_state, keys.RANK: env.rank}, ref.rank_file(env.rank))
+    def _write_parts(ref: CheckpointRef, shared: dict[str, Any], rank_state: dict[str, Any], env: DistEnv) -> dict[str, dict[str, Any]]:
+        names = {keys.RANK_FILE.format(rank=env.rank): save_atomic({**rank_state, keys.RANK: env.rank}, ref.rank_file(env.rank))}
         if env.is_main:
-            save_atomic(shared, ref.shared_file)
+            names[keys.SHARED_FILE] = save_atomic(shared, ref.shared_file)
+        return {name: digest.to_json() for name, digest in names.items()}
 
     def _run_everywhere(self, phase: Any, folder: Path, env: DistEnv) -> None:
         error: BaseException | None = None
@@ -113,9 +222,10 @@ class CheckpointStore:
             reason = f": {error}" if error is not None else ""
             raise CheckpointError(f"{folder}: checkpoint not written: {failed} rank(s) failed to write their part{reason}") from error
 
-    def _finish(self, folder: Path, step: int, env: DistEnv) -> None:
-        marker = {"step": step, "world_size": env.world_size, "time": time.time(), "files": sorted(p.name for p in folder.iterdir())}
-        write_bytes_atomic(folder / keys.COMPLETE_FILE, json.dumps(marker).encode())
+    def _finish(self, folder: Path, step: int, env: DistEnv, files: dict[str, dict[str, Any]]) -> None:
+        marker = {"step": step, "world_size": env.world_size, "time": time.time(), "checksum": CHECKSUM}
+        marker["files"] = dict(sorted(files.items()))  # every rank's digests of what it wrote
+        write_bytes_atomic(folder / keys.COMPLETE_FILE, json.dumps(marker, indent=1).encode())
         write_bytes_atomic(self.root / keys.LATEST_FILE, folder.name.encode())
         self._prune(keep=folder)
 
@@ -130,13 +240,53 @@ class CheckpointStore:
         fsync_directory(self.root)
 
     def _prune(self, keep: Path) -> None:
-        """Drop half-written folders and complete ones beyond ``keep_last`` (never the newest)."""
-        complete = self.complete()
-        doomed = [ref.path for ref in complete[: -self.keep_last]] if self.keep_last else []
+        """Drop half-written folders, and complete ones beyond ``keep_last`` older than ``keep``.
+
+        Complete folders newer than ``keep`` (the one just written) are checkpoints that did not
+        verify and were skipped on resume: they stay untouched until a newer good one exists. The
+        ``keep_last`` count only counts folders whose files are all there with their sizes.
+        """
+        kept = _step_of(keep)
+        older = [ref for ref in self.complete() if kept is None or ref.step <= kept]
+        whole = [ref for ref in older if ref.path == keep or ref.looks_whole()]
+        survivors = {ref.path for ref in whole[-self.keep_last :]} if self.keep_last else {ref.path for ref in older}
+        doomed = [ref.path for ref in older if ref.path not in survivors]
         doomed += [folder for folder in self.root.iterdir() if _step_of(folder) is not None and not (folder / keys.COMPLETE_FILE).is_file()]
         for folder in doomed:
             if folder != keep:
                 shutil.rmtree(folder, ignore_errors=True)
+
+    def move_aside(self, folders: list[Path]) -> list[Path]:
+        """Move step folders into ``<run_dir>/abandoned/`` (never deleted); returns their new paths."""
+        target_root = self.root.parent / keys.ABANDONED_DIR
+        moved = []
+        try:
+            target_root.mkdir(exist_ok=True)
+            for folder in folders:
+                target = target_root / folder.name
+                suffix = 1
+                while target.exists():
+                    suffix += 1
+                    target = target_root / f"{folder.name}.{suffix}"
+                os.replace(folder, target)
+                moved.append(target)
+        except OSError as error:
+            raise CheckpointError(f"{target_root}: cannot move checkpoints aside ({error.strerror or error})") from error
+        fsync_directory(target_root)
+        fsync_directory(self.root)
+        return moved
+
+    def newest_verified(self) -> tuple[CheckpointRef | None, list[str]]:
+        """The newest checkpoint that verifies, and one line for each newer one that does not."""
+        skipped = []
+        for ref in reversed(self.complete()):
+            try:
+                ref.verify()
+            except CheckpointError as error:
+                skipped.append(f"checkpoint step {ref.step} does not verify, skipped and left on disk: {error}")
+                continue
+            return ref, skipped
+        return None, skipped
 
     def resolve(self, location: str | Path | None) -> CheckpointRef:
         """A checkpoint from a step folder, a file inside one, a run dir, or None (this run's latest)."""
@@ -148,14 +298,104 @@ class CheckpointStore:
         return find_checkpoint(location)
 
     @staticmethod
-    def load_shared(ref: CheckpointRef) -> dict[str, Any]:
-        state = load_safely(ref.shared_file)
+    def load_shared(ref: CheckpointRef, manifest: Manifest | None = None) -> dict[str, Any]:
+        """The shared file, verified against the manifest (size and checksum) before it is unpickled."""
+        state = ref.load_file(keys.SHARED_FILE, manifest)
         version = state.get(keys.FORMAT)
         if version != keys.FORMAT_VERSION:
             raise CheckpointError(
                 f"{ref.shared_file}: checkpoint format {version!r} is not supported (this ampddp reads format {keys.FORMAT_VERSION})"
             )
         return state
+
+    @staticmethod
+    def load_rank(ref: CheckpointRef, rank: int, manifest: Manifest | None = None) -> dict[str, Any] | None:
+        """``rank``'s own file, verified; None when the checkpoint was saved by fewer ranks than ``rank``.
+
+        A rank of the saving world whose file is missing makes the checkpoint incomplete: an error.
+        """
+        manifest = manifest or ref.manifest()
+        path = ref.rank_file(rank)
+        saved_by = manifest.world_size
+        if saved_by is not None and rank >= saved_by:
+            return None
+        if saved_by is None and not path.is_file():  # a marker without a world size: nothing to require
+            return None
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing: incomplete checkpoint (saved by {saved_by} rank(s), each writes its own file)")
+        return ref.load_file(path.name, manifest)
+
+    def step_folders(self) -> list[Path]:
+        """Every step folder, complete or not, oldest first."""
+        if not self.root.is_dir():
+            return []
+        return sorted((f for f in self.root.iterdir() if f.is_dir() and _step_of(f) is not None), key=lambda f: _step_of(f) or 0)
+
+
+def plan_resume(store: CheckpointStore | None, resume: str | Path) -> dict[str, Any]:
+    """Rank 0's resume decision as plain data to broadcast: ``start`` (a folder or None),
+    ``warnings`` (lines already logged), ``error`` ((kind, message) or None).
+
+    ``"auto"``: the newest checkpoint of ``store`` that verifies; each newer one that does not is
+    reported and left on disk. A step folder: that checkpoint (it must verify); when it belongs to
+    ``store``, newer step folders are moved into ``<run_dir>/abandoned/``. A run dir: its newest
+    checkpoint that verifies. ``store`` (this run's, or None) must otherwise hold nothing newer.
+    """
+    try:
+        return {"start": None, "error": None, **_plan(store, resume)}
+    except (CheckpointError, ConfigError) as error:
+        return {"start": None, "warnings": [], "error": (type(error).__name__, str(error))}
+
+
+def _plan(store: CheckpointStore | None, resume: str | Path) -> dict[str, Any]:
+    warnings: list[str] = []
+    ref: CheckpointRef | None = None
+    if resume == "auto" and store is not None:
+        ref, warnings = store.newest_verified()
+    elif resume not in ("auto", "never"):
+        path = Path(resume)
+        folder = path.parent if path.is_file() else path
+        if _step_of(folder) is not None:
+            ref = find_checkpoint(folder)
+            ref.verify()
+        else:
+            run_dir = folder.parent if folder.name == keys.CHECKPOINTS_DIR else folder
+            if not run_dir.exists():
+                raise CheckpointError(f"{resume}: no such checkpoint or run directory")
+            ref, warnings = CheckpointStore(run_dir, keep_last=None).newest_verified()
+            if ref is None:
+                raise CheckpointError(f"{resume}: no checkpoint that verifies (expected {keys.CHECKPOINTS_DIR}/step-*/ with COMPLETE)")
+    for line in warnings:
+        logger.warning(line)
+    if store is None or resume == "auto":
+        return {"start": str(ref.path) if ref is not None else None, "warnings": warnings}
+    start = ref.step if ref is not None else 0
+    newer = [folder for folder in store.step_folders() if (_step_of(folder) or 0) > start]
+    if newer and ref is not None and ref.path.resolve().parent == store.root.resolve():
+        moved = store.move_aside(newer)
+        write_bytes_atomic(store.root / keys.LATEST_FILE, ref.path.name.encode())
+        line = f"resuming from step {start}: moved the newer checkpoint folders aside: " + ", ".join(
+            f"{a.name} -> {b}" for a, b in zip(newer, moved)
+        )
+        logger.warning(line)
+        warnings.append(line)
+    elif any((folder / keys.COMPLETE_FILE).is_file() for folder in newer):
+        newest = max(_step_of(folder) or 0 for folder in newer)
+        raise ConfigError(
+            f"run_dir {store.root.parent} already holds checkpoints up to step {newest}, newer than where this run "
+            f"starts (step {start}); use checkpoint resume 'auto' to continue it, resume_from one of its own checkpoints "
+            f"(newer ones are moved to {keys.ABANDONED_DIR}/), or a new run_dir"
+        )
+    return {"start": str(ref.path) if ref is not None else None, "warnings": warnings}
+
+
+def _gather_everywhere(value: Any, env: DistEnv) -> list[Any]:
+    """Every rank's ``value`` on every rank, in rank order (``[value]`` in a single process)."""
+    if not env.distributed or not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    gathered: list[Any] = [None] * env.world_size
+    dist.all_gather_object(gathered, value)
+    return gathered
 
 
 def find_checkpoint(location: str | Path) -> CheckpointRef:
