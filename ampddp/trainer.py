@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader, Dataset
 
 from ampddp.checkpoint import keys
-from ampddp.checkpoint.finite import first_non_finite
+from ampddp.checkpoint.finite import refuse_non_finite
 from ampddp.checkpoint.restore import (
     check_model_state,
     check_optimizer_state,
@@ -388,13 +388,7 @@ class Trainer:
         if self.store is None:
             return None
         state = self.state_dict()
-        poisoned = first_non_finite({name: state[name] for name in (keys.MODEL, keys.OPTIMIZER, keys.PRECISION)})
-        if poisoned is not None:
-            last = f"step {self._saved_step}" if self._saved_step else "none yet"
-            raise NonFiniteGradientsError(
-                f"{poisoned} is inf/NaN at step {self.progress.global_step}, so no checkpoint was written (the newest complete "
-                f"checkpoint, {last}, stays the last good one); lower the learning rate or check that module's inputs"
-            )
+        refuse_non_finite(state, self.progress.global_step, self._saved_step)
         ref = self.store.save(self.progress.global_step, state, {keys.RNG: capture_rng()}, self.env)
         self._saved_step = self.progress.global_step
         return ref

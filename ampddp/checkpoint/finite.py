@@ -13,6 +13,9 @@ from typing import Any
 
 import torch
 
+from ampddp.checkpoint import keys
+from ampddp.errors import NonFiniteGradientsError
+
 
 def _float_tensors(state: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
     if isinstance(state, torch.Tensor):
@@ -40,3 +43,15 @@ def first_non_finite(state: Any) -> str | None:
         if not bool(torch.isfinite(tensor).all()):
             return path
     return None
+
+
+def refuse_non_finite(state: Mapping[str, Any], step: int, last_saved: int | None) -> None:
+    """Raise ``NonFiniteGradientsError`` instead of saving a checkpoint whose model, optimizer or
+    loss-scaler state holds inf/NaN; the newest complete checkpoint then stays the last good one."""
+    poisoned = first_non_finite({name: state[name] for name in (keys.MODEL, keys.OPTIMIZER, keys.PRECISION)})
+    if poisoned is not None:
+        last = f"step {last_saved}" if last_saved else "none yet"
+        raise NonFiniteGradientsError(
+            f"{poisoned} is inf/NaN at step {step}, so no checkpoint was written (the newest complete checkpoint, "
+            f"{last}, stays the last good one); lower the learning rate or check that module's inputs"
+        )
