@@ -8,6 +8,7 @@ batch sizes (even zero), inputs may be fp16/bf16, and any backend (gloo, nccl) w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -144,17 +145,26 @@ def convert_sync_batchnorm(module: nn.Module, impl: str = "auto", process_group:
     return _convert_portable(module, process_group)
 
 
-def _convert_portable(module: nn.Module, process_group: Any) -> nn.Module:
+def replace_batchnorms(module: nn.Module, build: Callable[[_BatchNorm], _BatchNorm], kind: type[_BatchNorm]) -> nn.Module:
+    """Replace every BatchNorm that is not already a ``kind`` with ``build(old)``, which then holds
+    the old layer's weight and bias Parameters themselves (an optimizer built before still steps
+    them), running statistics, ``num_batches_tracked`` and training flag. InstanceNorm is not a
+    BatchNorm and is left alone. Returns the converted module (the same object unless it is a BatchNorm)."""
     converted = module
-    if isinstance(module, _BatchNorm) and not isinstance(module, PortableSyncBatchNorm):
-        converted = PortableSyncBatchNorm(
-            module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats, process_group
-        )
+    if isinstance(module, _BatchNorm) and not isinstance(module, kind):
+        converted = build(module)
         if module.affine:
             converted.weight, converted.bias = module.weight, module.bias
         converted.running_mean, converted.running_var = module.running_mean, module.running_var
         converted.num_batches_tracked = module.num_batches_tracked
         converted.train(module.training)
     for name, child in module.named_children():
-        converted.add_module(name, _convert_portable(child, process_group))
+        converted.add_module(name, replace_batchnorms(child, build, kind))
     return converted
+
+
+def _convert_portable(module: nn.Module, process_group: Any) -> nn.Module:
+    def build(bn: _BatchNorm) -> PortableSyncBatchNorm:
+        return PortableSyncBatchNorm(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats, process_group)
+
+    return replace_batchnorms(module, build, PortableSyncBatchNorm)

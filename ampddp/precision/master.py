@@ -193,10 +193,10 @@ class OptimizerGrads:
 
     @torch.no_grad()
     def copy_masters_to_model(self) -> None:
-        if self.model_params:
-            torch._foreach_copy_(self.model_params, self.masters)
-            for master in self.masters:
-                master.grad = None
+        """After a step: model params take the masters' values; the masters' grads are consumed."""
+        self.copy_master_values_to_model()
+        for master in self.masters:
+            master.grad = None
 
     def reset_step_state(self) -> None:
         self.skip_pending = False

@@ -217,13 +217,14 @@ def manual_rms_norm(input: torch.Tensor, normalized_shape: ShapeLike, weight: to
 
 
 class _FunctionShim:
-    """``Cls.apply(...)`` with apex's positional arguments; autograd is torch's own, so there is no backward here."""
+    """``Cls.apply(...)`` with apex's positional arguments; autograd is torch's own, so there is no
+    backward here. ``forward`` keeps apex's signature (Megatron inspects it for ``memory_efficient``)."""
 
-    _impl: Any
+    forward: Any
 
     @classmethod
     def apply(cls, *args: Any) -> torch.Tensor:
-        return cls._impl(*args)
+        return cls.forward(None, *args)
 
 
 class FusedLayerNormAffineFunction(_FunctionShim):
@@ -241,8 +242,6 @@ class FusedLayerNormAffineFunction(_FunctionShim):
     ) -> torch.Tensor:
         return fused_layer_norm_affine(input, weight, bias, normalized_shape, eps, memory_efficient)
 
-    _impl = staticmethod(fused_layer_norm_affine)
-
 
 class FusedLayerNormAffineMixedDtypesFunction(_FunctionShim):
     """``apply(input, weight, bias, normalized_shape, eps, memory_efficient=False)``; output in the weight's dtype."""
@@ -259,8 +258,6 @@ class FusedLayerNormAffineMixedDtypesFunction(_FunctionShim):
     ) -> torch.Tensor:
         return mixed_dtype_fused_layer_norm_affine(input, weight, bias, normalized_shape, eps, memory_efficient)
 
-    _impl = staticmethod(mixed_dtype_fused_layer_norm_affine)
-
 
 class FusedLayerNormFunction(_FunctionShim):
     """``apply(input, normalized_shape, eps, memory_efficient=False)``."""
@@ -268,8 +265,6 @@ class FusedLayerNormFunction(_FunctionShim):
     @staticmethod
     def forward(ctx: Any, input: torch.Tensor, normalized_shape: ShapeLike, eps: float, memory_efficient: bool = False) -> torch.Tensor:
         return fused_layer_norm(input, normalized_shape, eps, memory_efficient)
-
-    _impl = staticmethod(fused_layer_norm)
 
 
 class FusedRMSNormAffineFunction(_FunctionShim):
@@ -281,8 +276,6 @@ class FusedRMSNormAffineFunction(_FunctionShim):
     ) -> torch.Tensor:
         return fused_rms_norm_affine(input, weight, normalized_shape, eps, memory_efficient)
 
-    _impl = staticmethod(fused_rms_norm_affine)
-
 
 class FusedRMSNormAffineMixedDtypesFunction(_FunctionShim):
     """``apply(input, weight, normalized_shape, eps, memory_efficient=False)``; output in the weight's dtype."""
@@ -293,8 +286,6 @@ class FusedRMSNormAffineMixedDtypesFunction(_FunctionShim):
     ) -> torch.Tensor:
         return mixed_dtype_fused_rms_norm_affine(input, weight, normalized_shape, eps, memory_efficient)
 
-    _impl = staticmethod(mixed_dtype_fused_rms_norm_affine)
-
 
 class FusedRMSNormFunction(_FunctionShim):
     """``apply(input, normalized_shape, eps, memory_efficient=False)``."""
@@ -302,8 +293,6 @@ class FusedRMSNormFunction(_FunctionShim):
     @staticmethod
     def forward(ctx: Any, input: torch.Tensor, normalized_shape: ShapeLike, eps: float, memory_efficient: bool = False) -> torch.Tensor:
         return fused_rms_norm(input, normalized_shape, eps, memory_efficient)
-
-    _impl = staticmethod(fused_rms_norm)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -13,12 +13,12 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.modules.instancenorm import _InstanceNorm
 
 from ampddp.apex._names import unknown_name
 from ampddp.apex.parallel.distributed import DistributedDataParallel, Reducer
 from ampddp.apex.parallel.LARC import LARC
 from ampddp.apex.parallel.sync_batchnorm import SyncBatchNorm
+from ampddp.distributed.sync_bn import replace_batchnorms
 from ampddp.errors import ConfigError
 
 ReduceOp = dist.ReduceOp
@@ -48,20 +48,13 @@ def convert_syncbn_model(module: nn.Module, process_group: Any = None, channel_l
     before the conversion still steps them), running statistics, ``num_batches_tracked`` and
     training flag. Returns the converted module (the same object unless ``module`` is a BatchNorm).
     """
-    converted = module
-    if isinstance(module, _BatchNorm) and not isinstance(module, _InstanceNorm):
-        converted = SyncBatchNorm(
-            module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats, process_group,
-            channel_last=channel_last,
-        )  # fmt: skip
-        if module.affine:
-            converted.weight, converted.bias = module.weight, module.bias
-        converted.running_mean, converted.running_var = module.running_mean, module.running_var
-        converted.num_batches_tracked = module.num_batches_tracked
-        converted.train(module.training)
-    for name, child in module.named_children():
-        converted.add_module(name, convert_syncbn_model(child, process_group=process_group, channel_last=channel_last))
-    return converted
+
+    def build(bn: _BatchNorm) -> SyncBatchNorm:
+        return SyncBatchNorm(
+            bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats, process_group, channel_last=channel_last
+        )
+
+    return replace_batchnorms(module, build, SyncBatchNorm)
 
 
 def create_syncbn_process_group(group_size: int) -> Any:
