@@ -29,11 +29,13 @@ def _inspect(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     import logging
 
+    from ampddp.distributed.env import detect_env
     from ampddp.run import launch
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     summary = launch(load_config(args.recipe, args.overrides))
-    print(json.dumps(summary, indent=2))
+    if detect_env(device="cpu").is_main:  # under a launcher every rank returns it; one prints
+        print(json.dumps(summary, indent=2))
     return EXIT_PREEMPTED if summary.get("preempted") else 0
 
 

@@ -154,6 +154,8 @@ class CheckpointConfig:
     """A checkpoint folder or run dir to resume from instead (overrides resume)."""
     init_from: str | None = None
     """Weights to start from: an ampddp checkpoint, an apex-era dict or a plain state dict file."""
+    allow_changes: bool = False
+    """Resume even when the model, data set, split (eval_fraction, seed) or image size changed."""
 
 
 @dataclass

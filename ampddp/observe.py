@@ -30,10 +30,9 @@ class RunObserver:
         self._bar = None
         self._lines = progress == "lines" or (progress == "auto" and not sys.stderr.isatty())
         self._writer = None
+        self._metrics: Any = None
         if not self.active:
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._metrics = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         if progress in ("bar", "auto") and not self._lines:
             from tqdm import tqdm
 
@@ -46,6 +45,9 @@ class RunObserver:
             self._writer = SummaryWriter(str(self.run_dir / "tensorboard"))
 
     def _write(self, record: dict[str, Any]) -> None:
+        if self._metrics is None:  # opened at the first record: a run refused before it writes nothing
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._metrics = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self._metrics.write(json.dumps(record) + "\n")
         self._metrics.flush()
         if self._writer is not None:
@@ -118,10 +120,23 @@ class RunObserver:
             self._bar.close()
         if self._writer is not None:
             self._writer.close()
-        self._metrics.close()
+        if self._metrics is not None:
+            self._metrics.close()
         (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
         plot_metrics(self.run_dir)
         return summary
+
+    def close_unchanged(self) -> dict[str, Any]:
+        """Close without writing anything; returns the summary the finished run wrote (empty when
+        there is none): what a re-run of a complete run reports instead of overwriting it."""
+        for stream in (self._bar, self._writer, self._metrics):
+            if stream is not None:
+                stream.close()
+        try:
+            summary = json.loads((self.run_dir / SUMMARY_FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+        return summary if isinstance(summary, dict) else {}
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:

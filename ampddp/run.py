@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import math
@@ -14,10 +15,13 @@ import torch
 from torch import nn
 
 from ampddp.checkpoint import keys
+from ampddp.checkpoint.changes import check_resume_settings
 from ampddp.checkpoint.files import load_safely
 from ampddp.checkpoint.restore import check_model_state, check_optimizer_state, check_sampler_state, initial_weights, restore_precision
+from ampddp.checkpoint.schedule_plan import plan_schedule
 from ampddp.checkpoint.store import CheckpointRef, CheckpointStore, find_checkpoint
 from ampddp.config import RunConfig, check_config
+from ampddp.console import rank_console
 from ampddp.data import CIFAR_LAYOUT, IMAGEFOLDER_LAYOUT, build_datasets
 from ampddp.distributed.env import DistEnv, detect_env, setup_distributed, shutdown_distributed
 from ampddp.distributed.launch import launch_local
@@ -29,7 +33,9 @@ from ampddp.precision.engine import NATIVE_MODES, PrecisionEngine
 from ampddp.precision.factory import build_engine
 from ampddp.precision.registry import FP32, LOW, PROMOTE, OpRegistry
 from ampddp.preemption import StopSignals, parse_signals
-from ampddp.trainer import Progress, Trainer
+from ampddp.progress import Progress
+from ampddp.run_lock import RunDirLock
+from ampddp.trainer import Trainer
 
 NATIVE_KEYS = ("loss_scale", "init_loss_scale", "growth_factor", "backoff_factor", "growth_interval")
 REGISTRATION_KEYS = {"float_functions": FP32, "half_functions": LOW, "promote_functions": PROMOTE}
@@ -300,7 +306,66 @@ def validate(config: RunConfig) -> None:
     dist_cfg = config.distributed
     env = detect_env(device=dist_cfg.device, backend=dist_cfg.backend, timeout_s=dist_cfg.timeout_s)
     _check_checkpoints(config, model, engine, env.rank)
+    launched = dist_cfg.nproc_per_node if env.launcher == "none" and dist_cfg.nproc_per_node > 1 else env.world_size
+    _check_resume_settings(config, model, launched)
     check_run_dir(config.trainer.run_dir)
+
+
+def _steps_per_epoch(config: RunConfig, train_samples: int, world_size: int) -> int:
+    return max(1, math.ceil(train_samples / (config.data.batch_size * world_size * config.trainer.grad_accum_steps)))
+
+
+def _check_resume_settings(config: RunConfig, model: nn.Module, world_size: int) -> None:
+    """The checkpoint this run will resume from (the newest complete one; the trainer verifies it
+    and falls back past a bad one) against this run's settings: a run-defining change or a schedule
+    that cannot be extended is refused now, before the run writes anything."""
+    found = _resume_candidate(config)
+    if found is None:
+        return
+    ref, shared = found
+    check_resume_settings(shared.get(keys.CONFIG), config.to_dict(), str(ref.path))
+    saved_optimizer, progress = shared.get(keys.OPTIMIZER), shared.get(keys.PROGRESS)
+    if not isinstance(saved_optimizer, dict) or not isinstance(saved_optimizer.get("param_groups"), list) or not isinstance(progress, dict):
+        return  # malformed: the trainer's verified load names what is wrong
+    data = config.data
+    train_set, _ = build_datasets(data.name, data.root, data.image_size, data.channels, data.eval_fraction, config.trainer.seed, False)
+    optimizer = _optimizer_factory(config)(model.parameters())
+    make_scheduler = _scheduler_factory(config, _steps_per_epoch(config, len(train_set), world_size))
+    scheduler = make_scheduler(optimizer) if make_scheduler is not None else None
+    saved = Progress()
+    try:
+        saved.load_state_dict(progress)
+        applied = saved.global_step - saved.skipped_steps
+        plan_schedule(optimizer, scheduler, saved_optimizer, shared.get(keys.SCHEDULER), applied, str(ref.path))
+    except ConfigError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError):
+        return  # malformed state: the trainer's verified load names what is wrong
+
+
+def _resume_candidate(config: RunConfig) -> tuple[CheckpointRef, dict[str, Any]] | None:
+    """The newest complete checkpoint this run would resume from whose shared file reads, with its
+    entries (memory-mapped). Ones that do not read are passed over here as the trainer passes over
+    them (it verifies every file and reports them)."""
+    ckpt = config.checkpoint
+    if ckpt.resume_from is not None:
+        path = Path(ckpt.resume_from)
+        folder = path.parent if path.is_file() else path
+        if folder.name.startswith(keys.STEP_DIR_PREFIX):
+            candidates = [find_checkpoint(folder)]
+        else:
+            run_dir = folder.parent if folder.name == keys.CHECKPOINTS_DIR else folder
+            candidates = CheckpointStore(run_dir, keep_last=None).complete()[::-1]
+    elif ckpt.resume == "auto":
+        candidates = CheckpointStore(config.trainer.run_dir, keep_last=None).complete()[::-1]
+    else:
+        return None
+    for ref in candidates:
+        try:
+            return ref, _peek(ref.shared_file)
+        except CheckpointError:
+            continue
+    return None
 
 
 def _scheduler_factory(config: RunConfig, steps_per_epoch: int) -> Any:
@@ -332,13 +397,18 @@ def train(config: RunConfig, env: DistEnv) -> dict[str, Any]:
 
 
 def _train(config: RunConfig, env: DistEnv, stop: StopSignals) -> dict[str, Any]:
+    with rank_console(env):
+        return _build_and_fit(config, env, stop)
+
+
+def _build_and_fit(config: RunConfig, env: DistEnv, stop: StopSignals) -> dict[str, Any]:
     data, trainer_cfg = config.data, config.trainer
     train_set, eval_set = build_datasets(
         data.name, data.root, data.image_size, data.channels, data.eval_fraction, trainer_cfg.seed, data.augment
     )
     torch.manual_seed(trainer_cfg.seed)
     model = build_model(config.model.name, config.model.num_classes, data.channels, data.image_size)
-    steps_per_epoch = max(1, math.ceil(len(train_set) / (data.batch_size * env.world_size * trainer_cfg.grad_accum_steps)))
+    steps_per_epoch = _steps_per_epoch(config, len(train_set), env.world_size)
     observer = RunObserver(
         trainer_cfg.run_dir, env, progress=trainer_cfg.progress,
         tensorboard=trainer_cfg.tensorboard, total_steps=trainer_cfg.max_steps or trainer_cfg.max_epochs * steps_per_epoch,
@@ -365,17 +435,21 @@ def _spawned(env: DistEnv, config: RunConfig) -> dict[str, Any]:
 
 
 def launch(config: RunConfig) -> dict[str, Any]:
-    """Train under whatever launcher started us, or spawn ``nproc_per_node`` local processes."""
+    """Train under whatever launcher started us, or spawn ``nproc_per_node`` local processes.
+
+    The main process (rank 0, or the parent of spawned workers) holds the run_dir lock throughout.
+    """
     validate(config)
     dist_cfg = config.distributed
     env = detect_env(device=dist_cfg.device, backend=dist_cfg.backend, timeout_s=dist_cfg.timeout_s)
-    if dist_cfg.nproc_per_node > 1 and env.launcher == "none":
-        results = launch_local(
-            _spawned, dist_cfg.nproc_per_node, (config,), device=dist_cfg.device, backend=dist_cfg.backend, timeout_s=dist_cfg.timeout_s
-        )
-        return results[0]
-    env = setup_distributed(device=dist_cfg.device, backend=dist_cfg.backend, timeout_s=dist_cfg.timeout_s)
-    try:
-        return train(config, env)
-    finally:
-        shutdown_distributed()
+    with RunDirLock(config.trainer.run_dir) if env.is_main else contextlib.nullcontext():  # one writer per run_dir
+        if dist_cfg.nproc_per_node > 1 and env.launcher == "none":
+            results = launch_local(
+                _spawned, dist_cfg.nproc_per_node, (config,), device=dist_cfg.device, backend=dist_cfg.backend, timeout_s=dist_cfg.timeout_s
+            )
+            return results[0]
+        env = setup_distributed(device=dist_cfg.device, backend=dist_cfg.backend, timeout_s=dist_cfg.timeout_s)
+        try:
+            return train(config, env)
+        finally:
+            shutdown_distributed()

@@ -14,7 +14,6 @@ import logging
 import math
 import platform
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader, Dataset
 
 from ampddp.checkpoint import keys
+from ampddp.checkpoint.changes import check_resume_settings
 from ampddp.checkpoint.finite import refuse_non_finite
 from ampddp.checkpoint.restore import (
     check_model_state,
@@ -35,6 +35,7 @@ from ampddp.checkpoint.restore import (
     restore_precision,
 )
 from ampddp.checkpoint.rng import capture_rng, derive_rng, restore_rng
+from ampddp.checkpoint.schedule_plan import plan_schedule
 from ampddp.checkpoint.store import CheckpointRef, CheckpointStore, find_checkpoint, plan_resume
 from ampddp.diagnostics import first_non_finite_module
 from ampddp.distributed.data import ResumableSampler, broadcast_from_main, eval_sampler, sum_across_ranks
@@ -45,33 +46,11 @@ from ampddp.observe import RunObserver
 from ampddp.precision.registry import OpRegistry
 from ampddp.preemption import DEFAULT_STOP_SIGNALS, StopSignals, parse_signals
 from ampddp.prepare import prepare
+from ampddp.progress import Progress
 
 logger = logging.getLogger("ampddp.trainer")
 FP16_MODES = ("O1", "O2", "O3", "native-fp16")
 RESUME_CHOICES = ("auto", "never")
-
-
-@dataclass
-class Progress:
-    """Where training stands; saved in every checkpoint."""
-
-    epoch: int = 0
-    """Current epoch (0-based)."""
-    global_step: int = 0
-    """Optimizer steps taken, skipped ones included."""
-    samples_seen: int = 0
-    """Training samples consumed over all ranks."""
-    epoch_position: int = 0
-    """Samples of the current epoch's global order consumed over all ranks."""
-    skipped_steps: int = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return asdict(self)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for name, value in state.items():
-            if name in self.__dataclass_fields__:
-                setattr(self, name, int(value))
 
 
 def _versions() -> dict[str, str]:
@@ -196,6 +175,8 @@ class Trainer:
         run stopped early (after writing a checkpoint to resume from).
         """
         self._maybe_resume()
+        if self._saved_step is not None and self._finished():
+            return self._already_complete()
         if self.observer is not None:
             self.observer.started(self.progress.global_step, self.progress.epoch, self.progress.samples_seen)
         own = not isinstance(self.stop_signals, StopSignals)
@@ -210,6 +191,12 @@ class Trainer:
         if preempted:
             logger.warning("stopped by %s at step %d after writing a checkpoint; run again to resume", preempted, self.progress.global_step)
         return {"progress": self.progress.state_dict(), "eval": self.last_eval, "summary": {**summary, "preempted": preempted}}
+
+    def _already_complete(self) -> dict[str, Any]:
+        """A re-run of a finished run: say so, change nothing (no evaluation, no summary rewrite)."""
+        logger.info("already complete at step %d (epoch %d): nothing to train", self.progress.global_step, self.progress.epoch)
+        summary = self.observer.close_unchanged() if self.observer is not None else {}
+        return {"progress": self.progress.state_dict(), "eval": {}, "summary": {**summary, "already_complete": True, "preempted": None}}
 
     def _train_until_done(self, stop: StopSignals) -> str | None:
         while not self._finished():
@@ -429,12 +416,21 @@ class Trainer:
             raise error
         if failed:
             raise CheckpointError(f"{ref.path}: {failed} rank(s) could not read or check their part of this checkpoint; nothing loaded")
+        changed = check_resume_settings(shared.get(keys.CONFIG), self.config, str(ref.path))
+        saved_progress = Progress()
+        saved_progress.load_state_dict(shared[keys.PROGRESS])
+        applied = saved_progress.global_step - saved_progress.skipped_steps
+        plan = plan_schedule(self.optimizer, self.scheduler, shared[keys.OPTIMIZER], shared.get(keys.SCHEDULER), applied, str(ref.path))
+        for line in ([changed] if changed else []) + plan.notes:
+            logger.warning(line)
         restore_precision(self.engine, shared[keys.PRECISION], where)
         self.run.module.load_state_dict(shared[keys.MODEL])
-        self.optimizer.load_state_dict(shared[keys.OPTIMIZER])
-        if self.scheduler is not None and shared.get(keys.SCHEDULER) is not None:
+        if plan.load_optimizer:
+            self.optimizer.load_state_dict(shared[keys.OPTIMIZER])
+        if plan.load_scheduler and shared.get(keys.SCHEDULER) is not None:
             self.scheduler.load_state_dict(shared[keys.SCHEDULER])
-        self.progress.load_state_dict(shared[keys.PROGRESS])
+        plan.apply(self.optimizer, self.scheduler)
+        self.progress = saved_progress
         self._saved_step = ref.step
         if rng is not None:
             restore_rng(rng)

@@ -22,7 +22,7 @@ from ampddp.config import load_config, parse_overrides
 from ampddp.errors import NonFiniteGradientsError
 from ampddp.models import build_model
 from ampddp.precision.factory import build_engine
-from ampddp.trainer import Progress
+from ampddp.progress import Progress
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "recipes" / "quickstart.yaml"

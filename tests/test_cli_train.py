@@ -147,3 +147,4 @@ def test_the_same_command_under_torchrun(tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     assert check_run_dir(tmp_path)["world_size"] == 2
+    assert result.stdout.count('"final_eval_accuracy"') == 1, "one summary per run, printed by rank 0"

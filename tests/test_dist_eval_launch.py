@@ -20,6 +20,7 @@ from ampddp.distributed import (
     train_sampler,
 )
 from ampddp.distributed.env import detect_env
+from ampddp.errors import NonFiniteGradientsError
 
 SAMPLES = 11
 
@@ -86,6 +87,18 @@ def exiting_worker(env):
 def test_a_failing_rank_is_named_with_its_traceback():
     with pytest.raises(LaunchError, match=r"(?s)rank 1 of 2 failed.*ValueError: broken on purpose"):
         launch_local(raising_worker, 2, device="cpu", timeout_s=30)
+
+
+def nonfinite_worker(env):
+    if env.rank == 1:
+        raise NonFiniteGradientsError("fc.weight is inf/NaN at step 2")
+    return env.rank
+
+
+def test_ampddp_errors_of_a_rank_keep_their_type_with_the_rank_in_front():
+    with pytest.raises(NonFiniteGradientsError, match=r"^rank 1 of 2: fc.weight is inf/NaN at step 2$") as caught:
+        launch_local(nonfinite_worker, 2, device="cpu", timeout_s=30)
+    assert isinstance(caught.value.__cause__, LaunchError) and "Traceback" in str(caught.value.__cause__)
 
 
 def test_a_rank_that_exits_early_is_reported_quickly():

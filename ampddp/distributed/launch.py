@@ -19,12 +19,16 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from ampddp.distributed.env import DEFAULT_TIMEOUT_S, setup_distributed, shutdown_distributed
-from ampddp.errors import ConfigError
+from ampddp.errors import AmpUsageError, CheckpointError, ConfigError, NonFiniteGradientsError, PeerFailureError
 from ampddp.preemption import parse_signals
 
 
 class LaunchError(RuntimeError):
     """A launched worker failed; the message names the rank and carries its traceback."""
+
+
+USER_FACING_ERRORS = (ConfigError, CheckpointError, NonFiniteGradientsError, AmpUsageError, PeerFailureError)
+"""Errors re-raised in the launching process with their own type (one line and exit status in the CLI)."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -39,8 +43,11 @@ def _worker(fn: Callable[..., Any], rank: int, nprocs: int, init_method: str, op
         env = setup_distributed(rank=rank, world_size=nprocs, init_method=init_method, **options)
         # Plain pickle copies tensors into the message; torch's shared-memory handles would die with us.
         results.put((rank, "ok", pickle.dumps(fn(env, *args))))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
+    except BaseException as error:
+        # ampddp's own errors travel as themselves, so the caller reports them as one line with
+        # their exit status; anything else comes back as the worker's traceback.
+        own = (pickle.dumps(error) if isinstance(error, USER_FACING_ERRORS) else None, traceback.format_exc())
+        results.put((rank, "error", own))
     finally:
         shutdown_distributed()
 
@@ -91,6 +98,17 @@ def launch_local(
             process.join()
 
 
+def _worker_error(rank: int, nprocs: int, pickled: bytes | None, trace: str) -> Exception:
+    """The error a worker raised: ampddp's own error types keep their type (and so their exit
+    status in the CLI), with the rank in front; anything else is a LaunchError with the traceback."""
+    if pickled is not None:
+        error = pickle.loads(pickled)
+        copy = type(error)(f"rank {rank} of {nprocs}: {error}")
+        copy.__cause__ = LaunchError(trace)
+        return copy
+    return LaunchError(f"rank {rank} of {nprocs} failed:\n{trace}")
+
+
 def _collect(processes: list, results: Any, nprocs: int, job_timeout_s: float | None) -> list[Any]:
     outcome: dict[int, Any] = {}
     deadline = None if job_timeout_s is None else time.monotonic() + job_timeout_s
@@ -98,7 +116,7 @@ def _collect(processes: list, results: Any, nprocs: int, job_timeout_s: float | 
         while not results.empty():
             rank, status, value = results.get()
             if status == "error":
-                raise LaunchError(f"rank {rank} of {nprocs} failed:\n{value}")
+                raise _worker_error(rank, nprocs, *value)
             outcome[rank] = pickle.loads(value)
         for rank, process in enumerate(processes):
             if rank not in outcome and process.exitcode is not None and results.empty():

@@ -21,6 +21,20 @@ from ampddp.distributed.env import DistEnv
 from ampddp.errors import PeerFailureError
 
 KEY = "ampddp/heartbeat/{rank}"
+COLLECTIVE_MARKERS = ("gloo", "nccl", "processgroup", "connection", "timed out", "timeout", "socket", "peer", "watchdog", "store")
+"""Words in the message of a plain RuntimeError that come from a collective or its transport."""
+
+
+def is_distributed_error(error: BaseException) -> bool:
+    """True for errors a collective or the rendezvous store raised: torch's ``DistError`` family,
+    or a plain ``RuntimeError`` from the transport (gloo raises those). ampddp's own errors,
+    out-of-memory and other ``RuntimeError`` subclasses keep their type and message."""
+    if isinstance(error, dist.DistError):
+        return True
+    if type(error) is not RuntimeError:
+        return False
+    message = str(error).lower()
+    return any(marker in message for marker in COLLECTIVE_MARKERS)
 
 
 def _default_store() -> Any:
@@ -99,12 +113,11 @@ class PeerWatch:
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
-        """Re-raise a failing collective's error as PeerFailureError naming the silent ranks."""
+        """Re-raise a failing collective's error as PeerFailureError naming the silent ranks; any
+        other error (a non-finite model, a checkpoint problem, out of memory) passes unchanged."""
         try:
             yield
-        except PeerFailureError:
-            raise
         except RuntimeError as error:
-            if not self.env.distributed:
+            if not self.env.distributed or not is_distributed_error(error):
                 raise
             raise self.explain(error) from error

@@ -1,0 +1,94 @@
+"""Resuming with other settings than the checkpoint was trained with: say what changed, refuse what
+would silently make it a different run.
+
+Every checkpoint carries the run's config. At resume, the keys whose values differ are listed in
+one warning. Keys that define the run — the model, the data set, its split (the eval fraction and
+the seed that draws it) and the image size — are refused unless ``checkpoint.allow_changes`` is
+true: continuing a ResNet on a different training split is not a resume but a new experiment.
+Everything else (learning rate, horizon, batch size, precision, ...) is a deliberate change that
+the trainer applies (see ``ampddp.checkpoint.schedule_plan``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ampddp.errors import ConfigError
+
+RUN_DEFINING = (
+    "model.",
+    "data.name",
+    "data.root",
+    "data.image_size",
+    "data.channels",
+    "data.eval_fraction",
+    "trainer.seed",
+)
+"""Keys (or section prefixes ending in '.') whose change makes the run a different one."""
+HOW_TO_RESUME = ("checkpoint.resume", "checkpoint.resume_from", "checkpoint.allow_changes", "checkpoint.init_from", "trainer.run_dir")
+"""Keys that say where and how to resume, not what to train: never reported."""
+ALLOW_KEY = "checkpoint.allow_changes"
+
+
+@dataclass(frozen=True)
+class Change:
+    key: str
+    saved: Any
+    current: Any
+
+    @property
+    def defines_run(self) -> bool:
+        return any(self.key.startswith(prefix) if prefix.endswith(".") else self.key == prefix for prefix in RUN_DEFINING)
+
+    def __str__(self) -> str:
+        return f"{self.key} {self.saved!r} -> {self.current!r}"
+
+
+def _flatten(config: Mapping[str, Any]) -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for section, values in config.items():
+        if isinstance(values, Mapping):
+            flat.update({f"{section}.{key}": value for key, value in values.items()})
+        else:
+            flat[str(section)] = values
+    return flat
+
+
+def config_changes(saved: Mapping[str, Any] | None, current: Mapping[str, Any] | None) -> list[Change]:
+    """Every setting whose value differs, in key order. A key the checkpoint does not have (written
+    by an older ampddp, before the key existed) is not a change."""
+    if not isinstance(saved, Mapping) or not isinstance(current, Mapping) or not saved or not current:
+        return []
+    old, new = _flatten(saved), _flatten(current)
+    return [
+        Change(key, old[key], new[key])
+        for key in sorted(new)
+        if key in old and key not in HOW_TO_RESUME and _normal(old[key]) != _normal(new[key])
+    ]
+
+
+def _normal(value: Any) -> Any:
+    """Lists and tuples compare alike (a config read back from a checkpoint may hold either)."""
+    return [_normal(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
+def check_resume_settings(saved: Mapping[str, Any] | None, current: Mapping[str, Any] | None, where: str) -> str | None:
+    """The one warning line for a resume with changed settings (None when nothing changed).
+
+    Raises ``ConfigError`` naming the keys when a run-defining one changed and
+    ``checkpoint.allow_changes`` is not true.
+    """
+    changes = config_changes(saved, current)
+    if not changes:
+        return None
+    defining = [change for change in changes if change.defines_run]
+    allowed = bool(_flatten(current or {}).get(ALLOW_KEY, False))
+    if defining and not allowed:
+        raise ConfigError(
+            f"cannot resume {where} with {', '.join(map(str, defining))}: the model, the data set, its split or the image size "
+            f"would differ from what the checkpoint was trained on, so this would be a different run; use another trainer.run_dir "
+            f"(checkpoint.init_from={where} starts a fresh run from these weights) or set {ALLOW_KEY}=true to resume anyway"
+        )
+    return f"resuming {where} with changed settings: " + "; ".join(map(str, changes))

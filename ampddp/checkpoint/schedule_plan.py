@@ -1,0 +1,160 @@
+"""Carry a changed learning rate, horizon or optimizer into a resumed run, consistently.
+
+Loading a checkpoint restores the optimizer's ``lr`` and the scheduler's horizon as they were, so a
+new ``optimizer.lr`` would be ignored and a longer ``max_steps`` would keep the old cosine end (and
+a later restart from scratch would jump back up). ``plan_schedule`` compares what the fresh
+optimizer and scheduler were built with against what the checkpoint holds, before anything is
+loaded, and ``SchedulePlan.apply`` then makes the changes take effect:
+
+- a new base lr scales the schedule: the lr at the resumed step is the old one times new/old;
+- a new cosine horizon is re-planned from the current step: the lr continues from where it is and
+  reaches ``eta_min`` at the new end, never jumping back up (a cosine with a virtual base chosen so
+  that it passes through the current lr at the current step);
+- a cosine that already reached its end cannot be extended (the added steps would train at lr 0):
+  refused, naming the way out;
+- StepLR adopts the new step size and gamma from the current lr on;
+- a different optimizer type (SGD -> AdamW: parameter-group keys differ both ways) starts with
+  fresh optimizer state; the schedule keeps its position.
+With unchanged settings nothing is touched: the resume stays bit-exact.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import CosineAnnealingLR, StepLR
+
+from ampddp.errors import ConfigError
+
+NOT_HYPERPARAMETERS = frozenset({"params", "lr", "initial_lr"})
+
+
+@dataclass
+class SchedulePlan:
+    """What to load from the checkpoint and what to set afterwards (see ``apply``)."""
+
+    load_optimizer: bool = True
+    load_scheduler: bool = True
+    lrs: list[float] | None = None
+    initial_lrs: list[float] | None = None
+    scheduler_settings: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def apply(self, optimizer: Optimizer, scheduler: Any) -> None:
+        """Set the planned lrs and scheduler attributes (after the checkpoint's state is loaded)."""
+        for name, values in (("lr", self.lrs), ("initial_lr", self.initial_lrs)):
+            if values is not None:
+                for group, value in zip(optimizer.param_groups, values):
+                    group[name] = value
+        for name, value in self.scheduler_settings.items():
+            setattr(scheduler, name, value)
+
+
+def _different_kind(saved_group: Mapping[str, Any], fresh_group: Mapping[str, Any]) -> bool:
+    """Another optimizer type: each side has hyperparameters the other lacks. (A newer torch only
+    adds keys to the same optimizer, which differs in one direction only.)"""
+    saved, fresh = set(saved_group) - NOT_HYPERPARAMETERS, set(fresh_group) - NOT_HYPERPARAMETERS
+    return bool(saved - fresh) and bool(fresh - saved)
+
+
+def _base(group: Mapping[str, Any]) -> float:
+    return float(group.get("initial_lr", group["lr"]))
+
+
+def plan_schedule(
+    optimizer: Optimizer, scheduler: Any, saved_optimizer: Mapping[str, Any], saved_scheduler: Mapping[str, Any] | None,
+    applied_steps: int, where: str,
+) -> SchedulePlan:  # fmt: skip
+    """Plan the resume of ``optimizer``/``scheduler`` (as freshly built from this run's settings)
+    from a checkpoint's optimizer and scheduler state; raises ``ConfigError`` for an impossible
+    change (extending a cosine that already ended)."""
+    plan = SchedulePlan()
+    fresh_groups, saved_groups = optimizer.param_groups, list(saved_optimizer["param_groups"])
+    if _different_kind(saved_groups[0], fresh_groups[0]):
+        plan.load_optimizer = False
+        plan.notes.append(
+            f"the optimizer type changed ({type(optimizer).__name__} now): it starts with fresh state (momentum / moment "
+            "estimates reset); the LR schedule keeps its position"
+        )
+    fresh_base = [_base(group) for group in fresh_groups]
+    saved_base = [_base(group) for group in saved_groups]
+    lr_changed = fresh_base != saved_base
+    current = [
+        float(group["lr"]) if new == old else (float(group["lr"]) * new / old if old else new)
+        for group, new, old in zip(saved_groups, fresh_base, saved_base)
+    ]
+    if lr_changed:
+        plan.notes.append(f"the base lr changed ({saved_base[0]:g} -> {fresh_base[0]:g}): the lr at this step is now {current[0]:.6g}")
+    saved = dict(saved_scheduler) if isinstance(saved_scheduler, Mapping) else None
+    step = int(saved["last_epoch"]) if saved is not None and "last_epoch" in saved else applied_steps
+    if scheduler is None:
+        plan.load_scheduler = False
+        if lr_changed or saved is not None or not plan.load_optimizer:
+            plan.lrs = fresh_base
+    elif isinstance(scheduler, CosineAnnealingLR):
+        _plan_cosine(plan, scheduler, saved, lr_changed, current, step, where)
+    elif isinstance(scheduler, StepLR):
+        _plan_step(plan, scheduler, saved, lr_changed, current, fresh_base, step)
+    elif saved is None or set(saved) != set(scheduler.state_dict()):
+        plan.load_scheduler = False
+        plan.notes.append(f"the LR scheduler changed ({type(scheduler).__name__} now): it starts at this step from lr {current[0]:.6g}")
+        plan.lrs = current
+    elif lr_changed:
+        plan.lrs, plan.initial_lrs = current, fresh_base
+        plan.scheduler_settings = {"base_lrs": fresh_base, "_last_lr": current}
+    if not plan.load_optimizer and plan.lrs is None:
+        plan.lrs = current
+    return plan
+
+
+def _plan_cosine(
+    plan: SchedulePlan, scheduler: CosineAnnealingLR, saved: dict[str, Any] | None, lr_changed: bool, current: list[float],
+    step: int, where: str,
+) -> None:  # fmt: skip
+    horizon, floor = scheduler.T_max, scheduler.eta_min
+    same_kind = saved is not None and "T_max" in saved
+    old_horizon = saved["T_max"] if same_kind else None
+    plan.load_scheduler = same_kind
+    if same_kind and old_horizon == horizon and saved.get("eta_min") == floor and not lr_changed:
+        return
+    if step >= horizon:
+        plan.lrs = [floor] * len(current)
+        plan.scheduler_settings = {"T_max": horizon, "last_epoch": step, "_last_lr": plan.lrs}
+        return
+    if any(lr <= floor for lr in current):
+        raise ConfigError(
+            f"cannot resume {where} to step {horizon}: its cosine LR schedule already ended at step {step} (lr {floor:g}), so the "
+            "added steps would not train; start a fresh run from these weights instead (another trainer.run_dir with "
+            f"checkpoint.init_from={where}), or resume with optimizer.scheduler=none"
+        )
+    share = 2.0 / (1.0 + math.cos(math.pi * step / horizon))
+    bases = [floor + (lr - floor) * share for lr in current]
+    plan.lrs, plan.initial_lrs = current, bases
+    plan.scheduler_settings = {"T_max": horizon, "base_lrs": bases, "last_epoch": step, "_last_lr": current}
+    if old_horizon != horizon:
+        was = f"step {old_horizon}" if old_horizon is not None else "no cosine schedule"
+        plan.notes.append(
+            f"LR schedule re-planned at step {step}: cosine from lr {current[0]:.6g} down to {floor:g} at step {horizon} (was: {was})"
+        )
+
+
+def _plan_step(
+    plan: SchedulePlan, scheduler: StepLR, saved: dict[str, Any] | None, lr_changed: bool, current: list[float],
+    fresh_base: list[float], step: int,
+) -> None:  # fmt: skip
+    same_kind = saved is not None and "step_size" in saved
+    plan.load_scheduler = same_kind
+    if same_kind and saved["step_size"] == scheduler.step_size and saved.get("gamma") == scheduler.gamma and not lr_changed:
+        return
+    plan.lrs, plan.initial_lrs = current, fresh_base
+    plan.scheduler_settings = {
+        "step_size": scheduler.step_size, "gamma": scheduler.gamma, "base_lrs": fresh_base, "last_epoch": step, "_last_lr": current,
+    }  # fmt: skip
+    if not same_kind or saved["step_size"] != scheduler.step_size or saved.get("gamma") != scheduler.gamma:
+        plan.notes.append(
+            f"StepLR now decays by {scheduler.gamma:g} every {scheduler.step_size} steps, from lr {current[0]:.6g} at step {step}"
+        )

@@ -1,0 +1,68 @@
+"""What each process of a run prints: one voice per job.
+
+Under several processes every rank would otherwise print every warning (and torch's own
+``warnings``) once per rank. While ``rank_console`` is active, rank 0 prints as usual; the other
+ranks print only errors, each line prefixed with ``[rank N]`` so a failure on one of them is still
+seen and attributed. Everything is undone on exit: the handlers and warning capture it added, and
+the filters it put on existing handlers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from collections.abc import Iterator
+
+from ampddp.distributed.env import DistEnv
+
+FORMAT = "%(message)s"
+
+
+class OtherRankFilter(logging.Filter):
+    """Drops records below ERROR and prefixes the rest with the rank (for ranks other than 0)."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.prefix = f"[rank {rank}] "
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return False
+        message = record.getMessage()
+        if not message.startswith(self.prefix):
+            record.msg, record.args = self.prefix + message, None
+        return True
+
+
+@contextlib.contextmanager
+def rank_console(env: DistEnv) -> Iterator[None]:
+    """Route this process's log records and Python warnings by rank for the duration of a run.
+
+    A process without logging handlers (a spawned worker) gets one on stderr for the run, so rank
+    0's warnings and every rank's errors are printed in each launch mode alike.
+    """
+    root = logging.getLogger()
+    added: logging.Handler | None = None
+    if not root.handlers:
+        added = logging.StreamHandler(sys.stderr)
+        added.setFormatter(logging.Formatter(FORMAT))
+        root.addHandler(added)
+    previous_level = root.level
+    if root.level > logging.INFO or root.level == logging.NOTSET:
+        root.setLevel(logging.INFO)
+    quiet = OtherRankFilter(env.rank) if env.distributed and env.rank != 0 else None
+    if quiet is not None:
+        for handler in root.handlers:
+            handler.addFilter(quiet)
+    logging.captureWarnings(True)
+    try:
+        yield
+    finally:
+        logging.captureWarnings(False)
+        if quiet is not None:
+            for handler in root.handlers:
+                handler.removeFilter(quiet)
+        if added is not None:
+            root.removeHandler(added)
+        root.setLevel(previous_level)
