@@ -3,27 +3,25 @@
 Public names: ``amp`` (apex-compatible API), ``build_engine`` and the ``PrecisionEngine`` interface,
 ``resolve_policy``/``OPT_LEVELS``/``PrecisionPolicy``, ``LossScaler``, ``OpRegistry`` and the cast
 decorators, and the error types.
+
+They load on first use: importing ``ampddp`` itself imports no torch, so that ``python -m ampddp``
+can catch stop signals before its slow imports (see ``ampddp.preemption.EarlySignals``).
 """
 
-from ampddp import amp
-from ampddp.errors import AmpUsageError, ConfigError
-from ampddp.precision import (
-    NATIVE_MODES,
-    OPT_LEVELS,
-    PRECISION_MODES,
-    LossScaler,
-    OpRegistry,
-    PrecisionEngine,
-    PrecisionPolicy,
-    bfloat16_function,
-    build_engine,
-    float_function,
-    half_function,
-    promote_function,
-    resolve_policy,
-)
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
+
+_PRECISION_NAMES = (
+    "NATIVE_MODES", "OPT_LEVELS", "PRECISION_MODES", "LossScaler", "OpRegistry", "PrecisionEngine", "PrecisionPolicy",
+    "bfloat16_function", "build_engine", "float_function", "half_function", "promote_function", "resolve_policy",
+)  # fmt: skip
+_HOMES = {"amp": "ampddp.amp", "AmpUsageError": "ampddp.errors", "ConfigError": "ampddp.errors"} | dict.fromkeys(
+    _PRECISION_NAMES, "ampddp.precision"
+)
 
 __all__ = [
     "NATIVE_MODES",
@@ -44,3 +42,17 @@ __all__ = [
     "promote_function",
     "resolve_policy",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module when the name is first used (PEP 562)."""
+    if name not in _HOMES:
+        raise AttributeError(f"module 'ampddp' has no attribute {name!r}")
+    module = importlib.import_module(_HOMES[name])
+    value = module if name == "amp" else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

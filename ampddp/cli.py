@@ -1,4 +1,7 @@
-"""``ampddp`` command line: ``ampddp train RECIPE [key=value ...]`` and ``ampddp inspect PATH [--json]``."""
+"""``ampddp`` command line: ``ampddp train RECIPE [key=value ...]`` and ``ampddp inspect PATH [--json]``.
+
+Only light modules are imported at the top: ``main`` catches the stop signals before torch loads.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +10,8 @@ import json
 import os
 import sys
 
-from ampddp.checkpoint.inspect import format_summary, summarize
-from ampddp.config import describe_keys, load_config
 from ampddp.errors import AmpUsageError, CheckpointError, ConfigError, NonFiniteGradientsError
-from ampddp.preemption import EXIT_PREEMPTED
+from ampddp.preemption import EXIT_PREEMPTED, EarlySignals
 
 EXIT_USAGE = 2
 """A bad recipe, setting, path or checkpoint: refused before anything was written."""
@@ -20,26 +21,34 @@ EXIT_BROKEN_PIPE = 141
 """stdout was closed early (``ampddp inspect RUN | head``): 128 + SIGPIPE, as a shell tool reports it."""
 
 
-def _inspect(args: argparse.Namespace) -> int:
+def _inspect(args: argparse.Namespace, early: EarlySignals) -> int:
+    early.release()  # no signal stops an inspection cleanly: each acts as it would without ampddp
+    from ampddp.checkpoint.inspect import format_summary, summarize
+
     summary = summarize(args.path)
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
     return 0
 
 
-def _train(args: argparse.Namespace) -> int:
+def _train(args: argparse.Namespace, early: EarlySignals) -> int:
     import logging
 
+    from ampddp.config import load_config
     from ampddp.distributed.env import detect_env
     from ampddp.run import launch
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    summary = launch(load_config(args.recipe, args.overrides))
+    config = load_config(args.recipe, args.overrides)
+    early.release(keep=config.trainer.stop_signals)  # the others act as if never caught
+    summary = launch(config, early=early)
     if detect_env(device="cpu").is_main:  # under a launcher every rank returns it; one prints
         print(json.dumps(summary, indent=2))
     return EXIT_PREEMPTED if summary.get("preempted") else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ampddp.config import describe_keys
+
     parser = argparse.ArgumentParser(prog="ampddp", description="Mixed-precision training with apex-style opt levels on native PyTorch.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train = commands.add_parser(
@@ -77,9 +86,9 @@ def _silence_stdout() -> None:
         pass
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, early: EarlySignals) -> int:
     try:
-        return args.handler(args)
+        return args.handler(args, early)
     except (CheckpointError, ConfigError, AmpUsageError) as error:
         print(f"ampddp {args.command}: error: {_one_line(error)}", file=sys.stderr)
         return EXIT_USAGE
@@ -89,14 +98,19 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; its exit status: 0, EXIT_USAGE, EXIT_NONFINITE, EXIT_PREEMPTED or EXIT_BROKEN_PIPE."""
-    try:
-        code = _run(build_parser().parse_args(argv))
-        sys.stdout.flush()  # a closed pipe fails here, not in the interpreter's exit-time flush
-        return code
-    except BrokenPipeError:
-        _silence_stdout()
-        return EXIT_BROKEN_PIPE
+    """Run one command; its exit status: 0, EXIT_USAGE, EXIT_NONFINITE, EXIT_PREEMPTED or EXIT_BROKEN_PIPE.
+
+    Stop signals are held from the first line, before torch and the recipe load: ``train`` hands
+    those the recipe names to the run (one already received stops it at its first step).
+    """
+    with EarlySignals() as early:
+        try:
+            code = _run(build_parser().parse_args(argv), early)
+            sys.stdout.flush()  # a closed pipe fails here, not in the interpreter's exit-time flush
+            return code
+        except BrokenPipeError:
+            _silence_stdout()
+            return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

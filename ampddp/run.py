@@ -32,7 +32,7 @@ from ampddp.observe import RunObserver
 from ampddp.precision.engine import NATIVE_MODES, PrecisionEngine
 from ampddp.precision.factory import build_engine
 from ampddp.precision.registry import FP32, LOW, PROMOTE, OpRegistry
-from ampddp.preemption import StopSignals, parse_signals
+from ampddp.preemption import EarlySignals, StopSignals, parse_signals
 from ampddp.progress import Progress
 from ampddp.run_lock import RunDirLock
 from ampddp.trainer import Trainer
@@ -386,13 +386,14 @@ def _optimizer_factory(config: RunConfig) -> Any:
     return lambda params: torch.optim.SGD(params, lr=opt.lr, momentum=opt.momentum, weight_decay=opt.weight_decay)
 
 
-def train(config: RunConfig, env: DistEnv) -> dict[str, Any]:
+def train(config: RunConfig, env: DistEnv, early: EarlySignals | None = None) -> dict[str, Any]:
     """Run training in this process (one rank of ``env``); returns the summary.
 
     Stop signals are caught from the start, so one that arrives while data and model are being set
     up still ends in a checkpoint, and one that arrives after training lets the run finish normally.
+    ``early``: the command line's catcher, whose signals (and one already received) this run takes over.
     """
-    with StopSignals(config.trainer.stop_signals) as stop:
+    with StopSignals(config.trainer.stop_signals, early=early) as stop:
         return _train(config, env, stop)
 
 
@@ -434,8 +435,11 @@ def _spawned(env: DistEnv, config: RunConfig) -> dict[str, Any]:
     return train(config, env)
 
 
-def launch(config: RunConfig) -> dict[str, Any]:
+def launch(config: RunConfig, early: EarlySignals | None = None) -> dict[str, Any]:
     """Train under whatever launcher started us, or spawn ``nproc_per_node`` local processes.
+
+    ``early`` holds the stop signals through ``validate`` (see ``train``); a parent of spawned
+    workers takes them over and forwards them, including one that came before the workers existed.
 
     The main process (rank 0, or the parent of spawned workers) holds the run_dir lock throughout.
     """
@@ -444,12 +448,14 @@ def launch(config: RunConfig) -> dict[str, Any]:
     env = detect_env(device=dist_cfg.device, backend=dist_cfg.backend, timeout_s=dist_cfg.timeout_s)
     with RunDirLock(config.trainer.run_dir) if env.is_main else contextlib.nullcontext():  # one writer per run_dir
         if dist_cfg.nproc_per_node > 1 and env.launcher == "none":
-            results = launch_local(
-                _spawned, dist_cfg.nproc_per_node, (config,), device=dist_cfg.device, backend=dist_cfg.backend, timeout_s=dist_cfg.timeout_s
-            )
+            with StopSignals(config.trainer.stop_signals, early=early) as stop:
+                results = launch_local(
+                    _spawned, dist_cfg.nproc_per_node, (config,), device=dist_cfg.device, backend=dist_cfg.backend,
+                    timeout_s=dist_cfg.timeout_s, forward_signals=stop,
+                )  # fmt: skip
             return results[0]
         env = setup_distributed(device=dist_cfg.device, backend=dist_cfg.backend, timeout_s=dist_cfg.timeout_s)
         try:
-            return train(config, env)
+            return train(config, env, early)
         finally:
             shutdown_distributed()

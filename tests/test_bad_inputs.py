@@ -260,7 +260,7 @@ def test_missing_resume_from_is_refused(tmp_path, capsys):
 
 
 def test_non_finite_gradients_get_one_line_and_their_own_exit_code(tmp_path, capsys, monkeypatch):
-    def diverge(config):
+    def diverge(config, early=None):
         raise NonFiniteGradientsError("the loss was non-finite for 10 consecutive steps\n(first: module 'fc')")
 
     monkeypatch.setattr(ampddp.run, "launch", diverge)

@@ -14,13 +14,14 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import torch.multiprocessing as mp
 
 from ampddp.distributed.env import DEFAULT_TIMEOUT_S, setup_distributed, shutdown_distributed
 from ampddp.errors import AmpUsageError, CheckpointError, ConfigError, NonFiniteGradientsError, PeerFailureError
-from ampddp.preemption import parse_signals
+from ampddp.preemption import StopSignals, blocked_signals, parse_signals
 
 
 class LaunchError(RuntimeError):
@@ -62,13 +63,17 @@ def launch_local(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     host: str = "127.0.0.1",
     job_timeout_s: float | None = None,
-    forward_signals: tuple[str, ...] = (),
+    forward_signals: tuple[str, ...] | StopSignals = (),
 ) -> list[Any]:
     """Run ``fn(env, *args)`` (env: a DistEnv) in ``nprocs`` spawned processes; return their results by rank.
 
     ``fn`` must be importable by name (a module-level function), as with ``mp.spawn``. ``timeout_s``
     bounds each collective inside the workers; ``job_timeout_s`` (default: none) bounds the whole job.
-    Signals named in ``forward_signals`` that reach this process are passed on to every worker.
+    Signals named in ``forward_signals`` that reach this process are passed on to every worker. The
+    workers start with them blocked, so one forwarded while a worker still imports waits (pending)
+    until its ``StopSignals`` unblocks it instead of killing it; ``fn`` should enter one for them.
+    Given the parent's active ``StopSignals``, one that it received before the workers existed is
+    forwarded once they do.
     """
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ConfigError(f"nprocs={nprocs!r} is not valid; it must be an integer >= 1")
@@ -80,22 +85,33 @@ def launch_local(
         context.Process(target=_worker, args=(fn, rank, nprocs, init_method, options, results, args), daemon=False)
         for rank in range(nprocs)
     ]
-    for process in processes:
-        process.start()
-    forwarded = {sig: signal.getsignal(sig) for sig in parse_signals(forward_signals)}
-    if threading.current_thread() is threading.main_thread():
-        for sig in forwarded:
-            signal.signal(sig, lambda signum, frame: [os.kill(p.pid, signum) for p in processes if p.is_alive()])
+    stop = forward_signals if isinstance(forward_signals, StopSignals) else None
+    signals = stop.signals if stop is not None else parse_signals(forward_signals)
+    if threading.current_thread() is not threading.main_thread():
+        signals = ()
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        for process in processes:
+            if process.is_alive():
+                os.kill(process.pid, signum)
+
+    forwarded: dict[signal.Signals, Any] = {}
     try:
+        with blocked_signals(signals):  # the workers start with them blocked; one that comes meanwhile is forwarded after
+            for process in processes:
+                process.start()
+            forwarded = {sig: signal.signal(sig, forward) for sig in signals}
+        if stop is not None and stop.received:  # came before the workers existed
+            forward(signal.Signals[stop.received], None)
         return _collect(processes, results, nprocs, job_timeout_s)
     finally:
         for sig, previous in forwarded.items():
-            if threading.current_thread() is threading.main_thread():
-                signal.signal(sig, previous)
+            signal.signal(sig, previous)
         for process in processes:
             if process.is_alive():
                 process.kill()
-            process.join()
+            if process.pid is not None:  # a start that failed leaves the rest unstarted
+                process.join()
 
 
 def _worker_error(rank: int, nprocs: int, pickled: bytes | None, trace: str) -> Exception:
