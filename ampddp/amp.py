@@ -35,6 +35,7 @@ from torch.utils.hooks import RemovableHandle
 from ampddp.errors import AmpUsageError, ConfigError
 from ampddp.precision.apex_backend import ApexEngine
 from ampddp.precision.cast_context import OpCastContext, end_thread_casts, suspend_thread_casts
+from ampddp.precision.compile_support import run_eagerly_as_own_frame
 from ampddp.precision.factory import build_engine
 from ampddp.precision.opt_level import OptLevelEngine, check_models_and_optimizers
 from ampddp.precision.policy import check_opt_level
@@ -74,9 +75,13 @@ class SetUp:
     models: list[nn.Module]
     optimizers: list[Optimizer]
     hooks: list[RemovableHandle] = field(default_factory=list)
-    thread: int = field(default_factory=threading.get_ident)
-    """The thread that called ``initialize``: the only one whose forwards open a cast window."""
+    initializing_thread: threading.local = field(default_factory=threading.local)
+    """Marks the thread that called ``initialize``, the only one whose forwards open a cast window
+    (a thread-local flag rather than ``threading.get_ident()``, which ``torch.compile`` cannot trace)."""
     live: bool = True
+
+    def __post_init__(self) -> None:
+        self.initializing_thread.marked = True
 
     @property
     def cast_context(self) -> OpCastContext | None:
@@ -99,13 +104,14 @@ class SetUp:
 
         def open_after_forward(module: nn.Module, args: Any, output: Any) -> None:
             context = self.cast_context  # None once torn down or op casting was stopped (handle._deactivate)
-            if context is not None and threading.get_ident() == self.thread:
+            if context is not None and getattr(self.initializing_thread, "marked", False):
                 context.open_window()
 
         def close_before_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
             if self.live:
                 end_thread_casts()
 
+        run_eagerly_as_own_frame(close_before_forward, open_after_forward, close_before_step)
         for model in self.models:
             self.hooks.append(model.register_forward_pre_hook(close_before_forward, prepend=True))
             self.hooks.append(model.register_forward_hook(open_after_forward))

@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ampddp.precision.compile_support import run_eagerly_as_own_frame
+
 
 class BufferGuard:
     """Snapshot of the models' buffers taken before the first training forward of each step."""
@@ -28,6 +30,7 @@ class BufferGuard:
     def install(self, models: list[nn.Module]) -> list[RemovableHandle]:
         if not self._buffers:
             return []
+        run_eagerly_as_own_frame(self._before_forward)
         return [model.register_forward_pre_hook(self._before_forward) for model in models]
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:

@@ -26,6 +26,8 @@ from torch.overrides import TorchFunctionMode, get_overridable_functions, handle
 
 from ampddp.precision import op_lists
 from ampddp.precision.casting import map_tensors
+from ampddp.precision.compile_support import run_eagerly_as_own_frame
+from ampddp.precision.device_autocast import DeviceAutocast
 from ampddp.precision.registry import BFLOAT16, CAST_ATTRIBUTE, FP32, LOW, PROMOTE, Registration, tensors_in
 
 BANNED = "banned"
@@ -242,7 +244,7 @@ class _OpCastMode(TorchFunctionMode):
         if kind == BANNED and _floating_dtypes(args, kwargs) & set(_LOW_TYPES):
             name = getattr(func, "__name__", str(func))
             raise NotImplementedError(f"{name} called with low-precision input under an op-casting opt level: {self._banned[func]}")
-        with self._autocast_off():
+        with DeviceAutocast(self._device_types, enabled=False):
             return func(*self._cast(args, torch.float32), **self._cast(kwargs, torch.float32))
 
     def _cast(self, obj: Any, dtype: torch.dtype) -> Any:
@@ -252,12 +254,6 @@ class _OpCastMode(TorchFunctionMode):
             return self._cache.cast(tensor, dtype)
 
         return map_tensors(obj, cast)
-
-    def _autocast_off(self) -> contextlib.ExitStack:
-        stack = contextlib.ExitStack()
-        for device_type in self._device_types:
-            stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
-        return stack
 
 
 def end_thread_casts() -> None:
@@ -286,11 +282,59 @@ def _push_below_others(mode: TorchFunctionMode) -> None:
         torch._C._push_on_torch_function_stack(other)
 
 
-class _Opened(contextlib.ExitStack):
-    """What one opening of the context pushed (autocast, the cast mode, swaps), closed in reverse."""
+class _Opening:
+    """One way one context is applied on one thread (entered, window or held): made once, reopened.
 
-    cast_mode: _OpCastMode | None = None
-    cache: _CastCache | None = None
+    It owns its cast mode and cache, so that opening and closing only push, pop and reset objects
+    made before any compiled code ran. When dynamo inlines a model's call into a graph, the hooks
+    that open the context and the window run in the graph, and what they leave behind (the window's
+    mode on the stack, the window in thread-local state) dynamo rebuilds after the graph: it cannot
+    rebuild a mode, cache or ``ExitStack`` callback created while tracing.
+    """
+
+    def __init__(self, table: OpTable, low_dtype: torch.dtype, device_types: tuple[str, ...]) -> None:
+        self._swaps = table.swaps
+        self._autocast = DeviceAutocast(device_types, low_dtype)
+        self.cache = _CastCache()
+        self.cast_mode = _OpCastMode(table, low_dtype, device_types, self.cache)
+        self.is_open = False
+        self._with_autocast = False
+        self._suspension: Any = None
+        self._dispatchers: list[tuple[Any, str, _Dispatcher]] = []
+
+    def open(self, with_autocast: bool, at_bottom: bool) -> None:
+        """Device autocast (if asked), then the cast mode, then the swaps; ``close`` undoes them in reverse."""
+        self.is_open = True
+        try:
+            if with_autocast:
+                self._autocast.__enter__()
+                self._with_autocast = True
+            if _suspension_depth() > 0:
+                self._suspension = self.cast_mode.suspended()
+                self._suspension.__enter__()
+            if at_bottom:
+                _push_below_others(self.cast_mode)
+            else:
+                torch._C._push_on_torch_function_stack(self.cast_mode)
+            for entry in self._swaps:
+                self._dispatchers.append((entry.module, entry.name, _install_dispatcher(entry.module, entry.name)))
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        dispatchers, self._dispatchers = self._dispatchers, []
+        for module, name, dispatcher in reversed(dispatchers):
+            _release_dispatcher(module, name, dispatcher)
+        _remove_mode(self.cast_mode)
+        suspension, self._suspension = self._suspension, None
+        if suspension is not None:
+            suspension.__exit__(None, None, None)
+        self.cache.clear()
+        if self._with_autocast:
+            self._with_autocast = False
+            self._autocast.__exit__(None, None, None)
+        self.is_open = False
 
 
 class OpCastContext:
@@ -306,6 +350,9 @@ class OpCastContext:
         self._low = low_dtype
         self._device_types = device_types
         self._local = threading.local()
+        self._local.depth = 0  # set here, not at the first entry: a compiled step guards on it
+        run_eagerly_as_own_frame(_OpCastMode.__torch_function__)
+        self._openings()  # this thread's, made before any compiled forward could open them (see _Opening)
 
     @property
     def device_types(self) -> tuple[str, ...]:
@@ -326,15 +373,14 @@ class OpCastContext:
         depth = getattr(self._local, "depth", 0)
         if depth == 0:
             end_thread_casts()
-            self._local.stack = self._open(with_autocast=_suspension_depth() == 0, at_bottom=False)
+            self._openings().entered.open(with_autocast=_suspension_depth() == 0, at_bottom=False)
         self._local.depth = depth + 1
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
         self._local.depth -= 1
         if self._local.depth == 0:
-            stack, self._local.stack = self._local.stack, None
-            stack.close()
+            self._openings().entered.close()
 
     def open_window(self) -> None:
         """Keep the op lists (not device autocast) applied on this thread until ``close_window``.
@@ -345,7 +391,9 @@ class OpCastContext:
         if self.active or self.window_open or _suspension_depth() > 0:
             return
         end_thread_casts()
-        _WINDOW.opened = self._open(with_autocast=False, at_bottom=True)
+        window = self._openings().window
+        window.open(with_autocast=False, at_bottom=True)
+        _WINDOW.opened = window
         _WINDOW.owner = self
 
     def close_window(self) -> None:
@@ -355,53 +403,40 @@ class OpCastContext:
 
     def hold(self) -> None:
         """Apply the op lists on this thread until ``release`` (idempotent)."""
-        if getattr(self._local, "held", None) is None:
-            self._local.held = self._open(with_autocast=False, at_bottom=True)
+        held = self._openings().held
+        if not held.is_open:
+            held.open(with_autocast=False, at_bottom=True)
 
     def release(self) -> None:
         """End ``hold`` on this thread."""
-        held, self._local.held = getattr(self._local, "held", None), None
-        if held is not None:
+        held = self._openings().held
+        if held.is_open:
             held.close()
 
     def clear_cache(self) -> None:
         """Forget cached casts of the held opening on this thread (it spans iterations: the legacy
         ``amp.init`` handle calls this after each backward, as apex cleared its cache)."""
-        held = getattr(self._local, "held", None)
-        if held is not None and held.cache is not None:
-            held.cache.clear()
+        self._openings().held.cache.clear()
 
     def opened_modes(self) -> list[_OpCastMode]:
         """The cast modes this context has open on the calling thread (entered, window, held)."""
-        window = _WINDOW.opened if self.window_open else None
-        openings = (getattr(self._local, "stack", None), window, getattr(self._local, "held", None))
-        return [opened.cast_mode for opened in openings if opened is not None and opened.cast_mode is not None]
+        openings = self._openings()
+        return [opening.cast_mode for opening in (openings.entered, openings.window, openings.held) if opening.is_open]
 
-    def _open(self, with_autocast: bool, at_bottom: bool) -> _Opened:
-        stack = _Opened()
-        try:
-            if with_autocast:
-                for device_type in self._device_types:
-                    stack.enter_context(torch.autocast(device_type=device_type, dtype=self._low))
-            cache = _CastCache()
-            stack.callback(cache.clear)
-            stack.cache = cache
-            mode = _OpCastMode(self._table, self._low, self._device_types, cache)
-            if _suspension_depth() > 0:
-                stack.enter_context(mode.suspended())
-            if at_bottom:
-                _push_below_others(mode)
-            else:
-                torch._C._push_on_torch_function_stack(mode)
-            stack.callback(_remove_mode, mode)
-            stack.cast_mode = mode
-            for entry in self._table.swaps:
-                dispatcher = _install_dispatcher(entry.module, entry.name)
-                stack.callback(_release_dispatcher, entry.module, entry.name, dispatcher)
-        except BaseException:
-            stack.close()
-            raise
-        return stack
+    def _openings(self) -> _ThreadOpenings:
+        openings = getattr(self._local, "openings", None)
+        if openings is None:
+            openings = self._local.openings = _ThreadOpenings(*(_Opening(self._table, self._low, self._device_types) for _ in range(3)))
+        return openings
+
+
+@dataclass(frozen=True)
+class _ThreadOpenings:
+    """A context's three openings on one thread."""
+
+    entered: _Opening
+    window: _Opening
+    held: _Opening
 
 
 @contextlib.contextmanager
@@ -415,8 +450,7 @@ def suspend_thread_casts(contexts: list[OpCastContext], device_types: tuple[str,
             for context in contexts:
                 for mode in context.opened_modes():
                     stack.enter_context(mode.suspended())
-            for device_type in device_types:
-                stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
+            stack.enter_context(DeviceAutocast(device_types, enabled=False))
             yield
     finally:
         _SUSPENDED.depth -= 1

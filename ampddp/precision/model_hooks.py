@@ -16,6 +16,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ampddp.precision.cast_context import OpCastContext
 from ampddp.precision.casting import cast_floating
+from ampddp.precision.compile_support import run_eagerly_as_own_frame
 
 logger = logging.getLogger("ampddp.precision")
 MasterLookup = Callable[[nn.Parameter], "nn.Parameter | None"]
@@ -34,6 +35,7 @@ class ForwardHooks:
         self._input_dtype = input_dtype
         self._output_dtype = output_dtype
         self._local = threading.local()
+        self._local.running = []  # set here, not at the first forward: a compiled step guards on it
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ForwardHooks:
         """A deep copy of a set-up model (an EMA copy, as timm's ModelEma makes) shares its engine's hooks."""
@@ -84,6 +86,7 @@ class ForwardHooks:
     def install(self, model: nn.Module) -> list[RemovableHandle]:
         if not self.needed:
             return []
+        run_eagerly_as_own_frame(self.before, self.after)
         return [
             model.register_forward_pre_hook(self.before, with_kwargs=True),
             model.register_forward_hook(self.after, always_call=True),

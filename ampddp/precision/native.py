@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Any
@@ -16,6 +15,7 @@ from ampddp.diagnostics import overflow_origin
 from ampddp.errors import AmpUsageError, ConfigError, closest
 from ampddp.precision.buffer_guard import BufferGuard
 from ampddp.precision.casting import device_types
+from ampddp.precision.device_autocast import DeviceAutocast
 from ampddp.precision.engine import PrecisionEngine
 from ampddp.precision.opt_level import check_models_and_optimizers
 from ampddp.precision.policy import DYNAMIC, parse_setting
@@ -77,10 +77,7 @@ class NativeAmpEngine(PrecisionEngine):
         self._handles = []
 
     def forward_context(self) -> AbstractContextManager[Any]:
-        stack = contextlib.ExitStack()
-        for device_type in self._device_types:
-            stack.enter_context(torch.autocast(device_type=device_type, dtype=self.dtype, enabled=self.enabled))
-        return stack
+        return DeviceAutocast(self._device_types, self.dtype, self.enabled)
 
     def backward(self, loss: torch.Tensor, loss_id: int = 0) -> None:
         if loss_id != 0:

@@ -25,6 +25,7 @@ from ampddp.errors import AmpUsageError, ConfigError, NonFiniteGradientsError
 from ampddp.precision.buffer_guard import BufferGuard
 from ampddp.precision.cast_context import OpCastContext, build_op_table
 from ampddp.precision.casting import convert_model, device_types, first_non_fp32_param
+from ampddp.precision.compile_support import run_eagerly_as_own_frame
 from ampddp.precision.engine import PrecisionEngine
 from ampddp.precision.master import OptimizerGrads
 from ampddp.precision.master_sync import active_ddp_group, reconcile_masters
@@ -129,6 +130,7 @@ class OptLevelEngine(PrecisionEngine):
             if casts_model:
                 self._handles += install_fp32_state_hooks(model, self._master_of)
         if casts_model and policy.uses_master_weights:
+            run_eagerly_as_own_frame(self._note_ddp_group)
             self._handles += [model.register_forward_pre_hook(self._note_ddp_group) for model in models]
         if any(scaler.dynamic for scaler in self.scalers):
             self._buffer_guard = BufferGuard(models)
