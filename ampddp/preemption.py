@@ -118,6 +118,7 @@ class StopSignals:
         self.signals = parse_signals(names)
         self._early = early
         self._previous: dict[signal.Signals, Any] = {}
+        self._mask: set[signal.Signals] | None = None
         self.received: str | None = None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
@@ -130,7 +131,7 @@ class StopSignals:
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
         if hasattr(signal, "pthread_sigmask"):
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, self.signals)
+            self._mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, self.signals)
         if self._early is not None:
             self._take_over(self._early)
         return self
@@ -147,6 +148,11 @@ class StopSignals:
         early.release()
 
     def __exit__(self, *exc_info: Any) -> None:
+        # The mask first: a spawned worker started with these signals blocked gets them blocked
+        # again, so one forwarded after training waits instead of killing it before it reports.
+        if self._mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, self._mask)
+            self._mask = None
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous = {}

@@ -27,3 +27,10 @@ class Progress:
         for name, value in state.items():
             if name in self.__dataclass_fields__:
                 setattr(self, name, int(value))
+
+
+def finished(progress: Progress, max_steps: int | None, max_epochs: int) -> bool:
+    """Whether a run at ``progress`` has reached its end (``max_steps`` first, when set)."""
+    if max_steps is not None and progress.global_step >= max_steps:
+        return True
+    return progress.epoch >= max_epochs

@@ -33,7 +33,7 @@ from ampddp.precision.engine import NATIVE_MODES, PrecisionEngine
 from ampddp.precision.factory import build_engine
 from ampddp.precision.registry import FP32, LOW, PROMOTE, OpRegistry
 from ampddp.preemption import EarlySignals, StopSignals, parse_signals
-from ampddp.progress import Progress
+from ampddp.progress import Progress, finished
 from ampddp.run_lock import RunDirLock
 from ampddp.trainer import Trainer
 
@@ -335,6 +335,8 @@ def _check_resume_settings(config: RunConfig, model: nn.Module, world_size: int)
     saved = Progress()
     try:
         saved.load_state_dict(progress)
+        if finished(saved, config.trainer.max_steps, config.trainer.max_epochs):
+            return  # the trainer reports it complete and changes nothing
         applied = saved.global_step - saved.skipped_steps
         plan_schedule(optimizer, scheduler, saved_optimizer, shared.get(keys.SCHEDULER), applied, str(ref.path))
     except ConfigError:

@@ -35,7 +35,7 @@ from ampddp.checkpoint.restore import (
     restore_precision,
 )
 from ampddp.checkpoint.rng import capture_rng, derive_rng, restore_rng
-from ampddp.checkpoint.schedule_plan import plan_schedule
+from ampddp.checkpoint.schedule_plan import SchedulePlan, plan_schedule
 from ampddp.checkpoint.store import CheckpointRef, CheckpointStore, find_checkpoint, plan_resume
 from ampddp.diagnostics import first_non_finite_module
 from ampddp.distributed.data import ResumableSampler, broadcast_from_main, eval_sampler, sum_across_ranks
@@ -46,7 +46,7 @@ from ampddp.observe import RunObserver
 from ampddp.precision.registry import OpRegistry
 from ampddp.preemption import DEFAULT_STOP_SIGNALS, StopSignals, parse_signals
 from ampddp.prepare import prepare
-from ampddp.progress import Progress
+from ampddp.progress import Progress, finished
 
 logger = logging.getLogger("ampddp.trainer")
 FP16_MODES = ("O1", "O2", "O3", "native-fp16")
@@ -218,9 +218,7 @@ class Trainer:
         return None
 
     def _finished(self) -> bool:
-        if self.max_steps is not None and self.progress.global_step >= self.max_steps:
-            return True
-        return self.progress.epoch >= self.max_epochs
+        return finished(self.progress, self.max_steps, self.max_epochs)
 
     def compute_loss(self, batch: Any) -> tuple[torch.Tensor, int]:
         """Forward one micro-batch; return the mean loss and the number of samples in it."""
@@ -420,7 +418,11 @@ class Trainer:
         saved_progress = Progress()
         saved_progress.load_state_dict(shared[keys.PROGRESS])
         applied = saved_progress.global_step - saved_progress.skipped_steps
-        plan = plan_schedule(self.optimizer, self.scheduler, shared[keys.OPTIMIZER], shared.get(keys.SCHEDULER), applied, str(ref.path))
+        plan = (
+            SchedulePlan()  # a finished run only reports that it is complete: nothing to re-plan
+            if finished(saved_progress, self.max_steps, self.max_epochs)
+            else plan_schedule(self.optimizer, self.scheduler, shared[keys.OPTIMIZER], shared.get(keys.SCHEDULER), applied, str(ref.path))
+        )
         for line in ([changed] if changed else []) + plan.notes:
             logger.warning(line)
         restore_precision(self.engine, shared[keys.PRECISION], where)

@@ -251,3 +251,29 @@ def test_a_finished_run_started_again_changes_nothing(six_steps, tmp_path):
     assert json.loads(result.stdout)["already_complete"] is True
     assert snapshot(run_dir) == before, "summary.json, metrics.jsonl and the checkpoints stay as they were"
     assert (run_dir / METRICS_FILE).is_file()
+
+
+def test_a_replanned_schedule_resumed_again_with_the_same_settings_changes_nothing():
+    saved_optimizer, saved_scheduler = _cosine(0.1, 100, 40)
+    optimizer, scheduler, _ = _resume(0.1, 200, saved_optimizer, saved_scheduler, 40)
+    _run_out(optimizer, scheduler, 20)
+    again_optimizer, again_scheduler, plan = _resume(0.1, 200, optimizer, scheduler, 60)
+    assert (plan.lrs, plan.initial_lrs, plan.scheduler_settings, plan.notes) == (None, None, {}, [])
+    assert _run_out(again_optimizer, again_scheduler, 140) == _run_out(optimizer, scheduler, 140)
+
+
+def test_a_horizon_before_the_current_step_and_a_zero_lr_mid_schedule():
+    saved_optimizer, saved_scheduler = _cosine(0.1, 100, 60)
+    with pytest.raises(ConfigError, match=r"would end at step 25, before the 60 steps already applied.*trainer.max_steps"):
+        _resume(0.1, 25, saved_optimizer, saved_scheduler, 60)
+    optimizer, scheduler, _ = _resume(0.0, 100, saved_optimizer, saved_scheduler, 60)
+    assert optimizer.param_groups[0]["lr"] == 0.0 and _run_out(optimizer, scheduler, 3) == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.timeout(400)
+def test_a_finished_run_started_with_another_batch_size_is_still_just_complete(six_steps, tmp_path):
+    run_dir = copy_run(six_steps, tmp_path / "run")
+    before = snapshot(run_dir)
+    result = train(run_dir, "trainer.max_steps=6", "data.batch_size=8")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "already complete at step 6" in result.stderr and snapshot(run_dir) == before

@@ -94,9 +94,9 @@ def plan_schedule(
     if scheduler is None:
         plan.load_scheduler = False
         if lr_changed or saved is not None or not plan.load_optimizer:
-            plan.lrs = fresh_base
+            plan.lrs = plan.initial_lrs = fresh_base
     elif isinstance(scheduler, CosineAnnealingLR):
-        _plan_cosine(plan, scheduler, saved, lr_changed, current, step, where)
+        _plan_cosine(plan, scheduler, saved, lr_changed, current, fresh_base, step, where)
     elif isinstance(scheduler, StepLR):
         _plan_step(plan, scheduler, saved, lr_changed, current, fresh_base, step)
     elif saved is None or set(saved) != set(scheduler.state_dict()):
@@ -113,7 +113,7 @@ def plan_schedule(
 
 def _plan_cosine(
     plan: SchedulePlan, scheduler: CosineAnnealingLR, saved: dict[str, Any] | None, lr_changed: bool, current: list[float],
-    step: int, where: str,
+    fresh_base: list[float], step: int, where: str,
 ) -> None:  # fmt: skip
     horizon, floor = scheduler.T_max, scheduler.eta_min
     same_kind = saved is not None and "T_max" in saved
@@ -122,10 +122,12 @@ def _plan_cosine(
     if same_kind and old_horizon == horizon and saved.get("eta_min") == floor and not lr_changed:
         return
     if step >= horizon:
-        plan.lrs = [floor] * len(current)
-        plan.scheduler_settings = {"T_max": horizon, "last_epoch": step, "_last_lr": plan.lrs}
-        return
-    if any(lr <= floor for lr in current):
+        raise ConfigError(
+            f"cannot resume {where}: with these settings the cosine LR schedule would end at step {horizon}, before the "
+            f"{step} steps already applied, so the rest of the run would train at lr {floor:g}; set trainer.max_steps to the "
+            "step the run should end at (a changed world size or batch size changes the steps per epoch)"
+        )
+    if same_kind and old_horizon is not None and step >= old_horizon and any(lr <= floor for lr in current):
         raise ConfigError(
             f"cannot resume {where} to step {horizon}: its cosine LR schedule already ended at step {step} (lr {floor:g}), so the "
             "added steps would not train; start a fresh run from these weights instead (another trainer.run_dir with "
@@ -133,7 +135,9 @@ def _plan_cosine(
         )
     share = 2.0 / (1.0 + math.cos(math.pi * step / horizon))
     bases = [floor + (lr - floor) * share for lr in current]
-    plan.lrs, plan.initial_lrs = current, bases
+    # The virtual bases live in the scheduler only: initial_lr keeps the configured base, which the
+    # next resume compares with optimizer.lr (the same settings must then change nothing).
+    plan.lrs, plan.initial_lrs = current, fresh_base
     plan.scheduler_settings = {"T_max": horizon, "base_lrs": bases, "last_epoch": step, "_last_lr": current}
     if old_horizon != horizon:
         was = f"step {old_horizon}" if old_horizon is not None else "no cosine schedule"

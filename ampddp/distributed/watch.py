@@ -10,6 +10,7 @@ agree on the time.
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -21,7 +22,20 @@ from ampddp.distributed.env import DistEnv
 from ampddp.errors import PeerFailureError
 
 KEY = "ampddp/heartbeat/{rank}"
-COLLECTIVE_MARKERS = ("gloo", "nccl", "processgroup", "connection", "timed out", "timeout", "socket", "peer", "watchdog", "store")
+COLLECTIVE_MARKERS = (
+    "gloo",
+    "nccl",
+    "processgroup",
+    "connection",
+    "timed out",
+    "timeout",
+    "socket",
+    "peer",
+    "watchdog",
+    "store",
+    "tcpstore",
+    "filestore",
+)
 """Words in the message of a plain RuntimeError that come from a collective or its transport."""
 
 
@@ -33,8 +47,8 @@ def is_distributed_error(error: BaseException) -> bool:
         return True
     if type(error) is not RuntimeError:
         return False
-    message = str(error).lower()
-    return any(marker in message for marker in COLLECTIVE_MARKERS)
+    words = re.findall(r"[a-z]+(?: out)?", str(error).lower())
+    return any(marker in words for marker in COLLECTIVE_MARKERS)
 
 
 def _default_store() -> Any:
