@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 from torch.utils.data import Dataset
@@ -42,9 +44,18 @@ def make_trainer(run_dir, mode: str, max_steps: int, env=None, **overrides) -> T
     return Trainer(make_model(), lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9), NoisyDigits(), **options)
 
 
+def tree_snapshot(root: Path, skip: tuple[str, ...] = ()) -> dict[str, bytes]:
+    """Every file under ``root`` with its bytes (names in ``skip`` left out): what a refused or
+    no-op operation must leave exactly as it was."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.name not in skip}
+
+
 def final_state(run_dir) -> dict:
-    ref = CheckpointStore(run_dir).latest()
-    shared = load_safely(ref.shared_file)
+    return state_of(CheckpointStore(run_dir).latest().path)
+
+
+def state_of(step_folder: Path) -> dict:
+    shared = load_safely(Path(step_folder) / keys.SHARED_FILE)
     return {
         "model": shared[keys.MODEL],
         "optimizer": shared[keys.OPTIMIZER]["state"],

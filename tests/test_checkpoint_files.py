@@ -13,15 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from resume_helpers import final_state, make_model, make_trainer
+from resume_helpers import final_state, make_model, make_trainer, tree_snapshot
 
 from ampddp.checkpoint import CheckpointStore, check_model_state, find_checkpoint, initial_weights, keys, load_safely, save_atomic
 from ampddp.distributed import detect_env
 from ampddp.errors import CheckpointError, ConfigError
-
-
-def tree_snapshot(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 class Payload:

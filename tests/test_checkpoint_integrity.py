@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from resume_helpers import assert_identical, final_state, make_trainer
+from resume_helpers import assert_identical, final_state, make_trainer, state_of, tree_snapshot
 
-from ampddp.checkpoint import CheckpointStore, find_checkpoint, keys, load_safely
+from ampddp.checkpoint import CheckpointStore, find_checkpoint, keys
 from ampddp.checkpoint.store import UNVERIFIED, VERIFIED
 from ampddp.cli import main
 from ampddp.errors import CheckpointError
@@ -42,21 +42,6 @@ def run(base_run, tmp_path) -> Path:
 
 def folder(run: Path, step: int) -> Path:
     return run / "checkpoints" / STEP(step)
-
-
-def tree_snapshot(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def state_of(step_folder: Path) -> dict:
-    shared = load_safely(step_folder / keys.SHARED_FILE)
-    return {
-        "model": shared[keys.MODEL],
-        "optimizer": shared[keys.OPTIMIZER]["state"],
-        "precision": shared[keys.PRECISION]["scalers"],
-        "progress": shared[keys.PROGRESS],
-        "scheduler": shared[keys.SCHEDULER],
-    }
 
 
 def warnings_of(caplog) -> list[str]:

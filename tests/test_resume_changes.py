@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from resume_helpers import NoisyDigits, make_trainer
+from resume_helpers import NoisyDigits, make_trainer, tree_snapshot
 
 from ampddp.checkpoint import keys
 from ampddp.checkpoint.changes import check_resume_settings, config_changes
@@ -20,6 +20,7 @@ from ampddp.checkpoint.schedule_plan import plan_schedule
 from ampddp.config import load_config
 from ampddp.errors import ConfigError
 from ampddp.observe import METRICS_FILE, SUMMARY_FILE, read_metrics
+from ampddp.run_lock import LOCK_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = str(ROOT / "recipes" / "quickstart.yaml")
@@ -41,9 +42,8 @@ def step_dir(run_dir: Path, step: int) -> Path:
 
 
 def snapshot(run_dir: Path) -> dict[str, bytes]:
-    """Every file under run_dir with its bytes: what a refused or no-op run must leave as it was
-    (the run-dir lock file names its latest holder and is left out)."""
-    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name != ".ampddp-lock"}
+    """The run dir's files; the run-dir lock file names its latest holder and is left out."""
+    return tree_snapshot(run_dir, skip=(LOCK_FILE,))
 
 
 @pytest.fixture(scope="module")
