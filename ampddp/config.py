@@ -18,12 +18,13 @@ from typing import Any
 
 import yaml
 
+from ampddp.compile_model import COMPILE_CHOICES, DEFAULT_BACKEND
 from ampddp.distributed.wrap import STRATEGIES
-from ampddp.errors import ConfigError, closest
+from ampddp.errors import ConfigError, choice_error, closest, spelled
 from ampddp.precision.engine import IMPLS, PRECISION_MODES
 
 
-def _choices(*values: str) -> dict[str, tuple[str, ...]]:
+def _choices(*values: str | bool) -> dict[str, tuple[str | bool, ...]]:
     return {"choices": values}
 
 
@@ -142,6 +143,11 @@ class TrainerConfig:
     """Consecutive non-finite losses after which training stops with an error."""
     stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
     """Signals that make every rank finish its step, checkpoint, and exit with status 75."""
+    compile: bool | str = field(default=False, metadata=_choices(*COMPILE_CHOICES))
+    """torch.compile the model after the precision set-up: false, true (mode default) or a torch.compile mode.
+    The first step pays the compile time; checkpoints are the same as eager ones."""
+    compile_backend: str = DEFAULT_BACKEND
+    """torch.compile's backend when trainer.compile is on: inductor, or e.g. aot_eager (compiles fast, no code generation)."""
 
 
 @dataclass
@@ -273,7 +279,7 @@ def _as_float(value: str) -> float | None:
         return None
 
 
-def _coerce(key: str, value: Any, annotation: Any, choices: tuple[str, ...] | None, bounds: Bounds | None = None) -> Any:
+def _coerce(key: str, value: Any, annotation: Any, choices: tuple[str | bool, ...] | None, bounds: Bounds | None = None) -> Any:
     allowed = _allowed_types(annotation)
     if isinstance(value, bool) and choices and value is False and "off" in choices:
         value = "off"  # YAML reads a bare `off` as false
@@ -296,7 +302,7 @@ def _coerce(key: str, value: Any, annotation: Any, choices: tuple[str, ...] | No
         )
         raise ConfigError(f"{key}={value!r} has the wrong type; expected {names}")
     if choices and value not in choices:
-        raise ConfigError(f"{key}={value!r} is not valid{closest(str(value), choices)}; valid choices: {', '.join(choices)}")
+        raise choice_error(key, value, choices)
     return value
 
 
@@ -386,7 +392,7 @@ def describe_keys() -> str:
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
             choices = f.metadata.get("choices")
-            hint = f" {{{', '.join(choices)}}}" if choices else ""
+            hint = f" {{{', '.join(map(spelled, choices))}}}" if choices else ""
             lines.append(f"  {section}.{f.name} = {default!r}{hint}")
     return "\n".join(lines)
 

@@ -36,8 +36,13 @@ def closest(name: str, choices: Iterable[str]) -> str:
     return f" (did you mean {match[0]!r}?)" if match else ""
 
 
-def choice_error(what: str, value: object, choices: Iterable[str]) -> ConfigError:
+def spelled(choice: object) -> str:
+    """A choice as a recipe spells it: YAML's ``true`` / ``false`` for booleans."""
+    return str(choice).lower() if isinstance(choice, bool) else str(choice)
+
+
+def choice_error(what: str, value: object, choices: Iterable[object]) -> ConfigError:
     """Build the standard 'bad value, valid values are ...' error."""
-    options = list(choices)
+    options = [spelled(choice) for choice in choices]
     hint = closest(str(value), options)
     return ConfigError(f"{what}={value!r} is not valid{hint}; valid choices: {', '.join(options)}")

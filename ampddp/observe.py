@@ -83,6 +83,11 @@ class RunObserver:
         if self.active:
             self._write({"kind": "start", "step": step, "epoch": epoch})
 
+    def compiled(self, step: int, epoch: int, seconds: float, mode: str, backend: Any) -> None:
+        """torch.compile's first training forward and backward took ``seconds`` (in step ``step``)."""
+        if self.active:
+            self._write({"kind": "compile", "step": step, "epoch": epoch, "compile_s": seconds, "mode": mode, "backend": str(backend)})
+
     def evaluation(self, step: int, epoch: int, result: dict[str, Any]) -> None:
         self.last_eval = result
         if result.get("accuracy") is not None:

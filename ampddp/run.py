@@ -20,6 +20,7 @@ from ampddp.checkpoint.files import load_safely
 from ampddp.checkpoint.restore import check_model_state, check_optimizer_state, check_sampler_state, initial_weights, restore_precision
 from ampddp.checkpoint.schedule_plan import plan_schedule
 from ampddp.checkpoint.store import CheckpointRef, CheckpointStore, find_checkpoint
+from ampddp.compile_model import ModelCompiler
 from ampddp.config import RunConfig, check_config
 from ampddp.console import rank_console
 from ampddp.data import CIFAR_LAYOUT, IMAGEFOLDER_LAYOUT, build_datasets
@@ -163,6 +164,12 @@ def _check_stop_signals(names: list[str]) -> None:
             )
 
 
+def model_compiler(config: RunConfig) -> ModelCompiler | None:
+    """trainer.compile / trainer.compile_backend as the trainer's compile part (None: eager); the
+    backend is checked only when compiling (that check imports torch's compiler)."""
+    return ModelCompiler.from_setting(config.trainer.compile, config.trainer.compile_backend, where="trainer.")
+
+
 def _entry_error(where: str, shared: dict[str, Any], key: str, expected: str) -> CheckpointError:
     found = "missing" if key not in shared else f"a {type(shared[key]).__name__}"
     return CheckpointError(f"{where}: not a complete ampddp checkpoint: its {key!r} entry is {found}, expected {expected}")
@@ -285,8 +292,8 @@ def validate(config: RunConfig) -> None:
     """Everything that can be checked without training: raise before any work starts or anything is written.
 
     Values and ranges, precision settings, dotted function names, model and data shapes, data
-    paths, stop signals, checkpoints to start from, the device, and last the run_dir's
-    writability (the only check that touches the filesystem).
+    paths, stop signals, the torch.compile backend, checkpoints to start from, the device, and
+    last the run_dir's writability (the only check that touches the filesystem).
     """
     check_config(config)
     engine = build_engine(config.precision.mode, impl=config.precision.impl, **precision_overrides(config))
@@ -294,6 +301,7 @@ def validate(config: RunConfig) -> None:
     _check_data_root(config)
     model = _check_model(config)
     _check_stop_signals(config.trainer.stop_signals)
+    model_compiler(config)
     if config.trainer.tensorboard:
         try:
             importlib.import_module("torch.utils.tensorboard")
@@ -420,6 +428,7 @@ def _build_and_fit(config: RunConfig, env: DistEnv, stop: StopSignals) -> dict[s
         model, _optimizer_factory(config), train_set, eval_set=eval_set, env=env,
         precision=config.precision.mode, impl=config.precision.impl, precision_overrides=precision_overrides(config),
         registry=build_registry(config), sync_bn=config.distributed.sync_bn, strategy=config.distributed.strategy,
+        compile=model_compiler(config),
         batch_size=data.batch_size, grad_accum_steps=trainer_cfg.grad_accum_steps, clip_grad_norm=trainer_cfg.clip_grad_norm,
         make_scheduler=_scheduler_factory(config, steps_per_epoch), max_epochs=trainer_cfg.max_epochs, max_steps=trainer_cfg.max_steps,
         seed=trainer_cfg.seed, shuffle=SHUFFLE, drop_last=DROP_LAST, run_dir=trainer_cfg.run_dir,

@@ -37,6 +37,7 @@ from ampddp.checkpoint.restore import (
 from ampddp.checkpoint.rng import capture_rng, derive_rng, restore_rng
 from ampddp.checkpoint.schedule_plan import SchedulePlan, plan_schedule
 from ampddp.checkpoint.store import CheckpointRef, CheckpointStore, find_checkpoint, plan_resume
+from ampddp.compile_model import ModelCompiler
 from ampddp.diagnostics import first_non_finite_module
 from ampddp.distributed.data import ResumableSampler, broadcast_from_main, eval_sampler, sum_across_ranks
 from ampddp.distributed.env import DistEnv, detect_env, seed_everything
@@ -85,6 +86,9 @@ class Trainer:
 
     ``make_optimizer(params)`` and ``make_scheduler(optimizer)`` build the optimizer and LR
     scheduler after the model is prepared. Override ``compute_loss`` for custom losses.
+    ``compile``: False (eager), True or a torch.compile mode (the inductor backend), or a
+    ``ModelCompiler``; the prepared model is compiled for training and evaluation, checkpoints hold
+    the bare module's state either way.
     """
 
     def __init__(
@@ -101,6 +105,7 @@ class Trainer:
         registry: OpRegistry | None = None,
         sync_bn: str = "off",
         strategy: str = "ddp",
+        compile: bool | str | ModelCompiler | None = False,
         batch_size: int = 32,
         grad_accum_steps: int = 1,
         clip_grad_norm: float | None = None,
@@ -130,6 +135,7 @@ class Trainer:
         )  # fmt: skip
         if checkpoint_every is not None and run_dir is None:
             raise ConfigError("checkpoint_every needs a run_dir to write checkpoints into")
+        self.compiler = compile if isinstance(compile, ModelCompiler) else ModelCompiler.from_setting(compile)
         self.env = env or detect_env(device="auto")
         seed_everything(seed)
         if init_from is not None:
@@ -144,6 +150,8 @@ class Trainer:
             model, make_optimizer, self.env, precision=precision, impl=impl, precision_overrides=precision_overrides,
             registry=registry, sync_bn=sync_bn, strategy=strategy,
         )  # fmt: skip
+        if self.compiler is not None:  # last: the set-up (cast, masters, DDP) is what gets compiled
+            self.run = self.compiler.compile(self.run, on_first_step=self._compiled)
         self.engine, self.optimizer = self.run.engine, self.run.optimizer
         self.scheduler = make_scheduler(self.optimizer) if make_scheduler is not None else None
         self.train_set, self.eval_set, self.loss_fn = train_set, eval_set, loss_fn
@@ -226,6 +234,11 @@ class Trainer:
         with self.engine.forward_context():
             loss = self.loss_fn(self.run.model(inputs), targets)
         return loss, len(targets)
+
+    def _compiled(self, seconds: float) -> None:
+        """The first compiled forward and backward ended (inside the step about to be counted)."""
+        if self.observer is not None and self.compiler is not None:
+            self.observer.compiled(self.progress.global_step + 1, self.progress.epoch, seconds, self.compiler.mode, self.compiler.backend)
 
     def _end_epoch(self) -> None:
         self.progress.epoch += 1

@@ -76,6 +76,18 @@ def refused(capsys, run_dir: Path, *args: str, recipe: Path = QUICKSTART) -> str
         (["precision.float_functions=[torch.float16]"], "precision.float_functions entry 'torch.float16' is a dtype, not a function"),
         (["precision.half_functions=[no_such_module.fn]"], "cannot resolve 'no_such_module.fn' in precision.half_functions: no module"),
         (["precision.promote_functions=[torch.nn.functional.nope]"], "torch.nn.functional has no attribute 'nope'"),
+        (
+            ["trainer.compile=fast"],
+            "trainer.compile='fast' is not valid (did you mean 'false'?); "
+            "valid choices: false, true, default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs",
+        ),
+        (["trainer.compile=max-autotune-no-cudagraph"], "(did you mean 'max-autotune-no-cudagraphs'?); valid choices: false, true,"),
+        (["trainer.compile=2"], "trainer.compile=2 has the wrong type; expected bool or str"),
+        (["trainer.compile="], "trainer.compile=None has the wrong type; expected bool or str"),
+        (
+            ["trainer.compile=true", "trainer.compile_backend=inductr"],
+            "trainer.compile_backend='inductr' is not a torch.compile backend (did you mean 'inductor'?); valid choices: ",
+        ),
     ],
 )
 def test_bad_values_are_refused_with_one_line_naming_key_and_range(tmp_path, capsys, overrides, message):
