@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import types
 
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ampddp import OpRegistry, build_engine, float_function, half_function, promote_function
+from ampddp.precision.cast_context import OpCastContext, build_op_table
 from ampddp.precision.registry import bfloat16_function
 
 LEVELS = {"O1": torch.float16, "O4": torch.bfloat16}
@@ -214,13 +216,17 @@ def test_cast_cache_is_reused_within_a_forward_and_stays_correct_across_grad_mod
     torch.testing.assert_close(weight.grad, expected, rtol=1e-2, atol=1e-2)
 
 
-def test_cast_cache_sees_in_place_updates():
+def test_cast_weights_are_dropped_when_the_forward_ends():
+    """Within one forward a weight's cast is reused (as apex and torch.autocast do); the next forward
+    casts again, so an update made between forwards (or inside one) is seen by the next."""
     weight = nn.Parameter(torch.ones(1, 1))
     x = torch.ones(1, 1)
-    with op_context("O1"):
+    context = op_context("O1")
+    with context:
         first = F.linear(x, weight).item()
         with torch.no_grad():
             weight.mul_(3)
+    with context:
         second = F.linear(x, weight).item()
     assert (first, second) == (1.0, 3.0)
 
@@ -278,3 +284,152 @@ def test_cuda_gives_the_same_dtypes_as_cpu(level):
             return {name: op().dtype for name, op in ops.items()}
 
     assert table("cuda") == table("cpu")
+
+
+def every_list_op(h, f):
+    """A call for (nearly) every name on apex's lists; ``h`` low precision, ``f`` fp32, both 4x4."""
+    p, i = h.abs() + 0.5, torch.tensor([0, 1, 2, 3])
+    image, grid = h[None, None], torch.zeros(1, 2, 2, 2, dtype=h.dtype)
+    return {
+        **low_half_list_ops(f, f[:3].clone()),
+        **fp32_list_ops(h),
+        **promote_ops(h, f),
+        "F.conv1d": lambda: F.conv1d(f[None], torch.randn(2, 4, 1)),
+        "F.conv_transpose2d": lambda: F.conv_transpose2d(f[None, None], torch.randn(1, 1, 2, 2)),
+        "torch.addmv": lambda: torch.addmv(f[0], f, f[1]),
+        "torch.addr": lambda: torch.addr(f, f[0], f[1]),
+        "torch.baddbmm": lambda: torch.baddbmm(f[None], f[None], f[None]),
+        "torch.addbmm": lambda: torch.addbmm(f, f[None], f[None]),
+        "torch.chain_matmul": lambda: torch.linalg.multi_dot([f, f, f]),
+        "sdpa": lambda: F.scaled_dot_product_attention(f[None], f[None], f[None]),
+        "lstm_cell": lambda: torch.lstm_cell(f, (f[:, :1].repeat(1, 1), f[:, :1]), torch.randn(4, 4), torch.randn(4, 1))[0],
+        "F.interpolate": lambda: F.interpolate(image, scale_factor=2, mode="bilinear"),
+        "F.grid_sample": lambda: F.grid_sample(image, grid, align_corners=False),
+        "F.softplus": lambda: F.softplus(h),
+        "F.softmin": lambda: F.softmin(h, -1),
+        "F.normalize": lambda: F.normalize(h),
+        "F.cosine_similarity": lambda: F.cosine_similarity(h, h),
+        "F.local_response_norm": lambda: F.local_response_norm(image, 2),
+        "F.kl_div": lambda: F.kl_div(h, p, reduction="batchmean"),
+        "F.l1_loss": lambda: F.l1_loss(h, p),
+        "F.smooth_l1_loss": lambda: F.smooth_l1_loss(h, p),
+        "F.huber_loss": lambda: F.huber_loss(h, p),
+        "F.nll_loss": lambda: F.nll_loss(h, i),
+        "F.bce_with_logits": lambda: F.binary_cross_entropy_with_logits(h, p.clamp(max=1)),
+        "F.poisson_nll_loss": lambda: F.poisson_nll_loss(h, p),
+        "F.soft_margin_loss": lambda: F.soft_margin_loss(h, p.sign()),
+        "F.multilabel_soft_margin_loss": lambda: F.multilabel_soft_margin_loss(h, (p > 1).to(h.dtype)),
+        "F.gaussian_nll_loss": lambda: F.gaussian_nll_loss(h, p, p),
+        **{
+            f"torch.{name}": functools.partial(getattr(torch, name), p.clamp(max=0.9))
+            for name in (
+                "acos",
+                "asin",
+                "cosh",
+                "erfinv",
+                "expm1",
+                "log10",
+                "log2",
+                "log1p",
+                "reciprocal",
+                "rsqrt",
+                "sinh",
+                "tan",
+                "cumprod",
+                "prod",
+                "std",
+                "var",
+                "logsumexp",
+            )
+        },
+        "torch.cumprod": lambda: torch.cumprod(h, 0),
+        "torch.logsumexp": lambda: torch.logsumexp(h, 0),
+        "torch.renorm": lambda: torch.renorm(h, 2, 0, 1.0),
+        "torch.dist": lambda: torch.dist(h, p),
+        "Tensor.cpu": lambda: h.cpu(),
+        "torch.addcdiv": lambda: torch.addcdiv(f, h, p),
+        "torch.atan2": lambda: torch.atan2(h, f),
+        "torch.cross": lambda: torch.cross(h[:3, :3], f[:3, :3], dim=0),
+        "torch.dot": lambda: torch.dot(h[0], f[0]),
+        "h - f": lambda: h - f,
+        "f / h": lambda: f / p,
+        "h < f": lambda: h < f,
+        "torch.where": lambda: torch.where(h > 0, h, f),
+        "torch.lerp": lambda: torch.lerp(h, f, 0.5),
+        "torch.hstack": lambda: torch.hstack([h, f]),
+        "torch.concat": lambda: torch.concat([h, f]),
+        "h ** f": lambda: p**f,
+    }
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_dispatcher_kernels_cast_every_list_op_as_the_torch_function_mode_does(level):
+    """The fast path (device autocast + dispatcher kernels) against the reference that sees every
+    torch call in Python: the same dtype for every list op, the same values within fp16 rounding."""
+    low = LEVELS[level]
+    torch.manual_seed(0)
+    h, f = torch.randn(4, 4).to(low), torch.randn(4, 4)
+    fast = OpCastContext(build_op_table(()), low, ("cpu",))
+    reference = OpCastContext(build_op_table(()), low, ("cpu",), kernels=False)
+    assert fast.uses_kernels and not reference.uses_kernels
+    ops = every_list_op(h, f)
+
+    def run_all(context: OpCastContext) -> dict[str, torch.Tensor]:
+        results = {}
+        with context:
+            for name, op in ops.items():
+                torch.manual_seed(1)  # some calls draw their own weights
+                results[name] = op()
+        return results
+
+    got, expected = run_all(fast), run_all(reference)
+    assert {name: t.dtype for name, t in got.items()} == {name: t.dtype for name, t in expected.items()}
+    for name in ops:
+        torch.testing.assert_close(got[name].double(), expected[name].double(), rtol=2e-2, atol=2e-2, msg=name)
+
+
+def test_dispatcher_kernels_are_shared_counted_and_removed_with_the_last_context():
+    import gc
+
+    from ampddp.precision.aten_casts import KERNELS
+
+    gc.collect()
+    before = KERNELS.registered()
+    contexts = [OpCastContext(build_op_table(()), torch.float16, ("cpu",)) for _ in range(2)]
+    registered = KERNELS.registered()
+    assert registered > before or before > 0
+    del contexts[0]
+    gc.collect()
+    assert KERNELS.registered() == registered
+    del contexts[0]
+    gc.collect()
+    assert KERNELS.registered() == before
+
+
+def test_a_users_own_autocast_is_unchanged_while_ampddp_kernels_are_registered():
+    h = torch.randn(4, 4).half()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        before = {
+            "softmax": F.softmax(h, -1).dtype,
+            "exp": torch.exp(h).dtype,
+            "bce": F.binary_cross_entropy(torch.rand(3).half(), torch.rand(3)).dtype,
+        }
+    context = OpCastContext(build_op_table(()), torch.float16, ("cpu",))
+    assert context.uses_kernels
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        after = {
+            "softmax": F.softmax(h, -1).dtype,
+            "exp": torch.exp(h).dtype,
+            "bce": F.binary_cross_entropy(torch.rand(3).half(), torch.rand(3)).dtype,
+        }
+    assert after == before == {"softmax": torch.float16, "exp": torch.float16, "bce": torch.float32}
+
+
+def test_a_registration_that_would_replace_a_torch_autocast_kernel_uses_the_torch_function_mode():
+    registry = OpRegistry()
+    registry.register(F, "linear", "float")  # torch's CPU autocast casts linear itself
+    engine = build_engine("O1", registry=registry, verbosity=0)
+    engine.setup([nn.Linear(2, 2)], [])
+    assert not engine.forward_context().uses_kernels
+    with engine.forward_context():
+        assert F.linear(torch.randn(2, 2), torch.randn(2, 2)).dtype == torch.float32

@@ -1,10 +1,12 @@
 """The O1/O4 forward context: ops cast per ampddp's lists, only while the context is active.
 
-How: a ``torch.overrides.TorchFunctionMode`` sees every torch call made in the context (on this
-thread only) and casts the inputs of listed ops; device autocast runs underneath so the ops that
-composite Python functions call internally are lowered too. Registered functions that torch cannot
-intercept are swapped in their module for the context's duration and restored on exit. Nothing is
-left patched once the outermost context exits, and two contexts share no state.
+How, entered around a forward: device autocast, plus dispatcher kernels on its autocast key for the
+listed ops autocast does not cast as apex did (``aten_casts.py``), so that unlisted ops cost what
+they cost under ``torch.autocast``. Where kernels cannot express a set-up's registrations, a
+``torch.overrides.TorchFunctionMode`` sees every torch call made in the context (on this thread
+only) and casts the inputs of listed ops, device autocast underneath. Registered functions that
+torch cannot intercept are swapped in their module for the context's duration and restored on exit.
+Nothing is left patched once the outermost context exits, and two contexts share no state.
 
 A *window* (``open_window``/``close_window``) keeps only the op lists applied on this thread after
 a forward has returned, as apex's process-wide patching did for the loss computed outside the
@@ -25,14 +27,21 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, get_overridable_functions, handle_torch_function, has_torch_function
 
 from ampddp.precision import op_lists
-from ampddp.precision.casting import map_tensors
+from ampddp.precision.aten_casts import KERNELS, AtenCastPlan, EnteredPlan
+from ampddp.precision.cast_rules import (
+    BANNED,
+    INPLACE_FP32,
+    CastCache,
+    cast_floating_to,
+    refuse_banned_on_low,
+    refuse_inplace_on_low,
+    set_entered_casts,
+    target_dtype,
+)
 from ampddp.precision.compile_support import run_eagerly_as_own_frame
 from ampddp.precision.device_autocast import DeviceAutocast
-from ampddp.precision.registry import BFLOAT16, CAST_ATTRIBUTE, FP32, LOW, PROMOTE, Registration, tensors_in
+from ampddp.precision.registry import CAST_ATTRIBUTE, FP32, LOW, PROMOTE, Registration, tensors_in
 
-BANNED = "banned"
-INPLACE_FP32 = "inplace-float"
-"""In-place form of an fp32-list op (``exp_``): refused on low-precision tensors, as apex did."""
 ORIGINAL_ATTRIBUTE = "__ampddp_original__"
 _SWAP_LOCK = threading.Lock()
 """Guards installing/removing dispatchers in user modules, which any thread's context may do."""
@@ -42,7 +51,6 @@ of patches: a window, or any context being entered, closes the window open befor
 _SUSPENDED = threading.local()
 """How many ``suspend_thread_casts`` blocks this thread is inside."""
 NAMESPACES = (torch, F, torch.Tensor)
-_LOW_TYPES = (torch.float16, torch.bfloat16)
 
 
 @functools.lru_cache(maxsize=1)
@@ -67,6 +75,7 @@ class OpTable:
     kinds: dict[Any, str]
     swaps: tuple[Registration, ...]
     banned_messages: dict[Any, str]
+    registrations: tuple[Registration, ...] = ()
 
 
 def build_op_table(registrations: tuple[Registration, ...]) -> OpTable:
@@ -96,7 +105,7 @@ def build_op_table(registrations: tuple[Registration, ...]) -> OpTable:
         else:
             kinds[fn] = entry.kind
             swaps.append(entry)
-    return OpTable(kinds, tuple(swaps), banned_messages)
+    return OpTable(kinds, tuple(swaps), banned_messages, tuple(registrations))
 
 
 class _Dispatcher:
@@ -134,40 +143,6 @@ def _release_dispatcher(module: Any, name: str, dispatcher: _Dispatcher) -> None
             setattr(module, name, getattr(dispatcher, ORIGINAL_ATTRIBUTE))
 
 
-class _CastCache:
-    """Casts of fp32 leaf parameters, reused within one outermost context (weights shared by
-    several ops, RNN time steps) and dropped when it exits, as apex did per iteration."""
-
-    def __init__(self) -> None:
-        self._casts: dict[tuple[int, torch.dtype, bool], tuple[torch.Tensor, int, torch.Tensor]] = {}
-
-    def cast(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if not (tensor.is_leaf and tensor.requires_grad):
-            return tensor.to(dtype)
-        key = (id(tensor), dtype, torch.is_grad_enabled())
-        hit = self._casts.get(key)
-        if hit is not None and hit[0] is tensor and hit[1] == tensor._version:
-            return hit[2]
-        result = tensor.to(dtype)
-        self._casts[key] = (tensor, tensor._version, result)
-        return result
-
-    def clear(self) -> None:
-        self._casts.clear()
-
-
-def _floating_dtypes(args: Any, kwargs: dict[str, Any]) -> set[torch.dtype]:
-    seen: set[torch.dtype] = set()
-
-    def note(tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.is_floating_point():
-            seen.add(tensor.dtype)
-        return tensor
-
-    map_tensors((args, kwargs), note)
-    return seen
-
-
 def _remove_mode(mode: TorchFunctionMode) -> None:
     """Take ``mode`` off this thread's torch-function mode stack wherever it sits; modes pushed
     above it (by user code still inside their ``with``) stay, in their order."""
@@ -191,7 +166,7 @@ def _copy_into(out: Any, result: Any) -> None:
 
 
 class _OpCastMode(TorchFunctionMode):
-    def __init__(self, table: OpTable, low_dtype: torch.dtype, device_types: tuple[str, ...], cache: _CastCache) -> None:
+    def __init__(self, table: OpTable, low_dtype: torch.dtype, device_types: tuple[str, ...], cache: CastCache) -> None:
         super().__init__()
         self._kinds = table.kinds
         self._banned = table.banned_messages
@@ -220,12 +195,7 @@ class _OpCastMode(TorchFunctionMode):
             if kind is None:
                 return func(*args, **kwargs)
         if kind == INPLACE_FP32:
-            if args and isinstance(args[0], torch.Tensor) and args[0].dtype in _LOW_TYPES:
-                name = getattr(func, "__name__", str(func))
-                raise NotImplementedError(
-                    f"in-place {name} on a {args[0].dtype} tensor under an op-casting opt level: the op runs in fp32 and "
-                    f"its result cannot be written back in place; use the out-of-place form (x = x.{name.rstrip('_')}())"
-                )
+            refuse_inplace_on_low(getattr(func, "__name__", str(func)), args)
             return func(*args, **kwargs)
         if kwargs.get("out") is not None:
             # An out= buffer must be written, not replaced by a cast copy: compute, then copy in.
@@ -233,27 +203,18 @@ class _OpCastMode(TorchFunctionMode):
             result = self.__torch_function__(func, types, args, kwargs)
             _copy_into(out, result)
             return out
-        if kind in (LOW, BFLOAT16):
-            target = self._low if kind == LOW else torch.bfloat16
-            return func(*self._cast(args, target), **self._cast(kwargs, target))
-        if kind == PROMOTE:
-            dtypes = _floating_dtypes(args, kwargs)
-            if len(dtypes) > 1 and torch.float64 not in dtypes:
-                return func(*self._cast(args, torch.float32), **self._cast(kwargs, torch.float32))
+        if kind == BANNED:
+            refuse_banned_on_low(getattr(func, "__name__", str(func)), self._banned[func], args, kwargs)
+            kind = FP32
+        dtype = target_dtype(kind, self._low, args, kwargs)
+        args, kwargs = (args, kwargs) if dtype is None else (self._cast(args, dtype), self._cast(kwargs, dtype))
+        if kind != FP32:
             return func(*args, **kwargs)
-        if kind == BANNED and _floating_dtypes(args, kwargs) & set(_LOW_TYPES):
-            name = getattr(func, "__name__", str(func))
-            raise NotImplementedError(f"{name} called with low-precision input under an op-casting opt level: {self._banned[func]}")
         with DeviceAutocast(self._device_types, enabled=False):
-            return func(*self._cast(args, torch.float32), **self._cast(kwargs, torch.float32))
+            return func(*args, **kwargs)
 
     def _cast(self, obj: Any, dtype: torch.dtype) -> Any:
-        def cast(tensor: torch.Tensor) -> torch.Tensor:
-            if tensor.dtype == dtype or not tensor.is_floating_point() or tensor.dtype == torch.float64:
-                return tensor
-            return self._cache.cast(tensor, dtype)
-
-        return map_tensors(obj, cast)
+        return cast_floating_to(obj, dtype, self._cache)
 
 
 def end_thread_casts() -> None:
@@ -292,23 +253,32 @@ class _Opening:
     rebuild a mode, cache or ``ExitStack`` callback created while tracing.
     """
 
-    def __init__(self, table: OpTable, low_dtype: torch.dtype, device_types: tuple[str, ...]) -> None:
+    def __init__(self, table: OpTable, low_dtype: torch.dtype, device_types: tuple[str, ...], plan: AtenCastPlan | None = None) -> None:
         self._swaps = table.swaps
         self._autocast = DeviceAutocast(device_types, low_dtype)
-        self.cache = _CastCache()
+        self.cache = CastCache()
         self.cast_mode = _OpCastMode(table, low_dtype, device_types, self.cache)
+        self._plan = None if plan is None else EnteredPlan(plan, device_types)
         self.is_open = False
+        self.mode_pushed = False
+        self._plan_open = False
         self._with_autocast = False
         self._suspension: Any = None
         self._dispatchers: list[tuple[Any, str, _Dispatcher]] = []
 
     def open(self, with_autocast: bool, at_bottom: bool) -> None:
-        """Device autocast (if asked), then the cast mode, then the swaps; ``close`` undoes them in reverse."""
+        """Device autocast (if asked), then the dispatcher kernels' casts or the cast mode and the swaps;
+        ``close`` undoes them in reverse. Inside ``suspend_thread_casts`` kernels have nothing to do."""
         self.is_open = True
         try:
             if with_autocast:
                 self._autocast.__enter__()
                 self._with_autocast = True
+            if self._plan is not None:
+                if _suspension_depth() == 0:
+                    self._plan.open()
+                    self._plan_open = True
+                return
             if _suspension_depth() > 0:
                 self._suspension = self.cast_mode.suspended()
                 self._suspension.__enter__()
@@ -316,6 +286,7 @@ class _Opening:
                 _push_below_others(self.cast_mode)
             else:
                 torch._C._push_on_torch_function_stack(self.cast_mode)
+            self.mode_pushed = True
             for entry in self._swaps:
                 self._dispatchers.append((entry.module, entry.name, _install_dispatcher(entry.module, entry.name)))
         except BaseException:
@@ -326,7 +297,12 @@ class _Opening:
         dispatchers, self._dispatchers = self._dispatchers, []
         for module, name, dispatcher in reversed(dispatchers):
             _release_dispatcher(module, name, dispatcher)
-        _remove_mode(self.cast_mode)
+        if self._plan_open:
+            self._plan_open = False
+            self._plan.close()
+        if self.mode_pushed:
+            self.mode_pushed = False
+            _remove_mode(self.cast_mode)
         suspension, self._suspension = self._suspension, None
         if suspension is not None:
             suspension.__exit__(None, None, None)
@@ -345,14 +321,24 @@ class OpCastContext:
     doc), and *held* (op lists only, until ``release``: the legacy ``amp.init`` handle).
     """
 
-    def __init__(self, table: OpTable, low_dtype: torch.dtype, device_types: tuple[str, ...]) -> None:
+    def __init__(self, table: OpTable, low_dtype: torch.dtype, device_types: tuple[str, ...], kernels: bool = True) -> None:
+        """``kernels=False``: entered forwards use the torch-function mode even where dispatcher
+        kernels could apply the lists (the reference the kernels are tested against)."""
         self._table = table
         self._low = low_dtype
         self._device_types = device_types
+        self._plan = AtenCastPlan.build(table.registrations, low_dtype, device_types) if kernels and not table.swaps else None
+        if self._plan is not None:
+            KERNELS.acquire(self._plan.kernels, owner=self)
         self._local = threading.local()
         self._local.depth = 0  # set here, not at the first entry: a compiled step guards on it
         run_eagerly_as_own_frame(_OpCastMode.__torch_function__)
         self._openings()  # this thread's, made before any compiled forward could open them (see _Opening)
+
+    @property
+    def uses_kernels(self) -> bool:
+        """Whether entered forwards apply the lists through dispatcher kernels (else the torch-function mode)."""
+        return self._plan is not None
 
     @property
     def device_types(self) -> tuple[str, ...]:
@@ -421,12 +407,14 @@ class OpCastContext:
     def opened_modes(self) -> list[_OpCastMode]:
         """The cast modes this context has open on the calling thread (entered, window, held)."""
         openings = self._openings()
-        return [opening.cast_mode for opening in (openings.entered, openings.window, openings.held) if opening.is_open]
+        return [opening.cast_mode for opening in (openings.entered, openings.window, openings.held) if opening.mode_pushed]
 
     def _openings(self) -> _ThreadOpenings:
         openings = getattr(self._local, "openings", None)
         if openings is None:
-            openings = self._local.openings = _ThreadOpenings(*(_Opening(self._table, self._low, self._device_types) for _ in range(3)))
+            entered = _Opening(self._table, self._low, self._device_types, self._plan)
+            window, held = (_Opening(self._table, self._low, self._device_types) for _ in range(2))
+            openings = self._local.openings = _ThreadOpenings(entered, window, held)
         return openings
 
 
@@ -445,6 +433,7 @@ def suspend_thread_casts(contexts: list[OpCastContext], device_types: tuple[str,
     the modes ``contexts`` have open pass calls through, and forwards run inside the block open theirs
     already passing through."""
     _SUSPENDED.depth = _suspension_depth() + 1
+    entered = set_entered_casts(None)
     try:
         with contextlib.ExitStack() as stack:
             for context in contexts:
@@ -453,4 +442,5 @@ def suspend_thread_casts(contexts: list[OpCastContext], device_types: tuple[str,
             stack.enter_context(DeviceAutocast(device_types, enabled=False))
             yield
     finally:
+        set_entered_casts(entered)
         _SUSPENDED.depth -= 1

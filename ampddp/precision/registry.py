@@ -15,13 +15,9 @@ import torch
 from torch.overrides import handle_torch_function, has_torch_function
 
 from ampddp.errors import choice_error
+from ampddp.precision.cast_rules import BFLOAT16, CAST_KINDS, FP32, LOW, PROMOTE, call_tagged, entered_casts
 
-LOW = "half"
-"""Run in the level's low-precision dtype (float16 under O1, bfloat16 under O4)."""
-BFLOAT16 = "bfloat16"
-FP32 = "float"
-PROMOTE = "promote"
-CAST_KINDS = (LOW, FP32, PROMOTE, BFLOAT16)
+__all__ = ["BFLOAT16", "CAST_ATTRIBUTE", "CAST_KINDS", "FP32", "LOW", "PROMOTE", "OpRegistry", "Registration", "tag_function"]
 CAST_ATTRIBUTE = "__ampddp_cast__"
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -71,7 +67,9 @@ def tensors_in(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Ten
 def tag_function(fn: F, kind: str) -> F:
     """Wrap ``fn`` so an active ampddp op-cast context sees calls to it and applies ``kind``.
 
-    Outside a context the wrapper calls ``fn`` directly; the check costs one C call.
+    Outside a context the wrapper calls ``fn`` directly; the checks cost one C call and one
+    thread-local read. A context entered with dispatcher kernels has no mode to see the call, so
+    the wrapper applies ``kind`` itself.
     """
     if kind not in CAST_KINDS:
         raise choice_error("cast kind", kind, CAST_KINDS)
@@ -81,6 +79,9 @@ def tag_function(fn: F, kind: str) -> F:
         relevant = tensors_in(args, kwargs)
         if relevant and has_torch_function(relevant):
             return handle_torch_function(wrapper, relevant, *args, **kwargs)
+        casts = entered_casts()
+        if casts is not None:
+            return call_tagged(fn, kind, args, kwargs, casts)
         return fn(*args, **kwargs)
 
     setattr(wrapper, CAST_ATTRIBUTE, kind)
