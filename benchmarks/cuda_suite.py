@@ -3,7 +3,11 @@
 ResNet-50 runs channels_last on synthetic data already on the GPU, O0 with TF32 allowed (as
 NVIDIA's fp32 figures are), each mode side by side with the hand-written loop at the same precision.
 The GPT-style model reports achieved TFLOPS and model FLOPs utilisation against the GPU's dense bf16
-peak. On CPU this suite runs only when named (``--only cuda-suite --smoke``), to check the code.
+peak. Both models also train under ``torch.compile(model)`` (inductor, after set-up) in every mode,
+side by side with the same engine loop eager (``compile_modes.compiled_vs_eager``: compile time left
+out of the timing and reported in the note). On CPU this suite runs only when named
+(``--only cuda-suite --smoke``), to check the code; the compiled rows then use ``aot_eager`` on the
+GPT-style model in O4 only.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
+from compile_modes import compiled_vs_eager
 from harness import Budget, Row, side_by_side
 from loops import engine_loop, plain_loop, resnet
 from torch import nn
@@ -78,12 +83,18 @@ class TinyGPT(nn.Module):
         return 6 * weights + 12 * depth * width * context
 
 
-def _resnet_rows(device: str, budget: Budget) -> list[Row]:
+def _resnet_workload(device: str, budget: Budget) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor], int, int, int]:
+    """ResNet-50 channels_last, a synthetic batch already on ``device``, steps and repeats per mode."""
     size, side, steps, repeats = budget.pick((2, 32, 1, 1), (128, 224, 10, 5), (256, 224, 20, 7))
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(size, 3, side, side, generator=generator).to(device).contiguous(memory_format=torch.channels_last)
     data = (x, torch.randint(0, 1000, (size,), generator=generator).to(device))
     model = resnet(50, classes=1000).to(device).to(memory_format=torch.channels_last)
+    return model, data, size, steps, repeats
+
+
+def _resnet_rows(device: str, budget: Budget) -> list[Row]:
+    model, data, size, steps, repeats = _resnet_workload(device, budget)
     modes = RESNET_MODES if device == "cuda" or budget.size != "smoke" else ("O0", "O5", "native-bf16")
     rows = []
     for mode in modes:
@@ -97,7 +108,9 @@ def _resnet_rows(device: str, budget: Budget) -> list[Row]:
     return rows
 
 
-def _gpt_rows(device: str, budget: Budget) -> list[Row]:
+def _gpt_workload(device: str, budget: Budget) -> tuple[TinyGPT, tuple[torch.Tensor, torch.Tensor], int, int, int, int]:
+    """The GPT-style model, token ids and next-token labels on ``device``, tokens per batch
+    (``size``, ``context``), steps and repeats per mode."""
     vocab, width, depth, heads, context, size = budget.pick(
         (256, 64, 2, 2, 32, 2), (8192, 768, 12, 12, 1024, 8), (32768, 1024, 24, 16, 1024, 8)
     )
@@ -106,13 +119,22 @@ def _gpt_rows(device: str, budget: Budget) -> list[Row]:
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (size, context), generator=generator).to(device)
     data = (ids, torch.randint(0, vocab, (size * context,), generator=generator).to(device))
+    return model, data, size, context, steps, repeats
+
+
+def _gpt_label(model: nn.Module) -> str:
+    return f"gpt-{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M"
+
+
+def _gpt_rows(device: str, budget: Budget) -> list[Row]:
+    model, data, size, context, steps, repeats = _gpt_workload(device, budget)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     peak = next((value for key, value in BF16_PEAK.items() if key in name), None)
     flops = model.flops_per_token() * size * context * steps
     rows = []
     for mode in GPT_MODES:
         ours, theirs = engine_loop(mode, model, data, steps), plain_loop(mode, model, data, steps)
-        row = side_by_side(f"cuda-suite/gpt-{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M/{mode}/train", ours, theirs,
+        row = side_by_side(f"cuda-suite/{_gpt_label(model)}/{mode}/train", ours, theirs,
                            repeats=repeats, per=flops / 1e12, unit="TFLOP/s", throughput=True)  # fmt: skip
         mfu = (
             f"MFU {row.ampddp * 1e12 / peak:.1%} of {name}'s {peak / 1e12:.0f} TFLOP/s dense bf16"
@@ -124,6 +146,23 @@ def _gpt_rows(device: str, budget: Budget) -> list[Row]:
     return rows
 
 
+def _compile_rows(device: str, budget: Budget) -> list[Row]:
+    """Both models compiled vs eager, same engine loop and mode (ratio: eager time / compiled time);
+    on CPU (smoke only) ``aot_eager`` on the GPT-style model in O4, to check the code."""
+    backend = "inductor" if device == "cuda" else "aot_eager"
+    rows = []
+    if device == "cuda":
+        model, data, _, steps, repeats = _resnet_workload(device, budget)
+        for mode in RESNET_MODES:
+            rows.append(compiled_vs_eager(f"cuda-suite/compile/resnet50/{mode}/compiled-vs-eager", mode, model, data, steps,
+                                          repeats, backend))  # fmt: skip
+    model, data, _, _, steps, repeats = _gpt_workload(device, budget)
+    for mode in GPT_MODES if device == "cuda" else ("O4",):
+        rows.append(compiled_vs_eager(f"cuda-suite/compile/{_gpt_label(model)}/{mode}/compiled-vs-eager", mode, model, data, steps,
+                                      repeats, backend))  # fmt: skip
+    return rows
+
+
 def run(device: str, budget: Budget) -> list[Row]:
     with _fast_fp32() if device == "cuda" else contextlib.nullcontext():
-        return _resnet_rows(device, budget) + _gpt_rows(device, budget)
+        return _resnet_rows(device, budget) + _gpt_rows(device, budget) + _compile_rows(device, budget)

@@ -40,10 +40,11 @@ def sgd(params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.01, momentum=0.9)
 
 
-def engine_loop(mode: str, model: nn.Module, data, steps: int) -> Callable[[], None]:
+def engine_loop(mode: str, model: nn.Module, data, steps: int, registry=None) -> Callable[[], None]:
     model = copy.deepcopy(model)
     optimizer = sgd(model.parameters())
-    engine = build_engine(mode, **({"verbosity": 0} if mode.startswith("O") else {}))
+    options = {"verbosity": 0, "registry": registry} if mode.startswith("O") else {}
+    engine = build_engine(mode, **options)
     engine.setup([model], [optimizer])
     x, y = data
 
@@ -73,6 +74,18 @@ def facade_loop(level: str, model: nn.Module, data, steps: int) -> Callable[[], 
             optimizer.step()
 
     return run
+
+
+def python_registration():
+    """A registry naming a plain Python function (never called here): the dispatcher cannot express
+    it, so O1/O4 forwards see every torch call through the torch-function mode instead of kernels."""
+    import types
+
+    from ampddp import OpRegistry
+
+    registry = OpRegistry()
+    registry.register(types.SimpleNamespace(helper=lambda x: x), "helper", "float")
+    return registry
 
 
 AUTOCAST = {"O1": torch.float16, "native-fp16": torch.float16, "native-bf16": torch.bfloat16, "O4": torch.bfloat16}

@@ -8,10 +8,12 @@ fp32 (1.7 s per ResNet-18 step here), so on CPU the fp16 ResNet-18 modes run onl
 from __future__ import annotations
 
 from harness import Budget, Row, side_by_side
-from loops import batch, engine_loop, facade_loop, many_layer_mlp, plain_loop, resnet, trainer_and_plain_epochs
+from loops import batch, engine_loop, facade_loop, many_layer_mlp, plain_loop, python_registration, resnet, trainer_and_plain_epochs
 
 MODES = ("O0", "O1", "native-bf16", "O2", "O3", "O4", "O5")
 FP16_MODES = ("O1", "O2", "O3")
+OP_LIST_MODES = ("O1", "O4")
+MODE_PATH_NOTE = "set-up with a registration of a plain Python function: every torch call seen in Python"
 TRAINER_SAMPLES = 4096  # the MLP's data set for the Trainer rows: 64 batches of 64
 
 
@@ -43,6 +45,10 @@ def run(device: str, budget: Budget) -> list[Row]:
             baseline = plain_loop(mode, model, data, steps)
             ours = engine_loop(mode, model, data, steps)
             rows.append(side_by_side(f"overhead/{label}/{mode}/engine", ours, baseline, repeats=repeats, per=steps))
+            if mode in OP_LIST_MODES:
+                mode_path = engine_loop(mode, model, data, steps, registry=python_registration())
+                name = f"overhead/{label}/{mode}/engine-torch-function-mode"
+                rows.append(side_by_side(name, mode_path, baseline, repeats=repeats, per=steps, note=MODE_PATH_NOTE))
             if mode.startswith("O") and label == "mlp":
                 facade = facade_loop(mode, model, data, steps)
                 rows.append(side_by_side(f"overhead/{label}/{mode}/amp-facade", facade, baseline, repeats=repeats, per=steps))
