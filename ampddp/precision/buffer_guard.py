@@ -24,7 +24,9 @@ class BufferGuard:
 
     def __init__(self, models: list[nn.Module]) -> None:
         self._buffers = [buffer for model in models for buffer in model.buffers()]
-        self._snapshot: list[torch.Tensor] | None = None
+        # Made now, not at the first forward: a compiled forward that inlines the hook would guard
+        # on "no snapshot yet" and compile again at the second step.
+        self._snapshot = [buffer.detach().clone() for buffer in self._buffers]
         self._armed = True
 
     def install(self, models: list[nn.Module]) -> list[RemovableHandle]:
@@ -37,7 +39,7 @@ class BufferGuard:
         if not self._armed or not module.training or not torch.is_grad_enabled():
             return
         self._armed = False
-        if self._snapshot is None or any(s.shape != b.shape or s.dtype != b.dtype for s, b in zip(self._snapshot, self._buffers)):
+        if any(s.shape != b.shape or s.dtype != b.dtype for s, b in zip(self._snapshot, self._buffers)):
             self._snapshot = [buffer.detach().clone() for buffer in self._buffers]
         else:
             with torch.no_grad():
@@ -46,7 +48,7 @@ class BufferGuard:
     @torch.no_grad()
     def restore(self) -> None:
         """The step was skipped: buffers go back to what they were before its forwards."""
-        if not self._armed and self._snapshot is not None:
+        if not self._armed:
             torch._foreach_copy_([buffer.data for buffer in self._buffers], self._snapshot)
         self._armed = True
 
