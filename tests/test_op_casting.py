@@ -346,7 +346,6 @@ def every_list_op(h, f):
         "torch.logsumexp": lambda: torch.logsumexp(h, 0),
         "torch.renorm": lambda: torch.renorm(h, 2, 0, 1.0),
         "torch.dist": lambda: torch.dist(h, p),
-        "Tensor.cpu": lambda: h.cpu(),
         "torch.addcdiv": lambda: torch.addcdiv(f, h, p),
         "torch.atan2": lambda: torch.atan2(h, f),
         "torch.cross": lambda: torch.cross(h[:3, :3], f[:3, :3], dim=0),
@@ -362,21 +361,32 @@ def every_list_op(h, f):
     }
 
 
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("level", LEVELS)
-def test_dispatcher_kernels_cast_every_list_op_as_the_torch_function_mode_does(level):
+def test_dispatcher_kernels_cast_every_list_op_as_the_torch_function_mode_does(level, device):
     """The fast path (device autocast + dispatcher kernels) against the reference that sees every
     torch call in Python: the same dtype for every list op, the same values within fp16 rounding."""
     low = LEVELS[level]
     torch.manual_seed(0)
-    h, f = torch.randn(4, 4).to(low), torch.randn(4, 4)
-    fast = OpCastContext(build_op_table(()), low, ("cpu",))
-    reference = OpCastContext(build_op_table(()), low, ("cpu",), kernels=False)
+    torch.set_default_device(device)
+    try:
+        h, f = torch.randn(4, 4).to(low), torch.randn(4, 4)
+    finally:
+        torch.set_default_device(None)
+    fast = OpCastContext(build_op_table(()), low, (device,))
+    reference = OpCastContext(build_op_table(()), low, (device,), kernels=False)
     assert fast.uses_kernels and not reference.uses_kernels
     ops = every_list_op(h, f)
 
     def run_all(context: OpCastContext) -> dict[str, torch.Tensor]:
         results = {}
-        with context:
+        with context, torch.device(device):
             for name, op in ops.items():
                 torch.manual_seed(1)  # some calls draw their own weights
                 results[name] = op()
@@ -433,3 +443,45 @@ def test_a_registration_that_would_replace_a_torch_autocast_kernel_uses_the_torc
     assert not engine.forward_context().uses_kernels
     with engine.forward_context():
         assert F.linear(torch.randn(2, 2), torch.randn(2, 2)).dtype == torch.float32
+
+
+def test_moving_to_the_device_a_tensor_is_on_keeps_it_under_the_kernels():
+    """Tensor.cpu() casts to fp32 only when it copies to the host; same-device moves alias (x.to(x.device))."""
+    context = OpCastContext(build_op_table(()), torch.bfloat16, ("cpu",))
+    cache = torch.zeros(3, dtype=torch.bfloat16)
+    with context:
+        moved = [cache.cpu(), cache.to("cpu"), cache.to(cache.device)]
+    assert all(t is cache for t in moved)
+
+
+def test_contexts_closed_out_of_order_leave_no_casts_behind():
+    first, second = (OpCastContext(build_op_table(()), torch.float16, ("cpu",)) for _ in range(2))
+    h = torch.randn(4).half()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    second.__exit__(None, None, None)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert F.softmax(h, -1).dtype == torch.float16
+    assert float_function(lambda x: x + 0)(h).dtype == torch.float16
+
+
+def test_registrations_of_ops_several_list_names_reach_use_the_torch_function_mode():
+    registry = OpRegistry()
+    registry.register(torch, "pow", "half")  # aten pow is also what ** reaches, which stays fp32
+    engine = build_engine("O1", registry=registry, verbosity=0)
+    engine.setup([nn.Linear(2, 2)], [])
+    assert not engine.forward_context().uses_kernels
+    h = torch.rand(4).half()
+    with engine.forward_context():
+        assert (torch.pow(h, 2).dtype, (h**2).dtype) == (torch.float16, torch.float32)
+
+
+def test_a_registration_of_an_op_named_differently_in_aten_reaches_it():
+    registry = OpRegistry()
+    registry.register(torch, "norm", "half")  # torch.norm calls aten linalg_vector_norm
+    engine = build_engine("O1", registry=registry, verbosity=0)
+    engine.setup([nn.Linear(2, 2)], [])
+    assert engine.forward_context().uses_kernels
+    with engine.forward_context():
+        assert torch.norm(torch.rand(4)).dtype == torch.float16

@@ -40,16 +40,20 @@ from ampddp.precision.cast_rules import (
     CastCache,
     EnteredCasts,
     entered_casts,
+    push_entered_casts,
     refuse_banned_on_low,
     refuse_inplace_on_low,
-    set_entered_casts,
+    remove_entered_casts,
     target_dtype,
 )
 from ampddp.precision.registry import Registration
 
 TO_HOST = "to-host-fp32"
-"""``Tensor.cpu()`` (aten ``to.dtype_layout`` to the CPU, keeping the dtype): fp32, as apex's list had
-it. ``x.to("cpu", x.dtype)`` reaches the dispatcher the same way, and is cast too."""
+"""``Tensor.cpu()`` of a low-precision tensor on another device: fp32, as apex's list had it (apex cast
+before copying to the host). ``x.to("cpu")`` reaches the dispatcher the same way and is cast too; a
+tensor already on the CPU is returned as it is (aliasing kept)."""
+TORCH_BANNED = "torch-banned"
+"""torch's CUDA autocast refuses binary_cross_entropy whatever the inputs."""
 AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA", "xpu": "AutocastXPU", "mps": "AutocastMPS", "hpu": "AutocastHPU"}
 ATEN_NAMES = {
     "cross_entropy": ("cross_entropy_loss",),
@@ -71,9 +75,15 @@ ATEN_NAMES = {
 """apex list names whose aten ops are named differently. Python compositions (softmin, normalize,
 local_response_norm, gaussian_nll_loss, multilabel_soft_margin_loss, hstack/vstack/dstack) are not
 ops of their own: the listed ops they are made of are cast (so their results have the listed dtype)."""
-TORCH_KERNEL_REPLACED = {("AutocastCPU", "aten::binary_cross_entropy"): FP32}
-"""Torch autocast kernels ampddp replaces, with the policy torch's kernel had (applied wherever no
-ampddp context is entered): on CPU torch runs binary_cross_entropy in fp32; apex refused it on half."""
+TORCH_KERNEL_REPLACED = {
+    ("AutocastCPU", "aten::binary_cross_entropy"): FP32,
+    ("AutocastCUDA", "aten::binary_cross_entropy"): TORCH_BANNED,
+    ("AutocastCUDA", "aten::grid_sampler"): PROMOTE,
+}
+"""Torch autocast kernels whose policy differs from apex's lists, which ampddp replaces, with the
+policy torch's kernel had (applied wherever no ampddp context is entered). apex refused
+binary_cross_entropy on half inputs only (torch: fp32 on CPU, refused on CUDA) and ran grid_sample
+in fp32 (torch's CUDA list promotes it)."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -111,6 +121,17 @@ def _list_kinds() -> dict[str, str]:
 
 
 @functools.lru_cache(maxsize=1)
+def _shared_aten_names() -> frozenset[str]:
+    """aten ops that more than one list name reaches (``pow`` from ``pow``, ``__pow__`` and ``__rpow__``):
+    a registration of one of those names cannot be told apart from the others in the dispatcher."""
+    reached: dict[str, set[str]] = {}
+    for name in (*op_lists.PROMOTE_OPS, *op_lists.FP32_OPS, *op_lists.LOW_PRECISION_OPS):
+        for aten in ATEN_NAMES.get(name, (name,)):
+            reached.setdefault(aten, set()).add(name)
+    return frozenset(aten for aten, names in reached.items() if len(names) > 1)
+
+
+@functools.lru_cache(maxsize=1)
 def _list_overload_kinds() -> dict[Any, str]:
     """apex's lists by aten overload (looked up once: a few hundred overloads)."""
     kinds: dict[Any, str] = {}
@@ -129,7 +150,10 @@ def _overload_kinds(registrations: tuple[Registration, ...]) -> tuple[dict[Any, 
     kinds = dict(_list_overload_kinds())
     registered: set[Any] = set()
     for entry in registrations:
-        overloads = _functional_overloads(entry.name) if entry.module in (torch, F, torch.Tensor) else []
+        aten_names = ATEN_NAMES.get(entry.name, (entry.name,))
+        if entry.module not in (torch, F, torch.Tensor) or set(aten_names) & _shared_aten_names():
+            return None
+        overloads = [overload for name in aten_names for overload in _functional_overloads(name)]
         if not overloads:
             return None
         kinds.update(dict.fromkeys(overloads, entry.kind))
@@ -164,18 +188,16 @@ class AtenCastPlan:
 
 
 class EnteredPlan:
-    """Make ``plan`` this thread's entered casts until ``close``; the ones entered before come back then."""
+    """Enter ``plan``'s casts on this thread until ``close`` (closing out of order is fine)."""
 
     def __init__(self, plan: AtenCastPlan, device_types: tuple[str, ...]) -> None:
         self._casts = EnteredCasts(plan.kinds, plan.low, device_types)
-        self._previous: EnteredCasts | None = None
 
     def open(self) -> None:
-        self._previous = set_entered_casts(self._casts)
+        push_entered_casts(self._casts)
 
     def close(self) -> None:
-        set_entered_casts(self._previous)
-        self._previous = None
+        remove_entered_casts(self._casts)
         self._casts.cache.clear()
 
 
@@ -204,6 +226,11 @@ def _cast_aten(value: Any, dtype: torch.dtype, cache: CastCache) -> Any:
 def _apply(
     kind: str, op: Callable[..., Any], name: str, args: tuple[Any, ...], kwargs: dict[str, Any], low: torch.dtype, cache: CastCache
 ) -> Any:
+    if kind == TORCH_BANNED:
+        raise RuntimeError(
+            f"{name} is refused under torch.autocast on this device (torch's own rule): it is unsafe in low precision; "
+            "use torch.nn.BCEWithLogitsLoss / F.binary_cross_entropy_with_logits"
+        )
     if kind == PROMOTE:
         dtypes = _aten_dtypes((*args, *kwargs.values()))
         if len(dtypes) < 2 or torch.float64 in dtypes:
@@ -213,9 +240,10 @@ def _apply(
         refuse_inplace_on_low(name, args)
         return op(*args, **kwargs)
     elif kind == TO_HOST:
-        device, dtype = kwargs.get("device"), kwargs.get("dtype")
-        keeps_dtype = dtype is None or dtype == args[0].dtype  # Tensor.cpu() passes the tensor's own dtype
-        if keeps_dtype and device is not None and torch.device(device).type == "cpu" and args[0].dtype in LOW_TYPES:
+        device, dtype, source = kwargs.get("device"), kwargs.get("dtype"), args[0]
+        keeps_dtype = dtype is None or dtype == source.dtype  # Tensor.cpu() passes the tensor's own dtype
+        to_host = device is not None and torch.device(device).type == "cpu" and source.device.type != "cpu"
+        if keeps_dtype and to_host and source.dtype in LOW_TYPES:
             return op(args[0], **{**kwargs, "dtype": torch.float32})
         return op(*args, **kwargs)
     else:
@@ -253,27 +281,31 @@ class KernelRegistry:
     """Dispatcher registrations shared by every context that needs them, counted and removed with the last.
 
     One instance per process (``KERNELS``): torch's dispatcher is itself process-wide, and it
-    accepts one Python kernel per op and key.
+    accepts one Python kernel per op and key. A context's kernels are released once it is
+    garbage-collected; the release is queued by its finalizer (which may run inside any allocation,
+    even within ``acquire``) and carried out at the next ``acquire`` or ``registered``.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._libraries: dict[tuple[Any, str], tuple[Any, int]] = {}
+        self._released: list[tuple[tuple[Any, str], ...]] = []
 
     def acquire(self, kernels: tuple[tuple[Any, str], ...], owner: object) -> None:
         """Register what is not registered yet; released when ``owner`` is garbage-collected."""
         with self._lock:
+            self._drain()
             for overload, key in kernels:
                 library, users = self._libraries.get((overload, key), (None, 0))
                 if library is None:
                     library = torch.library.Library("aten", "IMPL")
                     library.impl(overload, _kernel(overload, key), key)
                 self._libraries[(overload, key)] = (library, users + 1)
-        weakref.finalize(owner, self.release, kernels)
+        weakref.finalize(owner, self._released.append, kernels)
 
-    def release(self, kernels: tuple[tuple[Any, str], ...]) -> None:
-        with self._lock:
-            for overload, key in kernels:
+    def _drain(self) -> None:
+        while self._released:
+            for overload, key in self._released.pop():
                 library, users = self._libraries[(overload, key)]
                 if users > 1:
                     self._libraries[(overload, key)] = (library, users - 1)
@@ -289,8 +321,9 @@ class KernelRegistry:
         return torch._C._dispatch_has_kernel_for_dispatch_key(overload.name(), key)
 
     def registered(self) -> int:
-        """How many (op, key) kernels are registered now."""
+        """How many (op, key) kernels are registered now (releases queued so far carried out)."""
         with self._lock:
+            self._drain()
             return len(self._libraries)
 
 

@@ -33,9 +33,10 @@ from ampddp.precision.cast_rules import (
     INPLACE_FP32,
     CastCache,
     cast_floating_to,
+    push_entered_casts,
     refuse_banned_on_low,
     refuse_inplace_on_low,
-    set_entered_casts,
+    remove_entered_casts,
     target_dtype,
 )
 from ampddp.precision.compile_support import run_eagerly_as_own_frame
@@ -433,7 +434,7 @@ def suspend_thread_casts(contexts: list[OpCastContext], device_types: tuple[str,
     the modes ``contexts`` have open pass calls through, and forwards run inside the block open theirs
     already passing through."""
     _SUSPENDED.depth = _suspension_depth() + 1
-    entered = set_entered_casts(None)
+    push_entered_casts(None)
     try:
         with contextlib.ExitStack() as stack:
             for context in contexts:
@@ -442,5 +443,5 @@ def suspend_thread_casts(contexts: list[OpCastContext], device_types: tuple[str,
             stack.enter_context(DeviceAutocast(device_types, enabled=False))
             yield
     finally:
-        set_entered_casts(entered)
+        remove_entered_casts(None)
         _SUSPENDED.depth -= 1

@@ -114,19 +114,31 @@ class EnteredCasts:
 
 
 _ENTERED = threading.local()
-"""This thread's innermost context entered with dispatcher kernels, if any."""
+"""This thread's contexts entered with dispatcher kernels, innermost last (None: a suspension)."""
 
 
 def entered_casts() -> EnteredCasts | None:
     """The casts entered on this thread with dispatcher kernels (None: none, or suspended)."""
-    return getattr(_ENTERED, "casts", None)
+    stack = getattr(_ENTERED, "stack", None)
+    return stack[-1] if stack else None
 
 
-def set_entered_casts(casts: EnteredCasts | None) -> EnteredCasts | None:
-    """Make ``casts`` this thread's entered casts; returns the ones it replaces."""
-    previous = entered_casts()
-    _ENTERED.casts = casts
-    return previous
+def push_entered_casts(casts: EnteredCasts | None) -> None:
+    """Enter ``casts`` on this thread (None: no casts until it is removed, ``amp.disable_casts``)."""
+    stack = getattr(_ENTERED, "stack", None)
+    if stack is None:
+        stack = _ENTERED.stack = []
+    stack.append(casts)
+
+
+def remove_entered_casts(casts: EnteredCasts | None) -> None:
+    """Remove the innermost entry of ``casts`` wherever it sits: contexts may close out of order
+    (``amp.end_casts`` after an interrupted forward), and the others stay as they were."""
+    stack = getattr(_ENTERED, "stack", [])
+    for index in range(len(stack) - 1, -1, -1):
+        if stack[index] is casts:
+            del stack[index]
+            return
 
 
 def call_tagged(fn: Any, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any], casts: EnteredCasts) -> Any:
