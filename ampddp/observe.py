@@ -166,11 +166,12 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def plot_metrics(run_dir: str | Path) -> list[Path]:
-    """loss.png, eval_accuracy.png and loss_scale.png (skipped steps marked) from metrics.jsonl."""
-    import matplotlib
+    """loss.png, eval_accuracy.png and loss_scale.png (skipped steps marked) from metrics.jsonl.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Figures are made with matplotlib's object API, not pyplot: no backend is chosen for the whole
+    process (a user's interactive backend stays) and no figure is left registered anywhere.
+    """
+    from matplotlib.figure import Figure
 
     records = read_metrics(run_dir)
     train = [r for r in records if r.get("kind") == "train"]
@@ -182,7 +183,8 @@ def plot_metrics(run_dir: str | Path) -> list[Path]:
         ("loss_scale.png", train, "loss_scale", "loss scale"),
     ]
     for name, rows, key, title in specs:
-        figure, axes = plt.subplots(figsize=(6, 3.5))
+        figure = Figure(figsize=(6, 3.5))
+        axes = figure.subplots()
         axes.plot([r["step"] for r in rows], [r[key] for r in rows], marker="." if len(rows) < 50 else None)
         if key == "loss_scale":
             skipped = [r for r in rows if r.get("skipped")]
@@ -196,6 +198,5 @@ def plot_metrics(run_dir: str | Path) -> list[Path]:
         figure.tight_layout()
         path = Path(run_dir) / name
         figure.savefig(path, dpi=100)
-        plt.close(figure)
         outputs.append(path)
     return outputs
