@@ -18,7 +18,7 @@ def namespace_snapshot() -> dict[tuple[int, str], object]:
 
 @pytest.fixture(autouse=True)
 def _isolated_torch_state():
-    """Each test starts from seed 0 and must leave torch's namespaces and default dtype as it found them."""
+    """Each test starts from seed 0 and must leave torch's namespaces, default dtype and autocast as it found them."""
     torch.manual_seed(0)
     dtype = torch.get_default_dtype()
     before = namespace_snapshot()
@@ -29,3 +29,4 @@ def _isolated_torch_state():
     changed = [name for key, name in ((k, k[1]) for k in before) if after.get(key) is not before[key]]
     assert not changed, f"test left torch attributes patched: {changed[:10]}"
     assert not torch.overrides._is_torch_function_mode_enabled(), "a torch function mode was left active"
+    assert not torch.is_autocast_enabled("cpu"), "autocast was left enabled on this thread (it would cast later tests' ops)"

@@ -455,15 +455,26 @@ def test_moving_to_the_device_a_tensor_is_on_keeps_it_under_the_kernels():
 
 
 def test_contexts_closed_out_of_order_leave_no_casts_behind():
+    """Run on a thread of its own: autocast's state is per thread, and closing autocast out of order
+    leaves it as it was when the second context was entered (enabled), which must not leak into
+    other tests."""
     first, second = (OpCastContext(build_op_table(()), torch.float16, ("cpu",)) for _ in range(2))
-    h = torch.randn(4).half()
-    first.__enter__()
-    second.__enter__()
-    first.__exit__(None, None, None)
-    second.__exit__(None, None, None)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert F.softmax(h, -1).dtype == torch.float16
-    assert float_function(lambda x: x + 0)(h).dtype == torch.float16
+    seen = {}
+
+    def close_out_of_order() -> None:
+        h = torch.randn(4).half()
+        first.__enter__()
+        second.__enter__()
+        first.__exit__(None, None, None)
+        second.__exit__(None, None, None)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            seen["softmax under the user's autocast"] = F.softmax(h, -1).dtype
+        seen["tagged function outside"] = float_function(lambda x: x + 0)(h).dtype
+
+    thread = threading.Thread(target=close_out_of_order)
+    thread.start()
+    thread.join()
+    assert seen == {"softmax under the user's autocast": torch.float16, "tagged function outside": torch.float16}
 
 
 def test_registrations_of_ops_several_list_names_reach_use_the_torch_function_mode():
