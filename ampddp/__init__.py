@@ -1,7 +1,7 @@
 """ampddp: apex-style AMP opt levels and native torch.amp on PyTorch, for single and multi-GPU training.
 
 Public names: ``amp`` (apex-compatible API), ``build_engine`` and the ``PrecisionEngine`` interface,
-``resolve_policy``/``OPT_LEVELS``/``PrecisionPolicy``, ``LossScaler``, ``OpRegistry`` and the cast
+``resolve_policy``/``OPT_LEVELS``/``PrecisionPolicy``, ``PrecisionState``, ``LossScaler``, ``OpRegistry`` and the cast
 decorators, and the error types.
 
 They load on first use: importing ``ampddp`` itself imports no torch, so that ``python -m ampddp``
@@ -16,7 +16,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 _PRECISION_NAMES = (
-    "NATIVE_MODES", "OPT_LEVELS", "PRECISION_MODES", "LossScaler", "OpRegistry", "PrecisionEngine", "PrecisionPolicy",
+    "NATIVE_MODES", "OPT_LEVELS", "PRECISION_MODES", "LossScaler", "OpRegistry", "PrecisionEngine", "PrecisionPolicy", "PrecisionState",
     "bfloat16_function", "build_engine", "float_function", "half_function", "promote_function", "resolve_policy",
 )  # fmt: skip
 _HOMES = {"amp": "ampddp.amp", "AmpUsageError": "ampddp.errors", "ConfigError": "ampddp.errors"} | dict.fromkeys(
@@ -33,6 +33,7 @@ __all__ = [
     "OpRegistry",
     "PrecisionEngine",
     "PrecisionPolicy",
+    "PrecisionState",
     "__version__",
     "amp",
     "bfloat16_function",

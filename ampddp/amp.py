@@ -19,7 +19,6 @@ with apex's patched functions. The engine API (``build_engine``) keeps casting i
 from __future__ import annotations
 
 import contextlib
-import re
 import threading
 import weakref
 from collections.abc import Iterator, Mapping
@@ -33,11 +32,10 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from ampddp.errors import AmpUsageError, ConfigError
-from ampddp.precision.apex_backend import ApexEngine
 from ampddp.precision.cast_context import OpCastContext, end_thread_casts, suspend_thread_casts
 from ampddp.precision.compile_support import run_eagerly_as_own_frame
+from ampddp.precision.engine import PrecisionEngine, check_models_and_optimizers
 from ampddp.precision.factory import build_engine
-from ampddp.precision.opt_level import OptLevelEngine, check_models_and_optimizers
 from ampddp.precision.policy import check_opt_level
 from ampddp.precision.registry import (
     BFLOAT16,
@@ -50,9 +48,7 @@ from ampddp.precision.registry import (
     half_function,
     promote_function,
 )
-from ampddp.precision.scaler import GRAD_SCALER_KEYS
-
-_APEX_KEY = re.compile(r"loss_scaler(\d+)")
+from ampddp.precision.state import PrecisionState
 
 
 def _as_list(value: Any, kind: type, name: str) -> tuple[list[Any], bool]:
@@ -71,7 +67,7 @@ class SetUp:
     holds only the newest set-up strongly), so dropping a fold's model and optimizer frees it all.
     """
 
-    engine: OptLevelEngine | ApexEngine
+    engine: PrecisionEngine
     models: list[nn.Module]
     optimizers: list[Optimizer]
     hooks: list[RemovableHandle] = field(default_factory=list)
@@ -119,8 +115,7 @@ class SetUp:
 
     def unwind(self) -> None:
         """Exit contexts left entered by forwards interrupted with KeyboardInterrupt on this thread."""
-        if isinstance(self.engine, OptLevelEngine):
-            self.engine.unwind_interrupted_forwards()
+        self.engine.unwind_interrupted_forwards()
 
     def teardown(self) -> None:
         context = self.cast_context
@@ -218,13 +213,13 @@ class Amp:
         return tuple(setup for setup in found if setup is not None and setup.live)
 
     @property
-    def engine(self) -> OptLevelEngine | ApexEngine:
+    def engine(self) -> PrecisionEngine:
         """The engine of the newest set-up (raises before ``initialize``)."""
         if self._newest is None or not self._newest.live:
             raise AmpUsageError("amp.initialize(model, optimizer, opt_level=...) must be called first")
         return self._newest.engine
 
-    def _engine_for(self, optimizers: list[Optimizer]) -> OptLevelEngine | ApexEngine:
+    def _engine_for(self, optimizers: list[Optimizer]) -> PrecisionEngine:
         """The set-up holding these optimizers (one set-up must hold them all)."""
         engine = self.engine
         owners = {id(s): s for optimizer in optimizers for s in self.setups if s.holds(optimizer)}
@@ -289,15 +284,11 @@ class Amp:
     # ---- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, dict[str, Any]]:
         """apex's format: ``{"loss_scaler0": {"loss_scale": float, "unskipped": int}, ...}``."""
-        scalers = self.engine.state_dict()["scalers"]
-        return {f"loss_scaler{i}": {"loss_scale": float(s["loss_scale"]), "unskipped": int(s["unskipped"])} for i, s in enumerate(scalers)}
+        return self.engine.precision_state().to_apex_dict()
 
     def grad_scaler_state_dict(self, loss_id: int = 0) -> dict[str, Any]:
         """Scaler ``loss_id`` in ``torch.amp.GradScaler.state_dict()`` form."""
-        engine = self.engine
-        if not isinstance(engine, OptLevelEngine):
-            raise AmpUsageError("grad_scaler_state_dict needs the builtin engine (impl='builtin')")
-        return engine.scaler_for(loss_id).grad_scaler_state_dict()
+        return self.engine.grad_scaler_state_dict(loss_id)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore scalers from apex's format, or (one scaler) from a GradScaler state dict.
@@ -305,32 +296,15 @@ class Amp:
         Call after ``initialize``, as apex documents. Nothing changes unless the whole dict is valid.
         """
         engine = self.engine
-        count = len(engine.state_dict()["scalers"])
-        if not isinstance(state_dict, Mapping):
-            raise ConfigError(f"amp state must be a dict, got {type(state_dict).__name__}")
-        if "scale" in state_dict:
-            if count != 1:
-                raise ConfigError(
-                    f"a torch GradScaler state holds one scaler, but this amp has {count} (num_losses); "
-                    f"pass apex's form with keys loss_scaler0..loss_scaler{count - 1}"
-                )
-            engine.load_state_dict({"scalers": [dict(state_dict)]})
-            return
-        indices = {}
-        for key in state_dict:
-            match = _APEX_KEY.fullmatch(str(key))
-            if match is None:
-                raise ConfigError(
-                    f"amp state key {key!r} is not a loss scaler; expected apex keys loss_scaler0..loss_scaler{count - 1} "
-                    f"or a torch GradScaler state with keys {list(GRAD_SCALER_KEYS)}"
-                )
-            indices[int(match.group(1))] = state_dict[key]
-        if sorted(indices) != list(range(count)):
+        state = PrecisionState.from_dict(state_dict, where="amp state")
+        count = len(engine.precision_state().scalers)
+        if len(state.scalers) != count:
+            held = "one scaler" if len(state.scalers) == 1 else f"{len(state.scalers)} scalers"
             raise ConfigError(
-                f"amp state has scalers {sorted(f'loss_scaler{i}' for i in indices)} but this amp has {count} "
-                f"(num_losses={count}): expected exactly loss_scaler0..loss_scaler{count - 1}"
+                f"amp state holds {held} but this amp has {count} (num_losses={count}): expected exactly "
+                f"loss_scaler0..loss_scaler{count - 1}"
             )
-        engine.load_state_dict({"scalers": [indices[i] for i in range(count)]})
+        engine.load_precision_state(state)
 
 
 default = Amp()

@@ -19,13 +19,23 @@ from typing import Any
 import yaml
 
 from ampddp.compile_model import COMPILE_CHOICES, DEFAULT_BACKEND
-from ampddp.distributed.wrap import STRATEGIES
+from ampddp.distributed.sync_bn import SYNC_BN_CHOICES
+from ampddp.distributed.wrap import COMM_HOOKS, STRATEGIES
 from ampddp.errors import ConfigError, choice_error, closest, spelled
 from ampddp.precision.engine import IMPLS, PRECISION_MODES
 
+IMPORT_PATH_FORM = "package.module:function"
+"""How a recipe names a user's function: the module to import, a colon, the callable in it."""
 
-def _choices(*values: str | bool) -> dict[str, tuple[str | bool, ...]]:
-    return {"choices": values}
+
+def _choices(*values: str | bool, import_path: bool = False) -> dict[str, Any]:
+    """Metadata: the valid values; ``import_path``: a ``package.module:function`` is valid too."""
+    return {"choices": values, "import_path": import_path}
+
+
+def is_import_path(value: object) -> bool:
+    """A setting that names a user's function (``package.module:function``) rather than a built-in."""
+    return isinstance(value, str) and ":" in value
 
 
 @dataclass(frozen=True)
@@ -93,14 +103,19 @@ class PrecisionConfig:
 @dataclass
 class ModelConfig:
     name: str = "small_cnn"
-    """A built-in (mlp, small_cnn) or any torchvision classification model (resnet18, ...)."""
+    """A built-in (mlp, small_cnn), any torchvision classification model (resnet18, ...), or a user's
+    function as package.module:function, called with num_classes= and model.kwargs, returning an nn.Module."""
     num_classes: int = field(default=10, metadata=_at_least(1))
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for a model named as package.module:function."""
 
 
 @dataclass
 class DataConfig:
-    name: str = field(default="digits", metadata=_choices("digits", "cifar10", "imagefolder"))
-    """digits: scikit-learn's handwritten digits (no download); cifar10 / imagefolder: from data.root."""
+    name: str = field(default="digits", metadata=_choices("digits", "cifar10", "imagefolder", import_path=True))
+    """digits: scikit-learn's handwritten digits (no download); cifar10 / imagefolder: from data.root; or a
+    user's function as package.module:function, called with data.kwargs, returning (train_set, eval_set or None).
+    root, image_size, channels, augment and eval_fraction apply to the built-in datasets."""
     root: str | None = None
     """Directory of cifar10 (the extracted cifar-10-batches-py) or of an imagefolder (train/ and val/)."""
     image_size: int = field(default=32, metadata=_at_least(1))
@@ -110,19 +125,34 @@ class DataConfig:
     augment: bool = True
     eval_fraction: float = field(default=0.25, metadata=_between(0, 1, low_open=True, high_open=True))
     """digits only: share held out for evaluation."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for a data set named as package.module:function."""
 
 
 @dataclass
 class OptimizerConfig:
-    name: str = field(default="sgd", metadata=_choices("sgd", "adamw"))
+    name: str = "sgd"
+    """sgd, adam, adamw, lamb (ampddp.apex.optimizers.FusedLAMB) or any torch.optim class by name (RMSprop, torch.optim.NAdam)."""
     lr: float = field(default=0.1, metadata=_at_least(0))
     momentum: float = field(default=0.9, metadata=_between(0, 1, high_open=True))
-    """sgd only."""
+    """sgd only (others: optimizer.kwargs)."""
     weight_decay: float = field(default=5e-4, metadata=_at_least(0))
-    scheduler: str = field(default="cosine", metadata=_choices("none", "cosine", "step"))
+    """Passed to every optimizer that takes a weight_decay."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """The optimizer's other keyword arguments, e.g. {betas: [0.9, 0.95], eps: 1.0e-8}."""
+    fused: bool | None = None
+    """Use the optimizer's fused kernel (true / false); null keeps torch's default. Refused where the class has no such flag."""
+    foreach: bool | None = None
+    """Use the optimizer's multi-tensor (foreach) path (true / false); null keeps torch's default."""
+    scheduler: str = field(default="cosine", metadata=_choices("none", "cosine", "step", "linear"))
+    """The LR schedule after warmup: constant, cosine to 0, step decay, or linear to 0 at the last step."""
     step_size: int = field(default=30, metadata=_at_least(1))
     """step scheduler: epochs between decays."""
     gamma: float = field(default=0.1, metadata=_above(0))
+    warmup_steps: int = field(default=0, metadata=_at_least(0))
+    """Optimizer steps of linear warmup from warmup_start_factor x lr up to lr; the schedule then runs over the remaining steps."""
+    warmup_start_factor: float = field(default=0.1, metadata=_between(0, 1, low_open=True))
+    """The share of lr the warmup starts at."""
 
 
 @dataclass
@@ -167,12 +197,23 @@ class CheckpointConfig:
 @dataclass
 class DistributedConfig:
     strategy: str = field(default="ddp", metadata=_choices(*STRATEGIES))
-    sync_bn: str = field(default="off", metadata=_choices("off", "auto", "torch", "apex", "portable"))
+    sync_bn: str = field(default="off", metadata=_choices(*SYNC_BN_CHOICES))
+    """off, or BatchNorm synchronised across ranks: auto (torch's on CUDA, portable elsewhere), torch, apex, portable."""
     nproc_per_node: int = field(default=1, metadata=_at_least(1))
     """Spawn this many local processes when not already started by torchrun/SLURM."""
     backend: str = field(default="auto", metadata=_choices("auto", "nccl", "gloo"))
     device: str = field(default="auto", metadata=_choices("auto", "cuda", "cpu"))
     timeout_s: float = field(default=600.0, metadata=_above(0))
+    find_unused_parameters: bool = False
+    """torch DDP: find parameters that got no gradient each step (models with unused branches; slower)."""
+    static_graph: bool = False
+    """torch DDP: the used parameters and the graph are the same every step (DDP optimises for it)."""
+    gradient_as_bucket_view: bool = False
+    """torch DDP: gradients are views into the all-reduce buckets (saves a gradient-sized copy)."""
+    bucket_cap_mb: float | None = field(default=None, metadata=_above(0))
+    """torch DDP: all-reduce bucket size in MiB; null keeps torch's default (25)."""
+    comm_hook: str = field(default="none", metadata=_choices(*COMM_HOOKS))
+    """torch DDP: all-reduce gradients compressed to fp16 or bf16 (half the traffic), or none."""
 
 
 @dataclass
@@ -279,8 +320,9 @@ def _as_float(value: str) -> float | None:
         return None
 
 
-def _coerce(key: str, value: Any, annotation: Any, choices: tuple[str | bool, ...] | None, bounds: Bounds | None = None) -> Any:
+def _coerce(key: str, value: Any, annotation: Any, metadata: typing.Mapping[str, Any]) -> Any:
     allowed = _allowed_types(annotation)
+    choices, bounds = metadata.get("choices"), metadata.get("bounds")
     if isinstance(value, bool) and choices and value is False and "off" in choices:
         value = "off"  # YAML reads a bare `off` as false
     if value is None and type(None) in allowed:
@@ -296,14 +338,26 @@ def _coerce(key: str, value: Any, annotation: Any, choices: tuple[str | bool, ..
             break
         if typing.get_origin(kind) is list and isinstance(value, list) and all(isinstance(v, str) for v in value):
             return value
+        if typing.get_origin(kind) is dict and isinstance(value, dict) and all(isinstance(k, str) for k in value):
+            return value
     else:
-        names = " or ".join(
-            "null" if k is type(None) else "a list of strings" if typing.get_origin(k) is list else k.__name__ for k in allowed
-        )
-        raise ConfigError(f"{key}={value!r} has the wrong type; expected {names}")
+        raise ConfigError(f"{key}={value!r} has the wrong type; expected {' or '.join(map(_type_name, allowed))}")
     if choices and value not in choices:
-        raise choice_error(key, value, choices)
+        if metadata.get("import_path") and is_import_path(value):
+            return value
+        error = choice_error(key, value, choices)
+        raise ConfigError(f"{error}, or {IMPORT_PATH_FORM}") if metadata.get("import_path") else error
     return value
+
+
+def _type_name(kind: Any) -> str:
+    if kind is type(None):
+        return "null"
+    if typing.get_origin(kind) is list:
+        return "a list of strings"
+    if typing.get_origin(kind) is dict:
+        return "a mapping of names to values"
+    return kind.__name__
 
 
 def _build(section: str, cls: type, values: dict[str, Any]) -> Any:
@@ -313,8 +367,7 @@ def _build(section: str, cls: type, values: dict[str, Any]) -> Any:
     for key, value in values.items():
         if key not in fields:
             raise ConfigError(f"unknown key {section}.{key}{closest(str(key), fields)}; valid keys in {section}: {', '.join(fields)}")
-        metadata = fields[key].metadata
-        kwargs[key] = _coerce(f"{section}.{key}", value, hints[key], metadata.get("choices"), metadata.get("bounds"))
+        kwargs[key] = _coerce(f"{section}.{key}", value, hints[key], fields[key].metadata)
     return cls(**kwargs)
 
 
@@ -405,4 +458,4 @@ def check_config(config: RunConfig) -> None:
             raise ConfigError(f"section {section!r} must be a {cls.__name__}, found {type(values).__name__}")
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            _coerce(f"{section}.{f.name}", getattr(values, f.name), hints[f.name], f.metadata.get("choices"), f.metadata.get("bounds"))
+            _coerce(f"{section}.{f.name}", getattr(values, f.name), hints[f.name], f.metadata)

@@ -7,12 +7,16 @@ makes a resumed run draw exactly the same augmentations.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from ampddp.errors import ConfigError
+
+if TYPE_CHECKING:
+    import numpy
 
 CIFAR_LAYOUT = "ROOT/cifar-10-batches-py/ (the extracted python version of CIFAR-10)"
 IMAGEFOLDER_LAYOUT = "ROOT/train/<class>/<image> and ROOT/val/<class>/<image>"
@@ -36,10 +40,15 @@ class TensorImages(Dataset):
         return image, self.labels[index]
 
 
-def _normalise(images: torch.Tensor) -> torch.Tensor:
-    mean = images.mean(dim=(0, 2, 3), keepdim=True)
-    std = images.std(dim=(0, 2, 3), keepdim=True).clamp_min(1e-6)
-    return (images - mean) / std
+def _normalise(train: torch.Tensor, held_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Standardise both splits per channel with the training split's mean and std.
+
+    The held-out split is data the model has not seen: scaling it by its own statistics would use
+    them (and hide a shift between the splits), so it gets the training split's transform.
+    """
+    mean = train.mean(dim=(0, 2, 3), keepdim=True)
+    std = train.std(dim=(0, 2, 3), keepdim=True).clamp_min(1e-6)
+    return (train - mean) / std, (held_out - mean) / std
 
 
 def digits(image_size: int, channels: int, eval_fraction: float, seed: int, augment: bool) -> tuple[Dataset, Dataset]:
@@ -52,12 +61,16 @@ def digits(image_size: int, channels: int, eval_fraction: float, seed: int, augm
     images, labels = load_digits(return_X_y=True)
     train_x, eval_x, train_y, eval_y = train_test_split(images, labels, test_size=eval_fraction, random_state=seed, stratify=labels)
 
-    def prepare(x, y) -> tuple[torch.Tensor, torch.Tensor]:
+    def images_of(x: numpy.ndarray) -> torch.Tensor:
         tensor = torch.tensor(x, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
         tensor = F.interpolate(tensor, size=(image_size, image_size), mode="bilinear", align_corners=False)
-        return _normalise(tensor.repeat(1, channels, 1, 1)), torch.tensor(y, dtype=torch.long)
+        return tensor.repeat(1, channels, 1, 1)
 
-    return TensorImages(*prepare(train_x, train_y), augment), TensorImages(*prepare(eval_x, eval_y), False)
+    train_images, eval_images = _normalise(images_of(train_x), images_of(eval_x))
+    return (
+        TensorImages(train_images, torch.tensor(train_y, dtype=torch.long), augment),
+        TensorImages(eval_images, torch.tensor(eval_y, dtype=torch.long), False),
+    )
 
 
 def _require(root: str | None, name: str, layout: str) -> Path:
@@ -76,14 +89,16 @@ def cifar10(root: str | None, image_size: int, augment: bool) -> tuple[Dataset, 
     if not (path / "cifar-10-batches-py").is_dir():
         raise ConfigError(f"data.root={root}: no cifar-10-batches-py folder inside; expected {CIFAR_LAYOUT} (ampddp never downloads)")
 
-    def load(train: bool) -> TensorImages:
+    def load(train: bool) -> tuple[torch.Tensor, torch.Tensor]:
         raw = CIFAR10(str(path), train=train, download=False)
         images = torch.tensor(raw.data).permute(0, 3, 1, 2).float() / 255.0
         if image_size != 32:
             images = F.interpolate(images, size=(image_size, image_size), mode="bilinear", align_corners=False)
-        return TensorImages(_normalise(images), torch.tensor(raw.targets), augment and train)
+        return images, torch.tensor(raw.targets)
 
-    return load(True), load(False)
+    (train_images, train_labels), (test_images, test_labels) = load(True), load(False)
+    train_images, test_images = _normalise(train_images, test_images)
+    return TensorImages(train_images, train_labels, augment), TensorImages(test_images, test_labels, False)
 
 
 def imagefolder(root: str | None, image_size: int, augment: bool) -> tuple[Dataset, Dataset]:

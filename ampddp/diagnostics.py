@@ -7,7 +7,7 @@ counting from the output, where the overflow starts and spreads towards the inpu
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -29,8 +29,8 @@ def _non_finite(value: Any) -> bool:
     return bool(found)
 
 
-def first_non_finite_module(module: nn.Module, inputs: Any, context: AbstractContextManager[Any]) -> str | None:
-    """Re-run ``module(inputs)`` without grad and return the first module whose output is non-finite.
+def first_non_finite_module(module: nn.Module, forward: Callable[[], Any], context: AbstractContextManager[Any]) -> str | None:
+    """Re-run ``forward()`` (a call of ``module``) without grad; return the first module whose output is non-finite.
 
     Buffers (BatchNorm statistics) and the RNG state are restored afterwards, so the run continues
     exactly as if the check had not happened.
@@ -48,7 +48,7 @@ def first_non_finite_module(module: nn.Module, inputs: Any, context: AbstractCon
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     try:
         with torch.no_grad(), context:
-            module(inputs)
+            forward()
     finally:
         for handle in handles:
             handle.remove()

@@ -44,7 +44,8 @@ def build_model(name: str, num_classes: int, channels: int, image_size: int) -> 
         hint = closest(name, [*BUILTINS, *available])
         examples = ", ".join(available[:6])
         raise ConfigError(
-            f"model.name={name!r} is not valid{hint}; valid: {', '.join(BUILTINS)} or a torchvision classification model ({examples}, ...)"
+            f"model.name={name!r} is not valid{hint}; valid: {', '.join(BUILTINS)}, a torchvision classification model ({examples}, ...) "
+            "or a function of yours as package.module:function"
         )
     import torchvision
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -13,6 +14,9 @@ from ampddp.distributed.env import DistEnv
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 PLOT_FILES = ("loss.png", "eval_accuracy.png", "loss_scale.png")
+PLOTS_SKIPPED = "plots skipped: matplotlib is not installed (pip install 'ampddp[plots]')"
+
+logger = logging.getLogger("ampddp.observe")
 
 
 class RunObserver:
@@ -95,9 +99,8 @@ class RunObserver:
         if not self.active:
             return
         self._write({"kind": "eval", "step": step, "epoch": epoch, **result})
-        message = (
-            f"eval step {step} epoch {epoch}: loss {result['loss']:.4f} accuracy {result['accuracy']:.4f} ({result['samples']} samples)"
-        )
+        values = " ".join(f"{name} {value:.4f}" for name, value in result.items() if name != "samples" and isinstance(value, float))
+        message = f"eval step {step} epoch {epoch}: {values} ({result.get('samples', 0)} samples)"
         if self._bar is not None:
             self._bar.write(message)
         elif self._lines:
@@ -165,21 +168,34 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     return history
 
 
+EVAL_FIELDS = ("kind", "step", "epoch", "loss", "samples")
+"""Fields of an eval record that are not a metric to plot (the eval loss is in the summary)."""
+
+
 def plot_metrics(run_dir: str | Path) -> list[Path]:
-    """loss.png, eval_accuracy.png and loss_scale.png (skipped steps marked) from metrics.jsonl.
+    """loss.png, eval_<metric>.png per evaluation metric (eval_accuracy.png by default) and
+    loss_scale.png (skipped steps marked) from metrics.jsonl.
 
     Figures are made with matplotlib's object API, not pyplot: no backend is chosen for the whole
     process (a user's interactive backend stays) and no figure is left registered anywhere.
+    matplotlib is an optional extra (``ampddp[plots]``) that keeps the core install lean: without
+    it this logs one warning saying how to install it and returns no paths, so a run still ends
+    with its metrics and summary written.
     """
-    from matplotlib.figure import Figure
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        logger.warning(PLOTS_SKIPPED)
+        return []
 
     records = read_metrics(run_dir)
     train = [r for r in records if r.get("kind") == "train"]
     evals = [r for r in records if r.get("kind") == "eval"]
     outputs = []
+    metrics = dict.fromkeys(key for r in evals for key, value in r.items() if key not in EVAL_FIELDS and isinstance(value, (int, float)))
     specs = [
         ("loss.png", train, "loss", "training loss"),
-        ("eval_accuracy.png", evals, "accuracy", "held-out accuracy"),
+        *((f"eval_{key}.png", [r for r in evals if key in r], key, f"held-out {key}") for key in metrics),
         ("loss_scale.png", train, "loss_scale", "loss scale"),
     ]
     for name, rows, key, title in specs:

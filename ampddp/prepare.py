@@ -19,14 +19,12 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ampddp.distributed.env import DistEnv
-from ampddp.distributed.sync_bn import convert_sync_batchnorm
-from ampddp.distributed.wrap import GradSync, wrap_model
+from ampddp.distributed.sync_bn import SYNC_BN_CHOICES, convert_sync_batchnorm
+from ampddp.distributed.wrap import DDPOptions, GradSync, wrap_model
 from ampddp.errors import choice_error
 from ampddp.precision.engine import PrecisionEngine
 from ampddp.precision.factory import build_engine
 from ampddp.precision.registry import OpRegistry
-
-SYNC_BN_CHOICES = ("off", "auto", "torch", "apex", "portable")
 
 
 @dataclass
@@ -61,18 +59,22 @@ def prepare(
     registry: OpRegistry | None = None,
     sync_bn: str = "off",
     strategy: str = "ddp",
+    ddp: DDPOptions | None = None,
     wrap_options: dict[str, Any] | None = None,
 ) -> Prepared:
-    """Set up ``model`` for training on ``env``; ``make_optimizer(params)`` builds the optimizer."""
+    """Set up ``model`` for training on ``env``; ``make_optimizer(params)`` builds the optimizer.
+
+    ``ddp``: torch DDP's settings (strategy ``ddp`` in a distributed run); ``wrap_options``: further
+    keyword arguments of the wrapper (apex-ddp's own options, nn.DataParallel's, torch DDP's others).
+    """
     if sync_bn not in SYNC_BN_CHOICES:
         raise choice_error("sync_bn", sync_bn, SYNC_BN_CHOICES)
     engine = build_engine(precision, impl=impl, registry=registry, **(precision_overrides or {}))
     if sync_bn != "off":
-        impl_for_device = "torch" if sync_bn == "auto" and env.device.type == "cuda" else sync_bn
-        model = convert_sync_batchnorm(model, "portable" if impl_for_device == "auto" else impl_for_device)
+        model = convert_sync_batchnorm(model, sync_bn, device=env.device)
     model = model.to(env.device)
     broadcast_from_main(model, env)
     optimizer = make_optimizer(model.parameters())
     engine.setup([model], [optimizer])
-    wrapped = wrap_model(model, strategy, env, **(wrap_options or {}))
+    wrapped = wrap_model(model, strategy, env, ddp, **(wrap_options or {}))
     return Prepared(wrapped, model, optimizer, engine, GradSync(wrapped), env)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -183,7 +184,7 @@ def trainer_and_plain_epochs(
                       max_steps=steps, log_every=10)  # fmt: skip
 
     def ours() -> None:
-        trainer.max_steps = trainer.progress.global_step + steps
+        trainer.settings = dataclasses.replace(trainer.settings, max_steps=trainer.progress.global_step + steps)
         trainer.fit()
 
     step = plain_step(mode, copy.deepcopy(model), data[0].device.type)

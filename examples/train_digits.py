@@ -25,6 +25,7 @@ from ampddp import PRECISION_MODES
 from ampddp.distributed import (
     DistEnv,
     PeerWatch,
+    ResumableSampler,
     eval_sampler,
     global_batch_loss_weight,
     launch_local,
@@ -33,7 +34,6 @@ from ampddp.distributed import (
     setup_distributed,
     shutdown_distributed,
     sum_across_ranks,
-    train_sampler,
 )
 from ampddp.distributed.wrap import STRATEGIES
 from ampddp.prepare import SYNC_BN_CHOICES, prepare
@@ -84,7 +84,7 @@ def train(env: DistEnv, args: argparse.Namespace) -> float:
         strategy=args.strategy,
     )
     torch.manual_seed(env.rank_seed(args.seed))
-    sampler = train_sampler(train_set, env, seed=args.seed)
+    sampler = ResumableSampler(train_set, env, seed=args.seed)
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
     test_loader = DataLoader(test_set, batch_size=256, sampler=eval_sampler(test_set, env))
     print_main(env, f"mode {args.mode}, {env.describe()}: {len(train_set)} training and {len(test_set)} held-out digits")

@@ -1,10 +1,14 @@
-"""Shared fixtures: deterministic seeds and a guard that no test leaves torch patched."""
+"""Shared fixtures: deterministic seeds, restored environment, no process group left behind, and a
+guard that no test leaves torch patched."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 import torch._dynamo
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from ampddp.precision.cast_context import end_thread_casts
@@ -30,3 +34,23 @@ def _isolated_torch_state():
     assert not changed, f"test left torch attributes patched: {changed[:10]}"
     assert not torch.overrides._is_torch_function_mode_enabled(), "a torch function mode was left active"
     assert not torch.is_autocast_enabled("cpu"), "autocast was left enabled on this thread (it would cast later tests' ops)"
+
+
+@pytest.fixture(autouse=True)
+def _restored_environment():
+    """Environment variables a test (or the code it runs: RANK, MASTER_PORT, ...) sets are undone."""
+    saved = dict(os.environ)
+    yield
+    for name in set(os.environ) - set(saved):
+        del os.environ[name]
+    os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left():
+    """A test that initialises a process group in this process must destroy it; one left behind is
+    destroyed here and fails the test (it would pair later tests' collectives with stale peers)."""
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail("the test left a torch.distributed process group initialised")

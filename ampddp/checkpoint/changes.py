@@ -2,9 +2,10 @@
 would silently make it a different run.
 
 Every checkpoint carries the run's config. At resume, the keys whose values differ are listed in
-one warning. Keys that define the run — the model, the data set, its split (the eval fraction and
-the seed that draws it) and the image size — are refused unless ``checkpoint.allow_changes`` is
-true: continuing a ResNet on a different training split is not a resume but a new experiment.
+one warning. Keys that define the run — the model, the data set (a user's: with its kwargs), its
+split (the eval fraction and the seed that draws it) and the image size — are refused unless
+``checkpoint.allow_changes`` is true: continuing a ResNet on a different training split is not a
+resume but a new experiment.
 Everything else (learning rate, horizon, batch size, precision, ...) is a deliberate change that
 the trainer applies (see ``ampddp.checkpoint.schedule_plan``).
 """
@@ -20,6 +21,7 @@ from ampddp.errors import ConfigError
 RUN_DEFINING = (
     "model.",
     "data.name",
+    "data.kwargs",
     "data.root",
     "data.image_size",
     "data.channels",

@@ -15,7 +15,8 @@ import torch
 
 from ampddp.checkpoint import keys
 from ampddp.checkpoint.store import CheckpointStore, find_checkpoint
-from ampddp.errors import CheckpointError
+from ampddp.errors import CheckpointError, ConfigError
+from ampddp.precision.state import PrecisionState
 
 
 def model_digest(state: dict[str, torch.Tensor]) -> str:
@@ -30,6 +31,16 @@ def model_digest(state: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
+def _precision_state(shared: dict[str, Any], where: str) -> PrecisionState:
+    """The checkpoint's typed precision state (an empty one when the entry is absent, as in hand-made files)."""
+    if shared.get(keys.PRECISION) is None:
+        return PrecisionState(mode=None)
+    try:
+        return PrecisionState.from_dict(shared[keys.PRECISION], where=f"{where}: its {keys.PRECISION!r} entry is malformed")
+    except ConfigError as error:
+        raise CheckpointError(str(error)) from None
+
+
 def summarize(location: str | Path) -> dict[str, Any]:
     """Summary of a checkpoint folder/file, or of a run dir's latest complete checkpoint."""
     ref = find_checkpoint(location)
@@ -39,9 +50,8 @@ def summarize(location: str | Path) -> dict[str, Any]:
     model = shared.get(keys.MODEL)
     if not isinstance(model, dict):
         raise CheckpointError(f"{ref.shared_file}: no model state in this checkpoint (keys: {sorted(shared)})")
-    precision = shared.get(keys.PRECISION) or {}
     progress = shared.get(keys.PROGRESS) or {}
-    scalers = precision.get("scalers", [])
+    precision = _precision_state(shared, str(ref.shared_file))
     return {
         "path": str(ref.path),
         "integrity": integrity,
@@ -50,10 +60,10 @@ def summarize(location: str | Path) -> dict[str, Any]:
         "step": progress.get("global_step", ref.step),
         "epoch": progress.get("epoch"),
         "samples_seen": progress.get("samples_seen"),
-        "mode": precision.get("mode"),
-        "impl": precision.get("impl"),
-        "loss_scales": [s.get("loss_scale") for s in scalers],
-        "skipped_steps": progress.get("skipped_steps", sum(s.get("skipped_steps", 0) for s in scalers)),
+        "mode": precision.mode,
+        "impl": precision.impl,
+        "loss_scales": [s.loss_scale for s in precision.scalers],
+        "skipped_steps": progress.get("skipped_steps", precision.skipped_steps),
         "world_size": shared.get(keys.WORLD_SIZE),
         "parameters": sum(t.numel() for t in model.values() if isinstance(t, torch.Tensor) and t.is_floating_point()),
         "dtypes": dict(Counter(str(t.dtype).removeprefix("torch.") for t in model.values() if isinstance(t, torch.Tensor))),

@@ -11,9 +11,10 @@ A checkpoint is a directory ``<run_dir>/checkpoints/step-<N>/`` holding
   "xxh3_128": hex}}}``, every file of every rank; markers written before checksums list the names
   only (``"files": [name, ...]``) and load unverified.
 
-``<run_dir>/checkpoints/latest`` names the newest complete one; ``<run_dir>/abandoned/`` receives the
-step folders newer than a checkpoint resumed explicitly (``resume_from``) and bad ones overwritten. Files hold only tensors and plain
-containers, numbers and strings, so they load with ``torch.load(weights_only=True)``.
+The newest step folder with ``COMPLETE`` is the latest checkpoint; ``<run_dir>/abandoned/`` receives
+the step folders newer than a checkpoint resumed explicitly (``resume_from``) and bad ones
+overwritten. Files hold only tensors and plain containers, numbers and strings, so they load with
+``torch.load(weights_only=True)``.
 """
 
 FORMAT_VERSION = 1
@@ -35,7 +36,6 @@ CHECKPOINTS_DIR = "checkpoints"
 SHARED_FILE = "shared.pt"
 RANK_FILE = "rank-{rank:05d}.pt"
 COMPLETE_FILE = "COMPLETE"
-LATEST_FILE = "latest"
 STEP_DIR = "step-{step:09d}"
 STEP_DIR_PREFIX = "step-"
 ABANDONED_DIR = "abandoned"

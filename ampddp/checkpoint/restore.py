@@ -11,8 +11,9 @@ from torch import nn
 
 from ampddp.checkpoint import keys
 from ampddp.checkpoint.files import load_safely
-from ampddp.errors import CheckpointError
+from ampddp.errors import CheckpointError, ConfigError
 from ampddp.precision.engine import PrecisionEngine
+from ampddp.precision.state import PrecisionState, convert
 
 logger = logging.getLogger("ampddp.checkpoint")
 _SHOW = 5
@@ -72,36 +73,23 @@ def load_model_state(state: Any, module: nn.Module, where: str) -> None:
     module.load_state_dict(state)
 
 
-def restore_precision(engine: PrecisionEngine, saved: dict[str, Any], where: str) -> list[str]:
-    """Load saved precision state into ``engine``, converting between modes; returns warnings given.
-
-    Same mode: exact restore. Dynamic scale on both sides (e.g. O1 -> native-fp16): scale and
-    counters carry over (apex and GradScaler forms convert). Only the target scales (fp32 -> fp16):
-    a fresh scaler, with a warning. Only the source scales (fp16 -> bf16/fp32): dropped, with a warning.
-    """
-    target = engine.state_dict()
-    if saved.get("mode") == target["mode"]:
-        engine.load_state_dict(saved)
+def restore_precision(engine: PrecisionEngine, saved: Any, where: str) -> list[str]:
+    """Load saved precision state into ``engine``, converting between modes (``state.convert``);
+    returns the warnings given. A malformed state is a CheckpointError naming the bad entry."""
+    try:
+        state = PrecisionState.from_dict(saved, where=f"{where}: its {keys.PRECISION!r} entry is malformed")
+    except ConfigError as error:
+        raise CheckpointError(str(error)) from None
+    conversion = convert(state, engine.precision_state())
+    if conversion.state is not None:
+        engine.load_precision_state(conversion.state)
+    if conversion.note is not None:
+        logger.info("%s: %s", where, conversion.note)
+    if conversion.warning is None:
         return []
-    source = [s for s in saved.get("scalers", []) if s.get("dynamic", True) and s.get("loss_scale") is not None]
-    dynamic = [bool(s.get("dynamic")) for s in target["scalers"]]
-    messages = []
-    if any(dynamic) and source:
-        scalers = [
-            dict(source[min(i, len(source) - 1)], dynamic=True) if d else t for i, (t, d) in enumerate(zip(target["scalers"], dynamic))
-        ]
-        engine.load_state_dict({**target, "scalers": scalers})
-        logger.info("%s: loss scale %g carried over from %s to %s", where, source[0]["loss_scale"], saved.get("mode"), target["mode"])
-    elif any(dynamic):
-        messages.append(
-            f"{where}: checkpoint precision mode {saved.get('mode')} had no dynamic loss scale; {target['mode']} starts a fresh scaler "
-            f"at {engine.loss_scale():g}"
-        )
-    elif source:
-        messages.append(f"{where}: dropping the loss scale of {saved.get('mode')}: {target['mode']} does not scale the loss")
-    for message in messages:
-        logger.warning(message)
-    return messages
+    message = f"{where}: {conversion.warning}"
+    logger.warning(message)
+    return [message]
 
 
 def initial_weights(path: str | Path) -> dict[str, Any]:

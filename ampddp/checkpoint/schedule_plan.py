@@ -13,6 +13,10 @@ loaded, and ``SchedulePlan.apply`` then makes the changes take effect:
 - a cosine that already reached its end cannot be extended (the added steps would train at lr 0):
   refused, naming the way out;
 - StepLR adopts the new step size and gamma from the current lr on;
+- a LambdaLR over a callable object (``ampddp.recipe.schedule.LRSchedule``: a warmup, or the linear
+  schedule) holds its settings in its state: other settings (a new horizon, warmup, kind) are
+  refused, naming what changed, since the curve cannot be bent without the lr jumping; a new base
+  lr scales it;
 - a different optimizer type (SGD -> AdamW: parameter-group keys differ both ways) starts with
   fresh optimizer state; the schedule keeps its position.
 With unchanged settings nothing is touched: the resume stays bit-exact.
@@ -26,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch.optim import Optimizer
-from torch.optim.lr_scheduler import CosineAnnealingLR, StepLR
+from torch.optim.lr_scheduler import CosineAnnealingLR, LambdaLR, StepLR
 
 from ampddp.errors import ConfigError
 
@@ -99,6 +103,11 @@ def plan_schedule(
         _plan_cosine(plan, scheduler, saved, lr_changed, current, fresh_base, step, where)
     elif isinstance(scheduler, StepLR):
         _plan_step(plan, scheduler, saved, lr_changed, current, fresh_base, step)
+    elif isinstance(scheduler, LambdaLR) and any(entry is not None for entry in scheduler.state_dict()["lr_lambdas"]):
+        _check_lambda(scheduler, saved, where)
+        if lr_changed:
+            plan.lrs, plan.initial_lrs = current, fresh_base
+            plan.scheduler_settings = {"base_lrs": fresh_base, "_last_lr": current}
     elif saved is None or set(saved) != set(scheduler.state_dict()):
         plan.load_scheduler = False
         plan.notes.append(f"the LR scheduler changed ({type(scheduler).__name__} now): it starts at this step from lr {current[0]:.6g}")
@@ -162,3 +171,24 @@ def _plan_step(
         plan.notes.append(
             f"StepLR now decays by {scheduler.gamma:g} every {scheduler.step_size} steps, from lr {current[0]:.6g} at step {step}"
         )
+
+
+def _check_lambda(scheduler: LambdaLR, saved: dict[str, Any] | None, where: str) -> None:
+    """A LambdaLR whose lambdas carry settings resumes only from a checkpoint with the same settings."""
+    planned = scheduler.state_dict()["lr_lambdas"]
+    held = saved.get("lr_lambdas") if saved is not None else None
+    if isinstance(held, list) and [dict(entry) if isinstance(entry, Mapping) else entry for entry in held] == planned:
+        return
+    if isinstance(held, list) and held and isinstance(held[0], Mapping):
+        old, new = held[0], planned[0]
+        was = ", ".join(
+            f"{key} {old.get(key)!r} -> {new.get(key)!r}" for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)
+        )
+    else:
+        was = f"the checkpoint holds {'no' if saved is None else 'another'} LR scheduler, these settings one with warmup or linear decay"
+    raise ConfigError(
+        f"cannot resume {where}: its LR schedule changed ({was}); a schedule with warmup, or a linear one, is not re-planned "
+        "mid-run (the lr would jump): resume with the settings it was trained with (trainer.max_steps / max_epochs, world size and "
+        "batch size, optimizer.scheduler, warmup_steps, warmup_start_factor, step_size, gamma), or start a fresh run from these "
+        f"weights (another trainer.run_dir with checkpoint.init_from={where})"
+    )

@@ -1,12 +1,13 @@
-"""The checkpoint directory: step folders, completion manifests, the latest pointer, retention.
+"""The checkpoint directory: step folders, completion manifests, retention.
 
 Rank 0 writes the shared file, every rank its own RNG file, each hashing its bytes as they stream
 out; the ranks' digests are gathered and rank 0 writes ``COMPLETE`` — the manifest: every file's
-size and XXH3-128 checksum — and then moves ``latest``. Every load checks the files it reads
-against the manifest. A process killed at any moment leaves the previous complete checkpoint in
-place and ``latest`` pointing at it; half-written folders are never trusted and are cleaned up by
-the next successful save. A checkpoint that does not verify is skipped by ``resume="auto"`` (the
-newest one that verifies wins) and left on disk until a newer good one exists.
+size and XXH3-128 checksum. Every load checks the files it reads against the manifest. The newest
+step folder with a ``COMPLETE`` marker is the latest checkpoint (no pointer file to fall out of
+step with it), so a process killed at any moment leaves the previous complete checkpoint the
+latest; half-written folders are never trusted and are cleaned up by the next successful save. A
+checkpoint that does not verify is skipped by ``resume="auto"`` (the newest one that verifies wins)
+and left on disk until a newer good one exists.
 """
 
 from __future__ import annotations
@@ -159,11 +160,8 @@ class CheckpointStore:
         return sorted(found, key=lambda ref: ref.step)
 
     def latest(self) -> CheckpointRef | None:
-        """The newest complete checkpoint.
-
-        ``latest`` is moved right after ``COMPLETE`` is written; a crash between the two leaves the
-        pointer one step behind, and the completion markers, not the pointer, decide.
-        """
+        """The newest complete checkpoint: decided by the completion markers alone, which are
+        written last, so a save interrupted at any point leaves the previous one the latest."""
         complete = self.complete()
         return complete[-1] if complete else None
 
@@ -226,7 +224,6 @@ class CheckpointStore:
         marker = {"step": step, "world_size": env.world_size, "time": time.time(), "checksum": CHECKSUM}
         marker["files"] = dict(sorted(files.items()))  # every rank's digests of what it wrote
         write_bytes_atomic(folder / keys.COMPLETE_FILE, json.dumps(marker, indent=1).encode())
-        write_bytes_atomic(self.root / keys.LATEST_FILE, folder.name.encode())
         self._prune(keep=folder)
 
     def _prepare_folder(self, folder: Path) -> None:
@@ -287,15 +284,6 @@ class CheckpointStore:
                 continue
             return ref, skipped
         return None, skipped
-
-    def resolve(self, location: str | Path | None) -> CheckpointRef:
-        """A checkpoint from a step folder, a file inside one, a run dir, or None (this run's latest)."""
-        if location is None:
-            ref = self.latest()
-            if ref is None:
-                raise CheckpointError(f"{self.root}: no complete checkpoint to resume from")
-            return ref
-        return find_checkpoint(location)
 
     @staticmethod
     def load_shared(ref: CheckpointRef, manifest: Manifest | None = None) -> dict[str, Any]:
@@ -373,7 +361,6 @@ def _plan(store: CheckpointStore | None, resume: str | Path) -> dict[str, Any]:
     newer = [folder for folder in store.step_folders() if (_step_of(folder) or 0) > start]
     if newer and ref is not None and ref.path.resolve().parent == store.root.resolve():
         moved = store.move_aside(newer)
-        write_bytes_atomic(store.root / keys.LATEST_FILE, ref.path.name.encode())
         line = f"resuming from step {start}: moved the newer checkpoint folders aside: " + ", ".join(
             f"{a.name} -> {b}" for a, b in zip(newer, moved)
         )

@@ -10,16 +10,17 @@ from ampddp.distributed.data import (
     print_main,
     shard_bounds,
     sum_across_ranks,
-    train_sampler,
 )
 from ampddp.distributed.env import DistEnv, detect_env, init_distributed, seed_everything, setup_distributed, shutdown_distributed
 from ampddp.distributed.launch import LaunchError, free_port, launch_local
 from ampddp.distributed.sync_bn import PortableSyncBatchNorm, convert_sync_batchnorm
 from ampddp.distributed.watch import PeerFailureError, PeerWatch
-from ampddp.distributed.wrap import STRATEGIES, GradSync, global_batch_loss_weight, unwrap_model, wrap_model
+from ampddp.distributed.wrap import COMM_HOOKS, STRATEGIES, DDPOptions, GradSync, global_batch_loss_weight, unwrap_model, wrap_model
 
 __all__ = [
+    "COMM_HOOKS",
     "STRATEGIES",
+    "DDPOptions",
     "DistEnv",
     "EvalShardSampler",
     "GradSync",
@@ -44,7 +45,6 @@ __all__ = [
     "shard_bounds",
     "shutdown_distributed",
     "sum_across_ranks",
-    "train_sampler",
     "unwrap_model",
     "wrap_model",
 ]

@@ -84,11 +84,6 @@ class ResumableSampler(Sampler[int]):
         return {"epoch": self.epoch, "start": self.start, "seed": self.seed, "shuffle": self.shuffle, "drop_last": self.drop_last}
 
 
-def train_sampler(dataset: Sized, env: DistEnv, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> ResumableSampler:
-    """The training sampler for ``env`` (call ``set_epoch`` each epoch); resumable mid-epoch."""
-    return ResumableSampler(dataset, env, shuffle=shuffle, seed=seed, drop_last=drop_last)
-
-
 def eval_sampler(dataset: Sized, env: DistEnv) -> Sampler[int]:
     return EvalShardSampler(dataset, env) if env.distributed else SequentialSampler(dataset)
 

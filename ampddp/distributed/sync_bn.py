@@ -21,6 +21,8 @@ from ampddp.distributed.apex_parallel import apex_parallel_attr
 from ampddp.errors import choice_error
 
 SYNC_BN_IMPLS = ("auto", "torch", "apex", "portable")
+SYNC_BN_CHOICES = ("off", *SYNC_BN_IMPLS)
+"""``distributed.sync_bn`` / ``prepare(sync_bn=...)``: off, or the implementation BatchNorm layers become."""
 
 
 def _world(group: Any) -> int:
@@ -121,23 +123,34 @@ class PortableSyncBatchNorm(_BatchNorm):
         )
 
 
-def _resolve_impl(impl: str, module: nn.Module) -> str:
+def resolve_sync_bn(impl: str, device: torch.device) -> str:
+    """The implementation ``impl`` means for a model that trains on ``device``: ``auto`` is torch's
+    SyncBatchNorm on CUDA and the portable one elsewhere; the others are themselves."""
     if impl not in SYNC_BN_IMPLS:
         raise choice_error("sync_bn impl", impl, SYNC_BN_IMPLS)
     if impl != "auto":
         return impl
-    on_cuda = any(p.is_cuda for p in module.parameters()) or (not any(True for _ in module.parameters()) and torch.cuda.is_available())
-    return "torch" if on_cuda else "portable"
+    return "torch" if device.type == "cuda" else "portable"
 
 
-def convert_sync_batchnorm(module: nn.Module, impl: str = "auto", process_group: Any = None) -> nn.Module:
+def _module_device(module: nn.Module) -> torch.device:
+    """Where ``module`` lives: CUDA when any parameter does (or, without parameters, when CUDA is available)."""
+    params = list(module.parameters())
+    on_cuda = any(p.is_cuda for p in params) or (not params and torch.cuda.is_available())
+    return torch.device("cuda" if on_cuda else "cpu")
+
+
+def convert_sync_batchnorm(
+    module: nn.Module, impl: str = "auto", process_group: Any = None, device: torch.device | None = None
+) -> nn.Module:
     """Replace every BatchNorm (not InstanceNorm) with a synchronised one; params and stats are kept.
 
     ``impl``: ``torch`` (nn.SyncBatchNorm, CUDA only), ``apex`` (apex.parallel's converter: NVIDIA's
     from an old apex build, else ``ampddp.apex.parallel``'s),
-    ``portable`` (any backend) or ``auto`` (torch's on CUDA, portable elsewhere).
+    ``portable`` (any backend) or ``auto`` (torch's on CUDA, portable elsewhere; ``device``: where
+    the model will train, by default where its parameters are now).
     """
-    chosen = _resolve_impl(impl, module)
+    chosen = resolve_sync_bn(impl, device if device is not None else _module_device(module))
     if chosen == "torch":
         return nn.SyncBatchNorm.convert_sync_batchnorm(module, process_group)
     if chosen == "apex":

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -15,18 +18,77 @@ from ampddp.distributed.env import DistEnv
 from ampddp.errors import ConfigError, choice_error
 
 STRATEGIES = ("ddp", "apex-ddp", "dp", "none")
+COMM_HOOKS = ("none", "fp16", "bf16")
+"""DDP communication hooks: none (all-reduce in the gradients' dtype) or compress to fp16 / bf16."""
 
 
-def wrap_model(model: nn.Module, strategy: str, env: DistEnv, **options: Any) -> nn.Module:
+@dataclass(frozen=True)
+class DDPOptions:
+    """torch DDP's settings that people tune; checked when made.
+
+    ``find_unused_parameters``: look each step for parameters that got no gradient (models with
+    unused branches; costs a graph traversal). ``static_graph``: the used parameters and graph are
+    the same every step (DDP optimises for it; reentrant activation checkpointing works).
+    ``gradient_as_bucket_view``: gradients are views into the all-reduce buckets (one gradient-sized
+    copy less). ``bucket_cap_mb``: all-reduce bucket size in MiB (None: torch's default, 25).
+    ``comm_hook``: none, fp16 or bf16 (gradients compressed for the all-reduce, then averaged back).
+    """
+
+    find_unused_parameters: bool = False
+    static_graph: bool = False
+    gradient_as_bucket_view: bool = False
+    bucket_cap_mb: float | None = None
+    comm_hook: str = "none"
+
+    def __post_init__(self) -> None:
+        for name in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} is not valid; it must be true or false")
+        cap = self.bucket_cap_mb
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap <= 0):
+            raise ConfigError(f"bucket_cap_mb={cap!r} is not valid; it must be a finite number of MiB > 0, or None for torch's default")
+        if self.comm_hook not in COMM_HOOKS:
+            raise choice_error("comm_hook", self.comm_hook, COMM_HOOKS)
+
+    def check_strategy(self, strategy: str, where: str = "") -> None:
+        """Refuse settings that the wrapper of ``strategy`` would not use (they belong to torch DDP);
+        ``where``: the settings' prefix in messages (``distributed.`` for a recipe)."""
+        changed = [f"{where}{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]
+        if strategy != "ddp" and changed:
+            raise ConfigError(f"{', '.join(changed)}: torch DDP settings, but {where}strategy={strategy}; unset them or use strategy ddp")
+
+    def wrap(self, model: nn.Module, device_ids: list[int] | None, **options: Any) -> DistributedDataParallel:
+        """``model`` in torch DDP with these settings (and ``options``, torch DDP's other arguments)."""
+        owned = sorted(set(options) & {f.name for f in dataclasses.fields(self)})
+        if owned:
+            raise ConfigError(f"wrap option {owned[0]} is a DDPOptions setting; pass it as ddp=DDPOptions({owned[0]}=...)")
+        settings = {"find_unused_parameters": self.find_unused_parameters, "static_graph": self.static_graph,
+                    "gradient_as_bucket_view": self.gradient_as_bucket_view}  # fmt: skip
+        if self.bucket_cap_mb is not None:
+            settings["bucket_cap_mb"] = self.bucket_cap_mb
+        wrapped = DistributedDataParallel(model, device_ids=device_ids, **settings, **options)
+        if self.comm_hook != "none":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            hook = default_hooks.fp16_compress_hook if self.comm_hook == "fp16" else default_hooks.bf16_compress_hook
+            wrapped.register_comm_hook(state=None, hook=hook)
+        return wrapped
+
+
+def wrap_model(model: nn.Module, strategy: str, env: DistEnv, ddp: DDPOptions | None = None, **options: Any) -> nn.Module:
     """Wrap an already converted, placed and optimizer-bound model for data parallelism.
 
     ``ddp``: torch DDP (device_ids bound on CUDA); ``apex-ddp``: apex's DDP (NVIDIA's from an old
     apex build, else ``ampddp.apex.parallel``'s, with apex's options); ``dp``: nn.DataParallel
     over all visible GPUs (single process); ``none``: the model itself. A single-process run gets
-    the bare model for ``ddp``/``apex-ddp`` since there is nobody to synchronise with.
+    the bare model for ``ddp``/``apex-ddp`` since there is nobody to synchronise with. The ``ddp``
+    argument holds torch DDP's settings (refused with another strategy); ``options`` are the
+    wrapper's other keyword arguments (apex-ddp's own, nn.DataParallel's, torch DDP's others).
     """
     if strategy not in STRATEGIES:
         raise choice_error("distributed strategy", strategy, STRATEGIES)
+    ddp = ddp if ddp is not None else DDPOptions()
+    ddp.check_strategy(strategy)
     if strategy == "none":
         return model
     if strategy == "dp":
@@ -37,8 +99,7 @@ def wrap_model(model: nn.Module, strategy: str, env: DistEnv, **options: Any) ->
         return model
     if strategy == "apex-ddp":
         return apex_parallel_attr("DistributedDataParallel")(model, **options)
-    device_ids = [env.device.index] if env.device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids, **options)
+    return ddp.wrap(model, [env.device.index] if env.device.type == "cuda" else None, **options)
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:

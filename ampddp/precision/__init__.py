@@ -5,15 +5,19 @@ from ampddp.precision.factory import build_engine
 from ampddp.precision.policy import OPT_LEVELS, PrecisionPolicy, resolve_policy
 from ampddp.precision.registry import OpRegistry, bfloat16_function, float_function, half_function, promote_function
 from ampddp.precision.scaler import LossScaler
+from ampddp.precision.state import STATE_VERSION, PrecisionState, ScalerState
 
 __all__ = [
     "NATIVE_MODES",
     "OPT_LEVELS",
     "PRECISION_MODES",
+    "STATE_VERSION",
     "LossScaler",
     "OpRegistry",
     "PrecisionEngine",
     "PrecisionPolicy",
+    "PrecisionState",
+    "ScalerState",
     "bfloat16_function",
     "build_engine",
     "float_function",

@@ -19,8 +19,10 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ampddp.errors import ConfigError
-from ampddp.precision.engine import PrecisionEngine
+from ampddp.precision.engine import PrecisionEngine, policy_compute_dtype
+from ampddp.precision.policy import OPT_LEVELS
 from ampddp.precision.registry import OpRegistry
+from ampddp.precision.state import PrecisionState
 
 APEX_MISSING = (
     "precision impl 'apex' needs NVIDIA apex with apex.amp, which apex removed upstream after tag 25.04 "
@@ -108,14 +110,18 @@ class ApexEngine(PrecisionEngine):
     def skipped_steps(self) -> int:
         return self._skipped
 
-    def state_dict(self) -> dict[str, Any]:
-        apex_state = self._amp.state_dict()
-        scalers = [dict(apex_state[f"loss_scaler{i}"]) for i in range(len(apex_state))]
-        return {"mode": self.mode, "impl": "apex", "scalers": scalers, "skipped_steps": self._skipped}
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The opt level's own dtype (apex's overrides are apex's to interpret)."""
+        return None if self._overrides.get("enabled") is False else policy_compute_dtype(OPT_LEVELS[self.mode])
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        scalers = state.get("scalers", [])
-        self._amp.load_state_dict(
-            {f"loss_scaler{i}": {"loss_scale": s["loss_scale"], "unskipped": s["unskipped"]} for i, s in enumerate(scalers)}
-        )
-        self._skipped = int(state.get("skipped_steps", 0))
+    def precision_state(self) -> PrecisionState:
+        apex_state = PrecisionState.from_dict(self._amp.state_dict(), where="apex.amp.state_dict()")
+        return PrecisionState(mode=self.mode, impl="apex", scalers=apex_state.scalers, skipped_steps=self._skipped)
+
+    def load_precision_state(self, state: PrecisionState) -> None:
+        count = len(self._amp.state_dict())
+        if len(state.scalers) != count:
+            raise ConfigError(f"precision state has {len(state.scalers)} loss scalers; apex.amp here has {count} (num_losses)")
+        self._amp.load_state_dict(state.to_apex_dict())
+        self._skipped = state.skipped_steps

@@ -7,7 +7,7 @@ never a new branch in the training loop.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -15,11 +15,55 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from ampddp.precision.policy import OPT_LEVELS
+from ampddp.errors import AmpUsageError
+from ampddp.precision.casting import first_non_fp32_param
+from ampddp.precision.policy import OPT_LEVELS, PrecisionPolicy
+from ampddp.precision.state import PrecisionState
 
 NATIVE_MODES = {"native-fp16": torch.float16, "native-bf16": torch.bfloat16}
 PRECISION_MODES = (*OPT_LEVELS, *NATIVE_MODES)
 IMPLS = ("builtin", "apex")
+
+
+def check_models_and_optimizers(
+    models: Sequence[nn.Module], optimizers: Sequence[Optimizer], allow_low_precision_models: bool = False
+) -> None:
+    """Refuse the inputs apex refused (and the ones it silently mishandled), for every engine's ``setup``.
+
+    ``allow_low_precision_models`` accepts models with fp16/bf16 params on entry (apex's
+    ``_amp_state.allow_incoming_model_not_fp32``); their masters then start from those values.
+    """
+    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
+    for index, model in enumerate(models):
+        if not isinstance(model, nn.Module):
+            raise AmpUsageError(f"models[{index}] is a {type(model).__name__}, not a torch.nn.Module")
+        if isinstance(model, wrappers):
+            raise AmpUsageError(
+                f"models[{index}] is already wrapped in {type(model).__name__}: pass the bare model to "
+                "initialize/setup and wrap it in DistributedDataParallel afterwards"
+            )
+        bad = None if allow_low_precision_models else first_non_fp32_param(model)
+        if bad is not None:
+            raise AmpUsageError(
+                f"models[{index}] parameter {bad[0]!r} is {bad[1]}; models must be fp32 when passed in "
+                "(was this model already initialized with O2/O3/O5, or .half()-ed by hand?)"
+            )
+    seen: set[int] = set()
+    for index, optimizer in enumerate(optimizers):
+        if not isinstance(optimizer, Optimizer):
+            raise AmpUsageError(f"optimizers[{index}] is a {type(optimizer).__name__}, not a torch.optim.Optimizer")
+        if id(optimizer) in seen:
+            raise AmpUsageError(f"optimizers[{index}] was passed twice; pass each optimizer once")
+        seen.add(id(optimizer))
+
+
+def policy_compute_dtype(policy: PrecisionPolicy) -> torch.dtype | None:
+    """The low-precision dtype an opt level computes in: its model cast, else its op casts (None: fp32)."""
+    if not policy.enabled:
+        return None
+    if policy.cast_model_type not in (None, torch.float32):
+        return policy.cast_model_type
+    return policy.op_cast_dtype
 
 
 class PrecisionEngine(ABC):
@@ -62,13 +106,43 @@ class PrecisionEngine(ABC):
     def skipped_steps(self) -> int:
         """Steps skipped because of non-finite gradients, over the engine's life."""
 
+    @property
     @abstractmethod
-    def state_dict(self) -> dict[str, Any]:
-        """Plain-data state (mode, scalers) for checkpoints."""
+    def compute_dtype(self) -> torch.dtype | None:
+        """torch.float16 or torch.bfloat16 when some compute runs in it, None when all runs in fp32 (O0,
+        disabled) — so callers can ask about precision without branching on mode names."""
 
     @abstractmethod
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what ``state_dict`` returned (or a compatible scaler form)."""
+    def precision_state(self) -> PrecisionState:
+        """The typed state (mode, scalers, skipped steps) that checkpoints, ``inspect`` and ``amp`` read."""
+
+    @abstractmethod
+    def load_precision_state(self, state: PrecisionState) -> None:
+        """Restore a state with this engine's number of scalers (its mode is not checked: converting
+        between modes is ``state.convert``'s job); raise ConfigError and change nothing otherwise."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """``precision_state()`` as plain data, for checkpoints."""
+        return self.precision_state().to_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what ``state_dict`` returned, or apex's ``amp.state_dict()`` or a GradScaler state."""
+        self.load_precision_state(PrecisionState.from_dict(state))
+
+    def scale_loss(
+        self, loss: torch.Tensor, optimizers: Sequence[Optimizer], loss_id: int = 0, delay_unscale: bool = False
+    ) -> AbstractContextManager[torch.Tensor]:
+        """apex's ``with amp.scale_loss(loss, optimizers) as scaled`` (unscale and update on exit); opt-level engines only."""
+        raise AmpUsageError(f"scale_loss is apex's API for opt levels O0-O5; {self.mode} uses engine.backward(loss) and engine.step")
+
+    def grad_scaler_state_dict(self, loss_id: int = 0) -> dict[str, Any]:
+        """Scaler ``loss_id`` in ``torch.amp.GradScaler.state_dict()`` form, for engines that know its settings."""
+        raise AmpUsageError(
+            f"grad_scaler_state_dict needs the builtin opt-level engine (impl='builtin'); this {self.mode} engine has no such scaler"
+        )
+
+    def unwind_interrupted_forwards(self) -> None:  # noqa: B027 - optional for engines without forward contexts
+        """Exit forward contexts that a KeyboardInterrupt left entered on this thread."""
 
     def zero_grad(self, *optimizers: Optimizer) -> None:
         """Clear the optimizers' gradients (and any pending gradient state the engine keeps)."""

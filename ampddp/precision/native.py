@@ -16,10 +16,9 @@ from ampddp.errors import AmpUsageError, ConfigError, closest
 from ampddp.precision.buffer_guard import BufferGuard
 from ampddp.precision.casting import device_types
 from ampddp.precision.device_autocast import DeviceAutocast
-from ampddp.precision.engine import PrecisionEngine
-from ampddp.precision.opt_level import check_models_and_optimizers
+from ampddp.precision.engine import PrecisionEngine, check_models_and_optimizers
 from ampddp.precision.policy import DYNAMIC, parse_setting
-from ampddp.precision.scaler import LossScaler
+from ampddp.precision.state import PrecisionState, ScalerState
 
 NATIVE_SETTINGS = ("loss_scale", "init_loss_scale", "growth_factor", "backoff_factor", "growth_interval", "enabled")
 
@@ -135,30 +134,29 @@ class NativeAmpEngine(PrecisionEngine):
     def skipped_steps(self) -> int:
         return self._skipped
 
-    def state_dict(self) -> dict[str, Any]:
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        return self.dtype if self.enabled else None
+
+    def precision_state(self) -> PrecisionState:
         scalers = []
         if self.scaler.is_enabled():
             state = self.scaler.state_dict()
             scalers.append(
-                {
-                    "dynamic": True,
-                    "loss_scale": float(state["scale"]),
-                    "unskipped": int(state["_growth_tracker"]),
-                    "skipped_steps": self._skipped,
-                }
+                ScalerState(
+                    dynamic=True, loss_scale=float(state["scale"]), unskipped=int(state["_growth_tracker"]), skipped_steps=self._skipped
+                )
             )
-        return {"mode": self.mode, "impl": "builtin", "scalers": scalers, "skipped_steps": self._skipped}
+        return PrecisionState(mode=self.mode, impl="builtin", scalers=tuple(scalers), skipped_steps=self._skipped)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        scalers = state.get("scalers") if isinstance(state, dict) else None
+    def load_precision_state(self, state: PrecisionState) -> None:
         expected = 1 if self.scaler.is_enabled() else 0
-        if not isinstance(scalers, list) or len(scalers) != expected:
-            count = len(scalers) if isinstance(scalers, list) else "no"
-            raise ConfigError(f"precision state has {count} loss scalers; {self.mode} here expects {expected}")
-        skipped = state.get("skipped_steps", 0)
-        if scalers:
-            parsed = LossScaler(dynamic=True, init_scale=1.0).parse_state(scalers[0], where="scalers[0]")
-            grad_scaler_state = dict(self.scaler.state_dict(), scale=parsed["loss_scale"], _growth_tracker=parsed["unskipped"])
+        if len(state.scalers) != expected:
+            raise ConfigError(f"precision state has {len(state.scalers)} loss scalers; {self.mode} here expects {expected}")
+        skipped = state.skipped_steps
+        if state.scalers:
+            saved = state.scalers[0]
+            grad_scaler_state = dict(self.scaler.state_dict(), scale=saved.loss_scale, _growth_tracker=saved.unskipped)
             self.scaler.load_state_dict(grad_scaler_state)
-            skipped = parsed["skipped_steps"]
-        self._skipped = int(skipped)
+            skipped = saved.skipped_steps or 0
+        self._skipped = skipped

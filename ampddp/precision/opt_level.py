@@ -24,49 +24,18 @@ from ampddp.diagnostics import overflow_origin
 from ampddp.errors import AmpUsageError, ConfigError, NonFiniteGradientsError
 from ampddp.precision.buffer_guard import BufferGuard
 from ampddp.precision.cast_context import OpCastContext, build_op_table
-from ampddp.precision.casting import convert_model, device_types, first_non_fp32_param
+from ampddp.precision.casting import convert_model, device_types
 from ampddp.precision.compile_support import run_eagerly_as_own_frame
-from ampddp.precision.engine import PrecisionEngine
+from ampddp.precision.engine import PrecisionEngine, check_models_and_optimizers, policy_compute_dtype
 from ampddp.precision.master import OptimizerGrads
 from ampddp.precision.master_sync import active_ddp_group, reconcile_masters
 from ampddp.precision.model_hooks import ForwardHooks, install_fp32_state_hooks
 from ampddp.precision.policy import PrecisionPolicy
 from ampddp.precision.registry import OpRegistry
 from ampddp.precision.scaler import LossScaler
+from ampddp.precision.state import PrecisionState
 
 logger = logging.getLogger("ampddp.precision")
-
-
-def check_models_and_optimizers(
-    models: Sequence[nn.Module], optimizers: Sequence[Optimizer], allow_low_precision_models: bool = False
-) -> None:
-    """Refuse the inputs apex refused (and the ones it silently mishandled).
-
-    ``allow_low_precision_models`` accepts models with fp16/bf16 params on entry (apex's
-    ``_amp_state.allow_incoming_model_not_fp32``); their masters then start from those values.
-    """
-    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
-    for index, model in enumerate(models):
-        if not isinstance(model, nn.Module):
-            raise AmpUsageError(f"models[{index}] is a {type(model).__name__}, not a torch.nn.Module")
-        if isinstance(model, wrappers):
-            raise AmpUsageError(
-                f"models[{index}] is already wrapped in {type(model).__name__}: pass the bare model to "
-                "initialize/setup and wrap it in DistributedDataParallel afterwards"
-            )
-        bad = None if allow_low_precision_models else first_non_fp32_param(model)
-        if bad is not None:
-            raise AmpUsageError(
-                f"models[{index}] parameter {bad[0]!r} is {bad[1]}; models must be fp32 when passed in "
-                "(was this model already initialized with O2/O3/O5, or .half()-ed by hand?)"
-            )
-    seen: set[int] = set()
-    for index, optimizer in enumerate(optimizers):
-        if not isinstance(optimizer, Optimizer):
-            raise AmpUsageError(f"optimizers[{index}] is a {type(optimizer).__name__}, not a torch.optim.Optimizer")
-        if id(optimizer) in seen:
-            raise AmpUsageError(f"optimizers[{index}] was passed twice; pass each optimizer once")
-        seen.add(id(optimizer))
 
 
 def _overflowed(records: Sequence[OptimizerGrads], scaler: LossScaler) -> bool:
@@ -371,22 +340,28 @@ class OptLevelEngine(PrecisionEngine):
     def skipped_steps(self) -> int:
         return sum(scaler.skipped_steps for scaler in self.scalers)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "mode": self.mode,
-            "impl": "builtin",
-            "policy": self.policy.describe(),
-            "scalers": [scaler.state_dict() for scaler in self.scalers],
-        }
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        return policy_compute_dtype(self.policy)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        scalers = state.get("scalers") if isinstance(state, dict) else None
-        if not isinstance(scalers, list) or len(scalers) != len(self.scalers):
-            count = len(scalers) if isinstance(scalers, list) else "no"
+    def grad_scaler_state_dict(self, loss_id: int = 0) -> dict[str, Any]:
+        return self.scaler_for(loss_id).grad_scaler_state_dict()
+
+    def precision_state(self) -> PrecisionState:
+        scalers = tuple(scaler.state() for scaler in self.scalers)
+        return PrecisionState(
+            mode=self.mode,
+            impl="builtin",
+            policy=self.policy.describe(),
+            scalers=scalers,
+            skipped_steps=self.skipped_steps,
+        )
+
+    def load_precision_state(self, state: PrecisionState) -> None:
+        if len(state.scalers) != len(self.scalers):
             raise ConfigError(
-                f"precision state has {count} loss scalers, this engine has {len(self.scalers)} "
+                f"precision state has {len(state.scalers)} loss scalers, this engine has {len(self.scalers)} "
                 "(num_losses); expected {'scalers': [state, ...]} as returned by state_dict()"
             )
-        parsed = [scaler.parse_state(sd, where=f"scalers[{i}]") for i, (scaler, sd) in enumerate(zip(self.scalers, scalers))]
-        for scaler, values in zip(self.scalers, parsed):
-            scaler.apply_state(values)
+        for scaler, saved in zip(self.scalers, state.scalers):
+            scaler.load_state(saved)

@@ -12,21 +12,19 @@ the loss itself produces inf/NaN.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from ampddp.errors import ConfigError, NonFiniteGradientsError
+from ampddp.errors import NonFiniteGradientsError
 from ampddp.precision.policy import PrecisionPolicy
+from ampddp.precision.state import ScalerState
 
-APEX_KEYS = ("loss_scale", "unskipped")
 DEFAULT_FLOOR = 2.0**-24
 """Lowest dynamic scale without a ``min_scale``: below fp16's smallest subnormal, scaling is moot."""
 SKIP_LIMIT = 10
 """Consecutive skipped steps at the floor after which training stops with an error."""
-GRAD_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
 
 class LossScaler:
@@ -134,16 +132,32 @@ class LossScaler:
             self.hysteresis_left = self.hysteresis
         return False
 
-    def state_dict(self) -> dict[str, Any]:
+    def state(self) -> ScalerState:
         """Full state: apex's two keys plus ampddp's counters."""
-        return {
-            "dynamic": self.dynamic,
-            "loss_scale": self.loss_scale,
-            "unskipped": self.unskipped,
-            "skipped_steps": self.skipped_steps,
-            "consecutive_skips": self.consecutive_skips,
-            "hysteresis_left": self.hysteresis_left,
-        }
+        return ScalerState(
+            dynamic=self.dynamic,
+            loss_scale=self.loss_scale,
+            unskipped=self.unskipped,
+            skipped_steps=self.skipped_steps,
+            consecutive_skips=self.consecutive_skips,
+            hysteresis_left=self.hysteresis_left,
+        )
+
+    def load_state(self, state: ScalerState) -> None:
+        """Take over a saved scale and counters; counters the saving engine did not track start fresh.
+
+        ``dynamic`` stays this scaler's own: it is configuration, not state.
+        """
+        self.loss_scale = state.loss_scale
+        self.unskipped = state.unskipped
+        self.skipped_steps = state.skipped_steps or 0
+        self.consecutive_skips = state.consecutive_skips or 0
+        left = self.hysteresis if state.hysteresis_left is None else state.hysteresis_left
+        self.hysteresis_left = min(max(left, 1), self.hysteresis)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``state()`` as plain data."""
+        return self.state().to_dict()
 
     def grad_scaler_state_dict(self) -> dict[str, Any]:
         """The same state in ``torch.amp.GradScaler.state_dict()`` form."""
@@ -157,48 +171,4 @@ class LossScaler:
 
     def load_state_dict(self, state: Mapping[str, Any], where: str = "loss scaler state") -> None:
         """Accept ampddp/apex form (``loss_scale``, ``unskipped``) or GradScaler form (``scale``, ...)."""
-        self.apply_state(self.parse_state(state, where))
-
-    def parse_state(self, state: Mapping[str, Any], where: str = "loss scaler state") -> dict[str, Any]:
-        """Validate a saved scaler state without changing anything; returns what ``apply_state`` takes."""
-        if not isinstance(state, Mapping):
-            raise ConfigError(f"{where} must be a dict, got {type(state).__name__}")
-        if "loss_scale" in state:
-            scale, counter = state["loss_scale"], state.get("unskipped", 0)
-        elif "scale" in state:
-            scale, counter = state["scale"], state.get("_growth_tracker", 0)
-        else:
-            raise ConfigError(
-                f"{where} has keys {sorted(state)}; expected apex form {list(APEX_KEYS)} or torch GradScaler form {list(GRAD_SCALER_KEYS)}"
-            )
-        hysteresis_left = _counter(state.get("hysteresis_left", self.hysteresis), f"{where}: hysteresis_left")
-        return {
-            "loss_scale": _number(scale, f"{where}: loss scale"),
-            "unskipped": _counter(counter, f"{where}: unskipped/_growth_tracker"),
-            "skipped_steps": _counter(state.get("skipped_steps", 0), f"{where}: skipped_steps"),
-            "consecutive_skips": _counter(state.get("consecutive_skips", 0), f"{where}: consecutive_skips"),
-            "hysteresis_left": min(max(hysteresis_left, 1), self.hysteresis),
-        }
-
-    def apply_state(self, values: dict[str, Any]) -> None:
-        self.loss_scale = values["loss_scale"]
-        self.unskipped = values["unskipped"]
-        self.skipped_steps = values["skipped_steps"]
-        self.consecutive_skips = values["consecutive_skips"]
-        self.hysteresis_left = values["hysteresis_left"]
-
-
-def _number(value: Any, what: str) -> float:
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
-        return float(value)
-    raise ConfigError(f"{what}={value!r} is not valid; it must be a finite number > 0")
-
-
-def _counter(value: Any, what: str) -> int:
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and float(value).is_integer() and value >= 0:
-        return int(value)
-    raise ConfigError(f"{what}={value!r} is not valid; it must be a whole number >= 0")
+        self.load_state(ScalerState.from_dict(state, where))

@@ -1,0 +1,280 @@
+"""Recipe -> objects: the one place that maps a RunConfig's sections to the model, data sets,
+optimizer, LR scheduler, op registrations, compile part and DDP settings of a run.
+
+A model or data set may be a user's function named as ``package.module:function`` (recipes are
+code: resolving one imports that module).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import importlib
+import inspect
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import Dataset
+
+from ampddp.compile_model import ModelCompiler
+from ampddp.config import IMPORT_PATH_FORM, PrecisionConfig, RunConfig, is_import_path
+from ampddp.data import build_datasets
+from ampddp.distributed.env import seed_everything
+from ampddp.distributed.wrap import DDPOptions
+from ampddp.errors import ConfigError, closest, spelled
+from ampddp.models import build_model
+from ampddp.precision.engine import NATIVE_MODES
+from ampddp.precision.native import NATIVE_SETTINGS
+from ampddp.precision.registry import FP32, LOW, PROMOTE, OpRegistry
+from ampddp.recipe.schedule import LRSchedule, lr_scheduler
+
+NATIVE_KEYS = tuple(key for key in NATIVE_SETTINGS if key in {f.name for f in dataclasses.fields(PrecisionConfig)})
+"""The precision.* keys that native-fp16 / native-bf16 accept."""
+REGISTRATION_KEYS = {"float_functions": FP32, "half_functions": LOW, "promote_functions": PROMOTE}
+SHUFFLE, DROP_LAST = True, False
+"""How ``train`` samples batches; a checkpoint to resume must have been written with the same."""
+LAMB = "lamb"
+"""optimizer.name for ``ampddp.apex.optimizers.FusedLAMB``; other names are torch.optim classes."""
+
+
+def precision_overrides(config: RunConfig) -> dict[str, Any]:
+    """The precision.* keys the user set, checked against what the chosen mode accepts."""
+    values = dataclasses.asdict(config.precision)
+    set_keys = {k: v for k, v in values.items() if k not in ("mode", "impl", *REGISTRATION_KEYS) and v is not None}
+    if config.precision.mode in NATIVE_MODES:
+        for key in set_keys:
+            if key not in NATIVE_KEYS:
+                raise ConfigError(
+                    f"precision.{key} applies to the O0-O5 opt levels, not to {config.precision.mode}; valid here: {', '.join(NATIVE_KEYS)}"
+                )
+    return set_keys
+
+
+def resolve_function(dotted: str, key: str = "a function name") -> tuple[Any, str]:
+    """'torch.nn.functional.softplus' -> (torch.nn.functional, 'softplus'); the name must be a callable.
+
+    The longest importable prefix is imported (recipes are code: this runs that module's import),
+    the rest is looked up attribute by attribute, so 'torch.Tensor.add' works too.
+    """
+    example = "write it as module.function, e.g. torch.nn.functional.softplus"
+    parts = dotted.split(".") if isinstance(dotted, str) else []
+    if len(parts) < 2 or not all(part.isidentifier() for part in parts):
+        raise ConfigError(f"{key} entry {dotted!r} is not a dotted name of a function; {example}")
+    owner: Any = None
+    for split in range(len(parts) - 1, 0, -1):
+        module_name = ".".join(parts[:split])
+        try:
+            owner = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        except Exception as error:  # the module itself failed while importing
+            raise ConfigError(f"{key} entry {dotted!r}: importing {module_name} failed ({type(error).__name__}: {error})") from None
+        for part in parts[split:-1]:
+            if not hasattr(owner, part):
+                raise ConfigError(f"cannot resolve {dotted!r} in {key}: {module_name} has no attribute {part!r}")
+            owner, module_name = getattr(owner, part), f"{module_name}.{part}"
+        break
+    else:
+        raise ConfigError(f"cannot resolve {dotted!r} in {key}: no module {parts[0]!r}; {example}")
+    attribute = parts[-1]
+    if not hasattr(owner, attribute):
+        raise ConfigError(f"cannot resolve {dotted!r} in {key}: {module_name} has no attribute {attribute!r}")
+    target = getattr(owner, attribute)
+    if not callable(target):
+        raise ConfigError(f"{key} entry {dotted!r} is a {type(target).__name__}, not a function; {example}")
+    return owner, attribute
+
+
+def build_registry(config: RunConfig) -> OpRegistry:
+    """precision.float_functions / half_functions / promote_functions as an OpRegistry."""
+    registry = OpRegistry()
+    for key, kind in REGISTRATION_KEYS.items():
+        for dotted in getattr(config.precision, key):
+            module, attribute = resolve_function(dotted, f"precision.{key}")
+            registry.register(module, attribute, kind)
+    return registry
+
+
+def model_compiler(config: RunConfig) -> ModelCompiler | None:
+    """trainer.compile / trainer.compile_backend as the trainer's compile part (None: eager); the
+    backend is checked only when compiling (that check imports torch's compiler)."""
+    return ModelCompiler.from_setting(config.trainer.compile, config.trainer.compile_backend, where="trainer.")
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else type(error).__name__
+
+
+def load_callable(spec: str, key: str) -> Callable[..., Any]:
+    """The function ``package.module:function`` names (``key``: the setting, for messages)."""
+    form = f"write it as {IMPORT_PATH_FORM}, e.g. mypkg.models:build"
+    module_name, _, attribute = spec.partition(":")
+    names = [*module_name.split("."), *attribute.split(".")]
+    if not module_name or not attribute or not all(name.isidentifier() for name in names):
+        raise ConfigError(f"{key}={spec!r} is not of the form {IMPORT_PATH_FORM}; {form}")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name is not None and (module_name + ".").startswith(error.name + "."):
+            raise ConfigError(f"{key}={spec!r}: no module named {error.name!r} (installed, or on PYTHONPATH?); {form}") from None
+        raise ConfigError(f"{key}={spec!r}: importing {module_name} failed (ModuleNotFoundError: {_first_line(error)})") from None
+    except Exception as error:  # the module itself failed while importing
+        raise ConfigError(f"{key}={spec!r}: importing {module_name} failed ({type(error).__name__}: {_first_line(error)})") from None
+    where = module_name
+    for part in attribute.split("."):
+        if not hasattr(target, part):
+            hint = closest(part, [name for name in dir(target) if not name.startswith("_")])
+            raise ConfigError(f"{key}={spec!r}: {where} has no attribute {part!r}{hint}; {form}")
+        target, where = getattr(target, part), f"{where}.{part}"
+    if not callable(target):
+        raise ConfigError(f"{key}={spec!r} names a {type(target).__name__}, which is not callable; {form}")
+    return target
+
+
+def _call(key: str, spec: str, function: Callable[..., Any], **kwargs: Any) -> Any:
+    """``function(**kwargs)``; a TypeError or ValueError (bad arguments) becomes a ConfigError naming the call."""
+    try:
+        return function(**kwargs)
+    except (TypeError, ValueError) as error:
+        arguments = ", ".join(f"{name}={value!r}" for name, value in kwargs.items())
+        raise ConfigError(f"{key}={spec!r}: calling it with ({arguments}) failed ({type(error).__name__}: {_first_line(error)})") from error
+
+
+def refuse_kwargs(section: str, name: str, kwargs: dict[str, Any]) -> None:
+    """``section.kwargs`` are for a user's function: refused with a built-in ``section.name``."""
+    if kwargs and not is_import_path(name):
+        raise ConfigError(
+            f"{section}.kwargs={kwargs!r} applies to a {'data set' if section == 'data' else section} named as {IMPORT_PATH_FORM}, "
+            f"not to {section}.name={name}; "
+            f"remove {section}.kwargs"
+        )
+
+
+def build_model_from(config: RunConfig) -> nn.Module:
+    """model.name: a built-in or torchvision model, or a user's function called with
+    ``num_classes=model.num_classes`` and ``model.kwargs``."""
+    model_cfg, data = config.model, config.data
+    refuse_kwargs("model", model_cfg.name, model_cfg.kwargs)
+    if not is_import_path(model_cfg.name):
+        return build_model(model_cfg.name, model_cfg.num_classes, data.channels, data.image_size)
+    if "num_classes" in model_cfg.kwargs:
+        raise ConfigError("model.kwargs sets num_classes; set model.num_classes instead (it is passed to the function)")
+    build = load_callable(model_cfg.name, "model.name")
+    model = _call("model.name", model_cfg.name, build, num_classes=model_cfg.num_classes, **model_cfg.kwargs)
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model.name={model_cfg.name!r} returned a {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def build_datasets_from(config: RunConfig, augment: bool) -> tuple[Dataset, Dataset | None]:
+    """data.name: a built-in data set (``augment``: its training augmentation), or a user's function
+    called with ``data.kwargs`` that returns ``(train_set, eval_set or None)``, map-style data sets.
+    The user's function runs with python, numpy and torch seeded from ``trainer.seed``, so a split it
+    draws at random is the same on every rank and on every resume."""
+    data = config.data
+    refuse_kwargs("data", data.name, data.kwargs)
+    if not is_import_path(data.name):
+        return build_datasets(data.name, data.root, data.image_size, data.channels, data.eval_fraction, config.trainer.seed, augment)
+    seed_everything(config.trainer.seed)
+    result = _call("data.name", data.name, load_callable(data.name, "data.name"), **data.kwargs)
+    if not isinstance(result, (tuple, list)) or len(result) != 2:
+        found = f"a {type(result).__name__}" + (f" of {len(result)}" if isinstance(result, (tuple, list)) else "")
+        raise ConfigError(f"data.name={data.name!r} returned {found}, expected a pair (train_set, eval_set or None)")
+    train_set, eval_set = result
+    for role, dataset in (("train_set", train_set), ("eval_set", eval_set)):
+        if role == "eval_set" and dataset is None:
+            continue
+        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+            raise ConfigError(
+                f"data.name={data.name!r}: its {role} is a {type(dataset).__name__}, not a map-style data set (__len__ and __getitem__)"
+            )
+    if len(train_set) == 0:
+        raise ConfigError(f"data.name={data.name!r}: its train_set is empty")
+    return train_set, eval_set
+
+
+def optimizer_class(name: str) -> type[Optimizer]:
+    """optimizer.name as a class: ``lamb`` (FusedLAMB) or a torch.optim class, case-insensitive
+    (sgd, adam, adamw, RMSprop, torch.optim.NAdam, ...)."""
+    if name.lower() == LAMB:
+        from ampddp.apex.optimizers import FusedLAMB
+
+        return FusedLAMB
+    classes = {
+        attribute: value
+        for attribute, value in vars(torch.optim).items()
+        if isinstance(value, type) and issubclass(value, Optimizer) and value is not Optimizer
+    }
+    by_lower = {attribute.lower(): value for attribute, value in classes.items()}
+    short = name.removeprefix("torch.optim.").lower()
+    if short in by_lower:
+        return by_lower[short]
+    spellings = {spelling.lower(): spelling for spelling in ("sgd", "adam", "adamw", LAMB, *classes)}
+    near = difflib.get_close_matches(short, spellings, n=1, cutoff=0.5)
+    hint = f" (did you mean {spellings[near[0]]!r}?)" if near else ""
+    raise ConfigError(
+        f"optimizer.name={name!r} is not valid{hint}; valid: sgd, adam, adamw, lamb, or a torch.optim class ({', '.join(sorted(classes))})"
+    )
+
+
+def optimizer_factory(config: RunConfig) -> Callable[[Iterable[nn.Parameter]], Optimizer]:
+    """``make_optimizer(params)`` for the optimizer section: lr always, momentum for SGD, weight_decay
+    where the class takes one, the fused / foreach flags when set, then optimizer.kwargs."""
+    opt = config.optimizer
+    cls = optimizer_class(opt.name)
+    accepted = inspect.signature(cls).parameters
+    settings: dict[str, Any] = {"lr": opt.lr}
+    if issubclass(cls, torch.optim.SGD):
+        settings["momentum"] = opt.momentum
+    if "weight_decay" in accepted:
+        settings["weight_decay"] = opt.weight_decay
+    for flag in ("fused", "foreach"):
+        value = getattr(opt, flag)
+        if value is not None and flag not in accepted:
+            raise ConfigError(f"optimizer.{flag}={spelled(value)}: {cls.__name__} has no {flag} flag; leave optimizer.{flag} unset (null)")
+        if value is not None:
+            settings[flag] = value
+    owned = {"lr", "weight_decay", "fused", "foreach", *settings}
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    for key in opt.kwargs:
+        if key == "params":
+            raise ConfigError("optimizer.kwargs sets params; the model's parameters are passed")
+        if key in owned:
+            raise ConfigError(f"optimizer.kwargs sets {key}; set optimizer.{key} instead")
+        if key not in accepted and not takes_any:
+            valid = [name for name in accepted if name not in ("params", *owned)]
+            raise ConfigError(
+                f"optimizer.kwargs.{key} is not an argument of {cls.__name__}{closest(key, valid)}; valid: {', '.join(valid)}"
+            )
+    return functools.partial(cls, **settings, **opt.kwargs)
+
+
+def steps_per_epoch(config: RunConfig, train_samples: int, world_size: int) -> int:
+    """Optimizer steps in one epoch of ``train_samples`` over ``world_size`` ranks."""
+    return max(1, math.ceil(train_samples / (config.data.batch_size * world_size * config.trainer.grad_accum_steps)))
+
+
+def scheduler_factory(config: RunConfig, epoch_steps: int) -> Callable[[Optimizer], LRScheduler | None]:
+    """``make_scheduler(optimizer)`` for optimizer.scheduler / warmup_* / step_size (epochs) / gamma."""
+    opt = config.optimizer
+    schedule = LRSchedule(
+        opt.scheduler, config.trainer.max_steps or config.trainer.max_epochs * epoch_steps, opt.warmup_steps,
+        opt.warmup_start_factor, opt.step_size * epoch_steps, opt.gamma,
+    )  # fmt: skip
+    return functools.partial(lr_scheduler, schedule=schedule)
+
+
+def ddp_options(config: RunConfig) -> DDPOptions:
+    """distributed.find_unused_parameters / static_graph / gradient_as_bucket_view / bucket_cap_mb / comm_hook."""
+    dist_cfg = config.distributed
+    return DDPOptions(
+        find_unused_parameters=dist_cfg.find_unused_parameters, static_graph=dist_cfg.static_graph,
+        gradient_as_bucket_view=dist_cfg.gradient_as_bucket_view, bucket_cap_mb=dist_cfg.bucket_cap_mb, comm_hook=dist_cfg.comm_hook,
+    )  # fmt: skip

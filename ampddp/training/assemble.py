@@ -1,0 +1,65 @@
+"""The one factory from a bare model to a prepared run: initial weights, set-up, compilation."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from ampddp.checkpoint.restore import initial_weights, load_model_state
+from ampddp.compile_model import ModelCompiler
+from ampddp.distributed.env import DistEnv
+from ampddp.distributed.wrap import DDPOptions
+from ampddp.models import has_convolutions
+from ampddp.precision.registry import OpRegistry
+from ampddp.prepare import Prepared, prepare
+
+logger = logging.getLogger("ampddp.trainer")
+
+
+@dataclass(frozen=True)
+class RunSetup:
+    """How a model becomes a prepared run: precision mode, sync-BN, parallel wrapper, compilation."""
+
+    precision: str = "O1"
+    impl: str = "builtin"
+    precision_overrides: dict[str, Any] | None = None
+    registry: OpRegistry | None = None
+    sync_bn: str = "off"
+    strategy: str = "ddp"
+    ddp: DDPOptions | None = None
+    """torch DDP's options (unused parameters, static graph, buckets, communication hook)."""
+    compiler: ModelCompiler | None = None
+    init_from: str | Path | None = None
+    """A checkpoint or weights file whose model weights the run starts from (nothing else is taken)."""
+
+    def build(self, model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter]], Optimizer], env: DistEnv,
+              on_compiled: Callable[[float], None] | None = None) -> Prepared:  # fmt: skip
+        """Load ``init_from``, then ``prepare`` (sync-BN, device, optimizer, precision, DDP), then compile:
+        the set-up (cast, masters, DDP) is what gets compiled."""
+        if self.init_from is not None:
+            load_model_state(initial_weights(self.init_from), model, str(self.init_from))
+        run = prepare(
+            model, make_optimizer, env, precision=self.precision, impl=self.impl, precision_overrides=self.precision_overrides,
+            registry=self.registry, sync_bn=self.sync_bn, strategy=self.strategy, ddp=self.ddp,
+        )  # fmt: skip
+        warn_slow_half_convolutions(run)
+        if self.compiler is not None:
+            run = self.compiler.compile(run, on_first_step=on_compiled)
+        return run
+
+
+def warn_slow_half_convolutions(run: Prepared) -> None:
+    """fp16 convolution backward is about 60x slower than fp32 on CPU in current PyTorch: say so once."""
+    if run.env.device.type == "cpu" and run.engine.compute_dtype == torch.float16 and has_convolutions(run.module):
+        logger.warning(
+            "precision %s on CPU with convolutions: fp16 convolution backward is about 60x slower than fp32 on CPU in current "
+            "PyTorch; prefer O4, O5 or native-bf16 there (fp16 pays off on CUDA)",
+            run.engine.mode,
+        )

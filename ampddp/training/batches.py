@@ -1,0 +1,111 @@
+"""What a batch is to the loop: moved to the device, counted, fed to the model, scored.
+
+A batch is whatever the DataLoader yields: a ``(inputs, targets)`` pair, a dict (Hugging Face style:
+``model(**batch)``), a single tensor, or any nesting of tuples, lists and dicts. The loop never looks
+inside one; it calls a :class:`BatchAdapter`. Subclass the adapter for other shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+"""``loss_fn(outputs, batch)`` -> the mean loss of the batch (a scalar tensor)."""
+MetricsFn = Callable[[Any, Any], Mapping[str, Any]]
+"""``metrics(outputs, batch)`` -> {name: sum over the batch's samples} (e.g. the number correct); the
+evaluator adds the sums over batches and ranks and divides by the number of samples."""
+
+TARGET_KEYS = ("labels", "label", "targets", "target")
+
+
+def move_to(value: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    """``value`` with every tensor inside (tuples, lists, dicts, namedtuples) on ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=non_blocking)
+    if isinstance(value, Mapping):
+        return type(value)({key: move_to(item, device, non_blocking) for key, item in value.items()})
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(move_to(item, device, non_blocking) for item in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(move_to(item, device, non_blocking) for item in value)
+    return value
+
+
+def first_tensor(value: Any) -> torch.Tensor | None:
+    """The first tensor in ``value``, depth first (dicts in insertion order)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    items = value.values() if isinstance(value, Mapping) else value if isinstance(value, (tuple, list)) else ()
+    for item in items:
+        found = first_tensor(item)
+        if found is not None:
+            return found
+    return None
+
+
+class BatchAdapter:
+    """Moves a batch to the device, counts its samples and calls the model on it.
+
+    Sequences are ``(inputs, *rest)`` and the model gets ``inputs``; mappings are passed as keyword
+    arguments; a tensor is the input itself. The sample count is the leading size of the first tensor.
+    """
+
+    def to_device(self, batch: Any, device: torch.device) -> Any:
+        return move_to(batch, device, non_blocking=True)
+
+    def count(self, batch: Any) -> int:
+        tensor = first_tensor(batch)
+        if tensor is None or tensor.dim() == 0:
+            raise TypeError(f"cannot count the samples of a {type(batch).__name__} batch: it holds no tensor with a batch dimension")
+        return int(tensor.shape[0])
+
+    def forward(self, model: nn.Module, batch: Any) -> Any:
+        if isinstance(batch, Mapping):
+            return model(**batch)
+        if isinstance(batch, (tuple, list)):
+            return model(batch[0])
+        return model(batch)
+
+
+def targets_of(batch: Any) -> torch.Tensor:
+    """The class targets in a batch: the last entry of a sequence, or ``labels``/``label``/``targets``/``target``."""
+    if isinstance(batch, Mapping):
+        for key in TARGET_KEYS:
+            if key in batch:
+                return batch[key]
+        wanted, found = ", ".join(TARGET_KEYS), ", ".join(map(str, batch))
+        raise KeyError(f"a dict batch needs one of the keys {wanted} for the default loss and metrics; it has {found}")
+    if isinstance(batch, (tuple, list)) and len(batch) >= 2:
+        return batch[-1]
+    raise TypeError(f"the default loss and metrics need (inputs, targets) or a dict with labels; got a {type(batch).__name__}")
+
+
+def logits_of(outputs: Any) -> torch.Tensor:
+    """Class scores from a model's outputs: a tensor, or ``.logits`` / ``["logits"]`` (Hugging Face style)."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    if isinstance(outputs, Mapping) and "logits" in outputs:
+        return outputs["logits"]
+    logits = getattr(outputs, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    raise TypeError(f"cannot find class scores in the model's {type(outputs).__name__} outputs: expected a tensor or a 'logits' entry")
+
+
+def cross_entropy(outputs: Any, batch: Any) -> torch.Tensor:
+    """The default loss: the model's own ``loss`` when it returns one (Hugging Face style), else
+    cross-entropy of the logits (in fp32) against the batch's targets."""
+    own = outputs.get("loss") if isinstance(outputs, Mapping) else getattr(outputs, "loss", None)
+    if isinstance(own, torch.Tensor):
+        return own.float()
+    return F.cross_entropy(logits_of(outputs).float(), targets_of(batch))
+
+
+def accuracy(outputs: Any, batch: Any) -> dict[str, torch.Tensor]:
+    """The default metric: the number of samples whose arg-max class is the target."""
+    return {"accuracy": (logits_of(outputs).argmax(-1) == targets_of(batch)).sum()}

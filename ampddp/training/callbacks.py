@@ -1,0 +1,99 @@
+"""Fixed points of the loop where other parts look in: logging, progress, user hooks.
+
+A callback never changes training; it receives the run's progress and records. ``Callbacks`` calls
+each in order; the summaries returned at the end are merged (later callbacks win on equal keys).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from ampddp.observe import RunObserver
+from ampddp.progress import Progress
+
+
+class Callback:
+    """Override the hooks you need; each default does nothing."""
+
+    def on_start(self, progress: Progress) -> None:
+        """Training starts (or resumes) at ``progress``."""
+
+    def on_compiled(self, progress: Progress, seconds: float, mode: str, backend: str) -> None:
+        """The first compiled forward and backward took ``seconds`` (inside the step about to be counted)."""
+
+    def on_step(self, progress: Progress, record: dict[str, Any] | None) -> None:
+        """An optimizer step ended; ``record`` (loss, lr, loss scale, ...) on logging and skipped steps, else None."""
+
+    def on_evaluation(self, progress: Progress, metrics: dict[str, float]) -> None:
+        """An evaluation ended with ``metrics``."""
+
+    def on_end(self, progress: Progress) -> dict[str, Any]:
+        """Training ended (finished or stopped by a signal); return what to add to the run's summary."""
+        return {}
+
+    def on_already_complete(self, progress: Progress) -> dict[str, Any]:
+        """A finished run was started again and trained nothing; return the summary to report."""
+        return {}
+
+
+class Callbacks(Callback):
+    """Several callbacks called in order, as one."""
+
+    def __init__(self, callbacks: Iterable[Callback] = ()) -> None:
+        self.callbacks = list(callbacks)
+
+    def on_start(self, progress: Progress) -> None:
+        for callback in self.callbacks:
+            callback.on_start(progress)
+
+    def on_compiled(self, progress: Progress, seconds: float, mode: str, backend: str) -> None:
+        for callback in self.callbacks:
+            callback.on_compiled(progress, seconds, mode, backend)
+
+    def on_step(self, progress: Progress, record: dict[str, Any] | None) -> None:
+        for callback in self.callbacks:
+            callback.on_step(progress, record)
+
+    def on_evaluation(self, progress: Progress, metrics: dict[str, float]) -> None:
+        for callback in self.callbacks:
+            callback.on_evaluation(progress, metrics)
+
+    def on_end(self, progress: Progress) -> dict[str, Any]:
+        summary: dict[str, Any] = {}
+        for callback in self.callbacks:
+            summary.update(callback.on_end(progress))
+        return summary
+
+    def on_already_complete(self, progress: Progress) -> dict[str, Any]:
+        summary: dict[str, Any] = {}
+        for callback in self.callbacks:
+            summary.update(callback.on_already_complete(progress))
+        return summary
+
+
+class ObserverCallback(Callback):
+    """A ``RunObserver`` (progress bar, metrics.jsonl, summary.json, plots, TensorBoard) as a callback."""
+
+    def __init__(self, observer: RunObserver) -> None:
+        self.observer = observer
+
+    def on_start(self, progress: Progress) -> None:
+        self.observer.started(progress.global_step, progress.epoch, progress.samples_seen)
+
+    def on_compiled(self, progress: Progress, seconds: float, mode: str, backend: str) -> None:
+        self.observer.compiled(progress.global_step + 1, progress.epoch, seconds, mode, backend)
+
+    def on_step(self, progress: Progress, record: dict[str, Any] | None) -> None:
+        self.observer.advance()
+        if record is not None:
+            self.observer.log_step(record, progress.samples_seen)
+
+    def on_evaluation(self, progress: Progress, metrics: dict[str, float]) -> None:
+        self.observer.evaluation(progress.global_step, progress.epoch, metrics)
+
+    def on_end(self, progress: Progress) -> dict[str, Any]:
+        return self.observer.close(progress.state_dict())
+
+    def on_already_complete(self, progress: Progress) -> dict[str, Any]:
+        return self.observer.close_unchanged()

@@ -1,0 +1,240 @@
+"""Saving and restoring a run's state: the registered items, verified, agreed by every rank.
+
+The items are the model (its bare module), optimizer, precision engine, LR scheduler, progress,
+sampler, every rank's RNG, and any user item registered with :meth:`Checkpointer.register` (anything
+with ``state_dict``/``load_state_dict``, e.g. an EMA of the weights). A load reads and checks every
+file on every rank before anything changes, so a bad checkpoint leaves the run as it was.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import platform
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from ampddp.checkpoint import keys
+from ampddp.checkpoint.changes import check_resume_settings
+from ampddp.checkpoint.finite import refuse_non_finite
+from ampddp.checkpoint.restore import check_model_state, check_optimizer_state, check_sampler_state, restore_precision
+from ampddp.checkpoint.rng import capture_rng, derive_rng, restore_rng
+from ampddp.checkpoint.schedule_plan import SchedulePlan, plan_schedule
+from ampddp.checkpoint.store import CheckpointRef, CheckpointStore, find_checkpoint, plan_resume
+from ampddp.distributed.data import ResumableSampler, broadcast_from_main, sum_across_ranks
+from ampddp.distributed.env import DistEnv
+from ampddp.errors import CheckpointError, ConfigError
+from ampddp.precision.engine import PrecisionEngine
+from ampddp.progress import Progress
+
+logger = logging.getLogger("ampddp.trainer")
+EXTRA = "extra"
+"""Checkpoint entry holding the user-registered items, by name."""
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+@dataclass
+class TrainingState:
+    """Everything a checkpoint holds about a run, by role."""
+
+    module: nn.Module
+    optimizer: Optimizer
+    engine: PrecisionEngine
+    scheduler: Any
+    sampler: ResumableSampler
+    progress: Progress = field(default_factory=Progress)
+    extra: dict[str, Stateful] = field(default_factory=dict)
+
+
+def _versions() -> dict[str, str]:
+    from ampddp import __version__
+
+    return {"ampddp": __version__, "torch": str(torch.__version__), "python": platform.python_version()}
+
+
+class Checkpointer:
+    """Writes ``state`` into ``store`` and restores it; decides where a run resumes.
+
+    ``resume``: ``"auto"`` (the newest checkpoint in ``store`` that verifies), ``"never"``, or the
+    path of a checkpoint or run dir. ``config``: the run's settings, saved and compared on resume.
+    ``seed`` derives a rank's RNG when the checkpoint was saved by fewer ranks.
+    """
+
+    def __init__(self, state: TrainingState, store: CheckpointStore | None, env: DistEnv, *, resume: str | Path = "auto",
+                 config: dict[str, Any] | None = None, seed: int = 0) -> None:  # fmt: skip
+        self.state, self.store, self.env = state, store, env
+        self.resume, self.config, self.seed = resume, dict(config or {}), seed
+        self.saved_step: int | None = None
+
+    def register(self, name: str, item: Stateful) -> None:
+        """Save and restore ``item`` with every checkpoint, under ``name``.
+
+        Its state is saved once, from rank 0, with the shared state: register state that is the same
+        on every rank (an EMA of the synchronised weights, a global counter). Its ``state_dict`` must
+        hold only tensors, plain containers, numbers and strings, as every checkpoint file does (they
+        load with ``weights_only=True``); anything else is refused when the checkpoint is written.
+        """
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"a checkpoint item needs a non-empty string name, got {name!r}")
+        if name in self.state.extra:
+            raise ConfigError(f"a checkpoint item named {name!r} is already registered")
+        if not callable(getattr(item, "state_dict", None)) or not callable(getattr(item, "load_state_dict", None)):
+            raise ConfigError(f"checkpoint item {name!r} is a {type(item).__name__}, which has no state_dict/load_state_dict")
+        self.state.extra[name] = item
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything shared by the ranks, in checkpoint layout (see ampddp.checkpoint.keys)."""
+        state = self.state
+        shared = {
+            keys.FORMAT: keys.FORMAT_VERSION,
+            keys.VERSIONS: _versions(),
+            keys.CONFIG: self.config,
+            keys.MODEL: state.module.state_dict(),
+            keys.OPTIMIZER: state.optimizer.state_dict(),
+            keys.PRECISION: state.engine.state_dict(),
+            keys.SCHEDULER: state.scheduler.state_dict() if state.scheduler is not None else None,
+            keys.PROGRESS: state.progress.state_dict(),
+            keys.SAMPLER: state.sampler.state_dict(),
+            keys.WORLD_SIZE: self.env.world_size,
+        }
+        if state.extra:
+            shared[EXTRA] = {name: _loadable(name, item.state_dict()) for name, item in state.extra.items()}
+        return shared
+
+    def save(self) -> CheckpointRef | None:
+        """Write a checkpoint of this step collectively (every file hashed into its manifest)."""
+        if self.store is None:
+            return None
+        step = self.state.progress.global_step
+        shared = self.state_dict()
+        refuse_non_finite(shared, step, self.saved_step)
+        ref = self.store.save(step, shared, {keys.RNG: capture_rng()}, self.env)
+        self.saved_step = step
+        return ref
+
+    def resume_if_asked(self, finished: Callable[[Progress], bool]) -> None:
+        """Load the checkpoint this run continues from, if any. Rank 0 decides (the newest checkpoint
+        that verifies, or the one asked for), so ranks on file systems with stale caches cannot resume
+        from different steps; every rank raises its error."""
+        if self.store is None and self.resume in ("auto", "never"):
+            return
+        plan = broadcast_from_main(plan_resume(self.store, self.resume) if self.env.is_main else None, self.env)
+        if plan["error"] is not None:
+            kind, message = plan["error"]
+            raise (ConfigError if kind == "ConfigError" else CheckpointError)(message)
+        if plan["start"] is not None:
+            self.load(find_checkpoint(plan["start"]), finished)
+
+    def _read_and_check(self, ref: CheckpointRef) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """The shared entries and this rank's RNG, read, verified and checked against the live run on every rank."""
+        where = str(ref.shared_file)
+        error: Exception | None = None
+        shared: dict[str, Any] = {}
+        rng = None
+        try:
+            manifest = ref.manifest()
+            shared = CheckpointStore.load_shared(ref, manifest)
+            rank_state = CheckpointStore.load_rank(ref, self.env.rank, manifest)
+            rng = rank_state[keys.RNG] if rank_state is not None else None
+            check_model_state(shared[keys.MODEL], self.state.module, where)
+            check_optimizer_state(shared[keys.OPTIMIZER], self.state.optimizer, where)
+            check_sampler_state(shared[keys.SAMPLER], self.state.sampler.state_dict(), where)
+            self._check_extra(shared.get(EXTRA), where)
+        except (CheckpointError, KeyError) as exc:
+            error = exc if isinstance(exc, CheckpointError) else CheckpointError(f"{ref.path}: checkpoint lacks entry {exc}")
+        failed = int(sum_across_ranks(float(error is not None)).item())
+        if error is not None:
+            raise error
+        if failed:
+            raise CheckpointError(f"{ref.path}: {failed} rank(s) could not read or check their part of this checkpoint; nothing loaded")
+        return shared, rng
+
+    def _check_extra(self, saved: Any, where: str) -> None:
+        missing = [name for name in self.state.extra if not isinstance(saved, dict) or name not in saved]
+        if missing:
+            has = ", ".join(saved) if isinstance(saved, dict) and saved else "none"
+            raise CheckpointError(f"{where}: holds no state for the registered item(s) {', '.join(missing)} (it holds: {has})")
+
+    def load(self, ref: CheckpointRef, finished: Callable[[Progress], bool]) -> None:
+        """Restore every item; the run continues exactly where the checkpoint was taken.
+
+        ``finished(progress)`` says whether the saved run is complete (then its schedule is not re-planned).
+        """
+        shared, rng = self._read_and_check(ref)
+        state = self.state
+        changed = check_resume_settings(shared.get(keys.CONFIG), self.config, str(ref.path))
+        saved_progress = Progress()
+        saved_progress.load_state_dict(shared[keys.PROGRESS])
+        applied = saved_progress.global_step - saved_progress.skipped_steps
+        plan = (
+            SchedulePlan()  # a finished run only reports that it is complete: nothing to re-plan
+            if finished(saved_progress)
+            else plan_schedule(state.optimizer, state.scheduler, shared[keys.OPTIMIZER], shared.get(keys.SCHEDULER), applied, str(ref.path))
+        )
+        for line in ([changed] if changed else []) + plan.notes:
+            logger.warning(line)
+        self._load_extra(shared.get(EXTRA, {}), str(ref.shared_file))  # first: a user item that refuses its state changes nothing else
+        restore_precision(state.engine, shared[keys.PRECISION], str(ref.shared_file))
+        state.module.load_state_dict(shared[keys.MODEL])
+        if plan.load_optimizer:
+            state.optimizer.load_state_dict(shared[keys.OPTIMIZER])
+        if plan.load_scheduler and shared.get(keys.SCHEDULER) is not None:
+            state.scheduler.load_state_dict(shared[keys.SCHEDULER])
+        plan.apply(state.optimizer, state.scheduler)
+        state.progress.load_state_dict(saved_progress.state_dict())
+        self.saved_step = ref.step
+        self._restore_rng(rng, ref, shared[keys.WORLD_SIZE])
+        logger.info("resumed from %s at step %d (epoch %d)", ref.path, state.progress.global_step, state.progress.epoch)
+
+    def _load_extra(self, saved: dict[str, Any], where: str) -> None:
+        for name, item in self.state.extra.items():
+            try:
+                item.load_state_dict(saved[name])
+            except Exception as error:  # a user item's own failure: named, and nothing of the run loaded
+                reason = f"{type(error).__name__}: {error}"
+                raise CheckpointError(f"{where}: registered item {name!r} refused its saved state ({reason})") from error
+
+    def _restore_rng(self, rng: dict[str, Any] | None, ref: CheckpointRef, saved_world: int) -> None:
+        if rng is not None:
+            restore_rng(rng)
+            return
+        derive_rng(self.seed, self.env.rank, self.state.progress.global_step)
+        rank = self.env.rank
+        logger.warning("%s has no RNG state for rank %d (saved by %d ranks): derived it from the seed", ref.path, rank, saved_world)
+
+
+def _loadable(name: str, state: Any) -> Any:
+    """``state`` if it survives a ``weights_only`` round trip, else a ConfigError naming the item: a
+    checkpoint that could never be loaded is not written."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    try:
+        torch.load(buffer, weights_only=True)
+    except Exception as error:  # pickle's refusal names the type it would have to import
+        reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+        raise ConfigError(
+            f"checkpoint item {name!r}: its state_dict holds objects a safe load cannot read ({reason[:200]}); "
+            "keep it to tensors, lists, tuples, dicts, numbers and strings"
+        ) from None
+    return state
+
+
+RESUME_CHOICES = ("auto", "never")
+
+
+def check_resume_choice(resume: str | Path) -> None:
+    """``resume`` is auto, never, or an existing checkpoint or run dir."""
+    if not isinstance(resume, (str, Path)) or (str(resume) not in RESUME_CHOICES and not Path(resume).exists()):
+        raise ConfigError(f"resume={resume!r} is not valid; valid: {', '.join(RESUME_CHOICES)}, or the path of a checkpoint or run dir")

@@ -1,0 +1,85 @@
+"""Evaluation over a whole split: every sample counted exactly once across ranks, no padding."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from ampddp.checkpoint.rng import capture_rng, restore_rng
+from ampddp.distributed.data import eval_sampler, sum_across_ranks
+from ampddp.distributed.env import DistEnv
+from ampddp.errors import ConfigError
+from ampddp.training.batches import BatchAdapter, LossFn, MetricsFn
+
+RESERVED_NAMES = ("loss", "samples", "kind", "step", "epoch")
+"""Names an evaluation record already uses: a metric may not take them."""
+
+
+class Evaluator:
+    """The loss (``loss_fn``, as in training) and ``metrics`` over ``eval_set``, averaged per sample.
+
+    Each rank reads its own contiguous shard (no sample repeated to even out the ranks), sums loss
+    and metric values weighted by batch size, and one all-reduce gives the exact means over the split.
+    Evaluation leaves the training run's random streams as they were.
+    """
+
+    def __init__(self, eval_set: Dataset, batch_size: int, env: DistEnv, *, loss_fn: LossFn, metrics: MetricsFn | None,
+                 batches: BatchAdapter) -> None:  # fmt: skip
+        self.eval_set, self.batch_size, self.env = eval_set, batch_size, env
+        self.loss_fn, self.metrics, self.batches = loss_fn, metrics, batches
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, forward_context: Callable[[], AbstractContextManager[Any]]) -> dict[str, float]:
+        rng = capture_rng()
+        was_training = model.training
+        model.eval()
+        try:
+            sums, seen = self._sums(model, forward_context)
+        finally:
+            model.train(was_training)
+            restore_rng(rng)  # evaluation must not shift the training run's random streams
+        names = self._names_on_every_rank(list(sums))
+        totals = sum_across_ranks(torch.tensor([*(sums.get(name, 0.0) for name in names), seen], dtype=torch.float64))
+        count = totals[-1]
+        return {**{name: (total / count).item() for name, total in zip(names, totals[:-1])}, "samples": int(count)}
+
+    def _sums(self, model: nn.Module, forward_context: Callable[[], AbstractContextManager[Any]]) -> tuple[dict[str, float], float]:
+        sampler = eval_sampler(self.eval_set, self.env)
+        loader = DataLoader(self.eval_set, batch_size=self.batch_size, sampler=sampler, generator=torch.Generator())
+        sums: dict[str, float] = {}
+        seen = 0.0
+        for batch in loader:
+            batch = self.batches.to_device(batch, self.env.device)
+            count = self.batches.count(batch)
+            with forward_context():
+                outputs = self.batches.forward(model, batch)
+                values = {"loss": self.loss_fn(outputs, batch).detach().double() * count}
+            values.update(self._metric_values(outputs, batch))
+            for name, value in values.items():
+                sums[name] = sums.get(name, 0.0) + float(value)
+            seen += count
+        return sums, seen
+
+    def _metric_values(self, outputs: Any, batch: Any) -> dict[str, Any]:
+        if self.metrics is None:
+            return {}
+        values = dict(self.metrics(outputs, batch))
+        taken = sorted(set(values) & set(RESERVED_NAMES))
+        if taken:
+            raise ConfigError(f"metric name(s) {', '.join(taken)} are reserved ({', '.join(RESERVED_NAMES)}); rename them")
+        return values
+
+    def _names_on_every_rank(self, local: list[str]) -> list[str]:
+        """The metric names every rank reduces, in one order: a rank with an empty shard (or a metric
+        that returned a name only on some batches) still takes part in the same all-reduce."""
+        if not self.env.distributed:
+            return local
+        gathered: list[list[str]] = [[] for _ in range(self.env.world_size)]
+        dist.all_gather_object(gathered, local)
+        return list(dict.fromkeys(name for names in gathered for name in names))

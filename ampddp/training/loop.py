@@ -1,0 +1,254 @@
+"""The training loop: the one place that knows the order of a step; everything else is a part.
+
+Each optimizer step: forward in the engine's context, scaled backward per micro-batch (gradient sync
+only on the last), one all-reduce of the loss and of a stop request, unscale -> clip -> step -> scale
+update, and the LR scheduler advances only when the step was applied. The loop never branches on the
+precision mode: it calls the engine's interface.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader, Dataset
+
+from ampddp.checkpoint.store import CheckpointRef
+from ampddp.distributed.data import ResumableSampler, sum_across_ranks
+from ampddp.errors import ConfigError
+from ampddp.precision.engine import PrecisionEngine
+from ampddp.preemption import StopSignals
+from ampddp.prepare import Prepared
+from ampddp.progress import Progress, finished
+from ampddp.training.batches import BatchAdapter, LossFn
+from ampddp.training.callbacks import Callbacks
+from ampddp.training.checkpointer import Checkpointer
+from ampddp.training.evaluator import Evaluator
+from ampddp.training.nonfinite import NonFiniteGuard
+from ampddp.training.settings import LoopSettings
+
+logger = logging.getLogger("ampddp.trainer")
+
+
+class TrainingLoop:
+    """Trains ``run`` on ``train_set`` following ``settings``, with the given parts.
+
+    ``stop_signals``: a ``StopSignals`` already catching (the caller's), or signal names to catch
+    during ``fit``. Override ``compute_loss`` for a loss that needs more than ``loss_fn``.
+    """
+
+    def __init__(self, run: Prepared, train_set: Dataset, settings: LoopSettings, *, checkpointer: Checkpointer,
+                 loss_fn: LossFn, batches: BatchAdapter, evaluator: Evaluator | None = None,
+                 callbacks: Callbacks | None = None, stop_signals: tuple[str, ...] | StopSignals = ()) -> None:  # fmt: skip
+        self.run, self.train_set, self.settings = run, train_set, settings
+        self.checkpointer, self.loss_fn, self.batches, self.evaluator = checkpointer, loss_fn, batches, evaluator
+        self.callbacks = callbacks or Callbacks()
+        self.stop_signals = stop_signals
+        self.guard = NonFiniteGuard(settings.max_nonfinite_losses)
+        self.last_eval: dict[str, float] = {}
+        self._evaluated_step: int | None = None
+
+    @property
+    def engine(self) -> PrecisionEngine:
+        return self.run.engine
+
+    @property
+    def optimizer(self) -> Optimizer:
+        return self.run.optimizer
+
+    @property
+    def scheduler(self) -> Any:
+        return self.checkpointer.state.scheduler
+
+    @property
+    def sampler(self) -> ResumableSampler:
+        return self.checkpointer.state.sampler
+
+    @property
+    def progress(self) -> Progress:
+        return self.checkpointer.state.progress
+
+    def fit(self) -> dict[str, Any]:
+        """Train until the horizon or a stop signal; returns progress, last evaluation and summary
+        (``preempted`` names the signal when the run stopped early, after writing a checkpoint)."""
+        self.checkpointer.resume_if_asked(self._is_finished)
+        if self.checkpointer.saved_step is not None and self._finished():
+            return self._already_complete()
+        self.callbacks.on_start(self.progress)
+        own = not isinstance(self.stop_signals, StopSignals)
+        stop = StopSignals(self.stop_signals) if own else self.stop_signals
+        with stop if own else contextlib.nullcontext():
+            preempted = self._train_until_done(stop)
+        if not preempted and self.evaluator is not None and self._evaluated_step != self.progress.global_step:
+            self._evaluate_and_report()
+        if self.checkpointer.saved_step != self.progress.global_step:
+            self.checkpointer.save()
+        summary = self.callbacks.on_end(self.progress)
+        if preempted:
+            logger.warning("stopped by %s at step %d after writing a checkpoint; run again to resume", preempted, self.progress.global_step)
+        return {"progress": self.progress.state_dict(), "eval": self.last_eval, "summary": {**summary, "preempted": preempted}}
+
+    def _already_complete(self) -> dict[str, Any]:
+        """A re-run of a finished run: say so, change nothing (no evaluation, no summary rewrite)."""
+        logger.info("already complete at step %d (epoch %d): nothing to train", self.progress.global_step, self.progress.epoch)
+        summary = self.callbacks.on_already_complete(self.progress)
+        return {"progress": self.progress.state_dict(), "eval": {}, "summary": {**summary, "already_complete": True, "preempted": None}}
+
+    def _train_until_done(self, stop: StopSignals) -> str | None:
+        settings = self.settings
+        while not self._finished():
+            self.sampler.set_epoch(self.progress.epoch, start=self.progress.epoch_position)
+            loader = DataLoader(self.train_set, batch_size=settings.batch_size, sampler=self.sampler, generator=torch.Generator())
+            last = len(loader) - 1
+            if last < 0:
+                self._end_epoch()
+                continue
+            window: list[Any] = []
+            for index, batch in enumerate(loader):
+                window.append(batch)
+                if len(window) == settings.grad_accum_steps or index == last:
+                    if self._optimizer_step(window, ends_epoch=index == last, stop=stop):
+                        return stop.received or "a stop signal on another rank"
+                    window = []
+                    if self._finished():
+                        break
+        return None
+
+    def _is_finished(self, progress: Progress) -> bool:
+        return finished(progress, self.settings.max_steps, self.settings.max_epochs)
+
+    def _finished(self) -> bool:
+        return self._is_finished(self.progress)
+
+    def compute_loss(self, batch: Any) -> tuple[torch.Tensor, int]:
+        """Forward one micro-batch; return the mean loss and the number of samples in it."""
+        batch = self.batches.to_device(batch, self.run.env.device)
+        with self.engine.forward_context():
+            loss = self.loss_fn(self.batches.forward(self.run.model, batch), batch)
+        return loss, self.batches.count(batch)
+
+    def _end_epoch(self) -> None:
+        self.progress.epoch += 1
+        self.progress.epoch_position = 0
+        if self.evaluator is not None:
+            self._evaluate_and_report()
+
+    def _evaluate_and_report(self) -> None:
+        self.last_eval = self.evaluate()
+        self._evaluated_step = self.progress.global_step
+        logger.debug("step %d epoch %d: %s", self.progress.global_step, self.progress.epoch, self.last_eval)
+        self.callbacks.on_evaluation(self.progress, self.last_eval)
+
+    def evaluate(self) -> dict[str, float]:
+        """Loss and metrics over the whole eval set, every sample counted exactly once."""
+        if self.evaluator is None:
+            raise ConfigError("evaluate() needs an eval_set")
+        return self.evaluator.evaluate(self.run.model, self.engine.forward_context)
+
+    # ---- one optimizer step -----------------------------------------------------------------------
+    def _optimizer_step(self, window: list[Any], ends_epoch: bool, stop: StopSignals | None = None) -> bool:
+        """One optimizer step over ``window``; returns True when every rank should stop (a signal)."""
+        total = self._global_samples(window)
+        loss_sum = self._forward_backward(window, total)
+        loss_value, stop_agreed = self._agree(loss_sum, total, stop)
+        self.guard.check(loss_value, self.progress.global_step + 1, lambda: self._diagnose(window[-1]))
+        logging_step = (self.progress.global_step + 1) % self.settings.log_every == 0
+        grad_norm, stepped = self._apply(logging_step)
+        if not stepped and math.isfinite(loss_value):
+            logger.warning("step %d skipped: %s", self.progress.global_step + 1, self._diagnose(window[-1]))
+        self._advance(int(total), stepped)
+        record = self._record(loss_value, stepped, grad_norm) if logging_step or not stepped else None
+        self.callbacks.on_step(self.progress, record)
+        self._after_step(ends_epoch)
+        return stop_agreed
+
+    def _global_samples(self, window: list[Any]) -> float:
+        local = sum(self.batches.count(batch) for batch in window)
+        return float(sum_across_ranks(local).item()) if self.run.env.distributed else float(local)
+
+    def _forward_backward(self, window: list[Any], total: float) -> torch.Tensor:
+        """Backward of every micro-batch, each weighted by its share of the global batch (exact with
+        uneven counts); returns the local sum of per-sample losses."""
+        world_size = self.run.env.world_size
+        loss_sum: torch.Tensor | None = None
+        self.optimizer.zero_grad(set_to_none=True)
+        for index, batch in enumerate(window):
+            with self.run.grad_sync.micro_step(is_last=index == len(window) - 1):
+                loss, count = self.compute_loss(batch)
+                weight = count * world_size / total
+                self.engine.backward(loss * weight if weight != 1.0 else loss)
+            share = loss.detach().float() * count
+            loss_sum = share if loss_sum is None else loss_sum + share
+        return loss_sum
+
+    def _agree(self, loss_sum: torch.Tensor, total: float, stop: StopSignals | None) -> tuple[float, bool]:
+        """The global mean loss and whether any rank received a stop signal, in one all-reduce, read
+        before the step: every rank takes the same decisions, and a non-finite loss is traced to its
+        module while the weights are still those that made it."""
+        local_stop = float(stop is not None and stop.received is not None)
+        if self.run.env.distributed:
+            reduced = sum_across_ranks(torch.tensor([loss_sum.item(), local_stop], dtype=torch.float64))
+            loss_total, stop_agreed = float(reduced[0]), bool(reduced[1] > 0)
+        else:
+            loss_total, stop_agreed = loss_sum.item(), local_stop > 0
+        return loss_total / max(total, 1.0), stop_agreed
+
+    def _apply(self, logging_step: bool) -> tuple[torch.Tensor | None, bool]:
+        """Clip (or measure, on logging steps) the gradient norm, step, advance the LR schedule."""
+        grad_norm = None
+        if self.settings.clip_grad_norm is not None:
+            grad_norm = self.engine.clip_grad_norm_([self.optimizer], self.settings.clip_grad_norm)
+        elif logging_step:
+            grad_norm = self.engine.grad_norm([self.optimizer])
+        stepped = self.engine.step(self.optimizer)
+        if stepped and self.scheduler is not None:
+            self.scheduler.step()
+        return grad_norm, stepped
+
+    def _advance(self, samples: int, stepped: bool) -> None:
+        progress = self.progress
+        progress.global_step += 1
+        progress.skipped_steps += int(not stepped)
+        progress.samples_seen += samples
+        progress.epoch_position = min(progress.epoch_position + samples, len(self.train_set))
+
+    def _record(self, loss_value: float, stepped: bool, grad_norm: torch.Tensor | None) -> dict[str, Any]:
+        progress = self.progress
+        return {
+            "step": progress.global_step, "epoch": progress.epoch, "loss": loss_value,
+            "lr": self.optimizer.param_groups[0]["lr"], "loss_scale": self.engine.loss_scale(),
+            "skipped": not stepped, "skipped_steps": progress.skipped_steps,
+            "grad_norm": None if grad_norm is None or not stepped else float(grad_norm),
+        }  # fmt: skip
+
+    def _after_step(self, ends_epoch: bool) -> None:
+        step, every = self.progress.global_step, self.settings
+        if ends_epoch:
+            self._end_epoch()
+        elif every.eval_every and self.evaluator is not None and step % every.eval_every == 0:
+            self._evaluate_and_report()
+        if every.checkpoint_every and step % every.checkpoint_every == 0:
+            self.checkpointer.save()
+
+    def _diagnose(self, batch: Any) -> str:
+        batch = self.batches.to_device(batch, self.run.env.device)
+        module = self.run.module
+        forward = lambda: self.batches.forward(module, batch)  # noqa: E731 - re-run by the diagnosis
+        return self.guard.diagnose(module, forward, self.engine.forward_context(), self.engine.last_overflow)
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything shared by the ranks, in checkpoint layout (see ampddp.checkpoint.keys)."""
+        return self.checkpointer.state_dict()
+
+    def save_checkpoint(self) -> CheckpointRef | None:
+        """Write a checkpoint of this step collectively (every file hashed into its manifest)."""
+        return self.checkpointer.save()
+
+    def load_checkpoint(self, ref: CheckpointRef) -> None:
+        """Restore every registered item from ``ref`` (see ``Checkpointer.load``)."""
+        self.checkpointer.load(ref, self._is_finished)

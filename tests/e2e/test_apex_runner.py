@@ -1,0 +1,144 @@
+"""``python -m ampddp.apex``: an unchanged apex-era script runs with ``apex`` resolving to ampddp.apex,
+under python, ``-m MODULE``, torchrun (2 processes) and the old ``torch.distributed.launch``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ampddp.apex.runner import RunnerUsageError, local_rank_flag, main, parse
+from ampddp.distributed import free_port
+
+JOB = Path(__file__).resolve().parents[1] / "apex_era_job.py"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run(args, cwd, timeout=240, env=None):
+    merged = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
+    merged.pop("WORLD_SIZE", None)
+    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=merged)
+
+
+def reports(out_dir, count):
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(count)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_runner_runs_an_unchanged_apex_script_as_python_would(tmp_path, opt_level):
+    done = run(["-m", "ampddp.apex", str(JOB), "--opt-level", opt_level, "--steps", "2", "--out", str(tmp_path)], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    (report,) = reports(tmp_path, 1)
+    assert report["has_apex"] and report["apex_module"] == "ampddp.apex.amp"
+    assert report["name"] == "__main__"
+    assert report["argv"] == [str(JOB), "--opt-level", opt_level, "--steps", "2", "--out", str(tmp_path)]
+    assert report["path0"] == str(JOB.parent)
+    assert report["output_dtype"] == ("torch.float16" if opt_level == "O1" else "torch.float32")
+    assert report["loss_dtypes"] == ["torch.float32"] * 2  # the loss outside the model is fp32, as with apex
+    assert report["loss_scale"] == 2.0**16
+
+
+@pytest.mark.timeout(300)
+def test_runner_runs_a_module_with_dash_m_and_passes_a_launcher_local_rank(tmp_path):
+    (tmp_path / "apex_era_mod.py").write_text(JOB.read_text())
+    done = run(["-m", "ampddp.apex", "--local-rank=3", "-m", "apex_era_mod", "--steps", "1", "--out", str(tmp_path)], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    (report,) = reports(tmp_path, 1)
+    assert report["argv"][0] == str(tmp_path / "apex_era_mod.py")
+    assert report["argv"][1:] == ["--local_rank=3", "--steps", "1", "--out", str(tmp_path)]
+    assert report["local_rank"] == 3 and report["env_local_rank"] == "3"
+
+
+def test_without_the_runner_the_script_has_no_apex(tmp_path):
+    done = run([str(JOB), "--steps", "1", "--out", str(tmp_path)], cwd=tmp_path)
+    assert done.returncode != 0 and "NameError" in done.stderr  # its apex path is switched off: apex is not installed
+
+
+@pytest.mark.timeout(400)
+def test_torchrun_two_processes_run_the_script_and_agree(tmp_path):
+    args = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "ampddp.apex", str(JOB)]
+    done = run([*args, "--opt-level", "O2", "--out", str(tmp_path)], cwd=tmp_path, timeout=360)
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, second = reports(tmp_path, 2)
+    assert first["params"] == second["params"] and first["masters"] == second["masters"]
+    assert first["loss_dtypes"] == ["torch.float32"] * 4
+
+
+@pytest.mark.timeout(400)
+def test_old_torch_distributed_launch_passes_local_rank_in_the_apex_spelling(tmp_path):
+    port = str(free_port())
+    args = ["-m", "torch.distributed.launch", "--nproc-per-node", "2", "--master-port", port, "-m", "ampddp.apex", str(JOB)]
+    done = run([*args, "--steps", "2", "--out", str(tmp_path)], cwd=tmp_path, timeout=360)
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, second = reports(tmp_path, 2)
+    assert (first["local_rank"], second["local_rank"]) == (0, 1)
+    assert first["params"] == second["params"]
+
+
+def test_runner_usage_errors_exit_2_with_the_usage(tmp_path, capsys):
+    for args, message in [([], "no program given"), (["missing.py"], "does not exist"), (["--bogus"], "unknown runner option"),
+                          (["-m"], "-m needs a module name"), (["--local-rank=x", "s.py"], "whole number")]:  # fmt: skip
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert message in err, (args, err)
+        assert "usage: python -m ampddp.apex" in err or "whole number" in err
+
+
+def test_parse_and_local_rank_spelling():
+    program = parse(["--local_rank", "2", "-m", "pytest", "-x"])
+    assert (program.target, program.is_module, program.args, program.local_rank) == ("pytest", True, ["-x"], "2")
+    assert local_rank_flag("parser.add_argument('--local-rank', type=int)") == "--local-rank"
+    assert local_rank_flag("parser.add_argument('--local_rank')  # or --local-rank") == "--local_rank"
+    with pytest.raises(RunnerUsageError):
+        parse(["--local-rank"])
+
+
+def test_under_the_runner_impl_apex_is_refused_and_missing_apex_modules_name_a_replacement(tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import torch\n"
+        "from apex import amp\n"
+        "import amp_C\n"
+        "from apex.fp16_utils import *\n"
+        "from apex.multi_tensor_apply import multi_tensor_applier\n"
+        "from apex.normalization import FusedLayerNorm\n"
+        "from apex.normalization.fused_layer_norm import fused_layer_norm_affine\n"
+        "from apex.optimizers import FusedAdam, FusedLAMB\n"
+        "from apex.optimizers.fused_sgd import FusedSGD\n"
+        "from apex.parallel.LARC import LARC\n"
+        "print('PATHS', amp_C.__name__, FP16_Optimizer.__module__, network_to_half.__name__, FusedSGD.__module__)\n"
+        "try:\n    import apex.contrib.xentropy\nexcept ModuleNotFoundError as error:\n    print('MISSING', error)\n"
+        "try:\n    amp.initialize(torch.nn.Linear(2, 2), opt_level='O1', impl='apex')\n"
+        "except Exception as error:\n    print('REFUSED', type(error).__name__, error)\n"
+    )
+    done = run(["-m", "ampddp.apex", str(script)], cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "PATHS ampddp.apex.amp_C ampddp.apex.fp16_utils.fp16_optimizer network_to_half ampddp.apex.optimizers.fused_sgd" in done.stdout
+    assert "MISSING apex.contrib is not provided by ampddp.apex" in done.stdout
+    assert "REFUSED ConfigError" in done.stdout and "impl='builtin'" in done.stdout
+
+
+@pytest.mark.timeout(300)
+def test_processes_the_program_spawns_resolve_apex_too(tmp_path):
+    script = tmp_path / "spawning.py"
+    script.write_text(
+        "import multiprocessing as mp\n"
+        "import subprocess, sys\n"
+        "from apex import amp\n"
+        "def work(x):\n    import apex, amp_C\n    return apex.__name__ + ' ' + amp_C.__name__\n"
+        "if __name__ == '__main__':\n"
+        "    print('FILE', __file__)\n"
+        "    with mp.get_context('spawn').Pool(1) as pool:\n        print('SPAWNED', pool.map(work, [0])[0])\n"
+        "    child = subprocess.run([sys.executable, '-c', 'import apex; print(apex.__name__)'], capture_output=True, text=True)\n"
+        "    print('SUBPROCESS', child.stdout.strip())\n"
+    )
+    done = run(["-m", "ampddp.apex", "spawning.py"], cwd=tmp_path, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"FILE {script}" in done.stdout  # absolute, as python gives __main__.__file__
+    assert "SPAWNED ampddp.apex ampddp.apex.amp_C" in done.stdout
+    assert "SUBPROCESS ampddp.apex" in done.stdout
