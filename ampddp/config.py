@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from ampddp.compile_model import COMPILE_CHOICES, DEFAULT_BACKEND
+from ampddp.data import AUTO_AUGMENTS, DECODE_DEVICES, NORMALIZATIONS
 from ampddp.distributed.sync_bn import SYNC_BN_CHOICES
 from ampddp.distributed.wrap import COMM_HOOKS, STRATEGIES
 from ampddp.errors import ConfigError, choice_error, closest, spelled
@@ -115,18 +116,40 @@ class DataConfig:
     name: str = field(default="digits", metadata=_choices("digits", "cifar10", "imagefolder", import_path=True))
     """digits: scikit-learn's handwritten digits (no download); cifar10 / imagefolder: from data.root; or a
     user's function as package.module:function, called with data.kwargs, returning (train_set, eval_set or None).
-    root, image_size, channels, augment and eval_fraction apply to the built-in datasets."""
+    root, image_size, channels, augment and eval_fraction apply to the built-in datasets; auto_augment and
+    normalize to cifar10 and imagefolder; decode_device to imagefolder."""
     root: str | None = None
-    """Directory of cifar10 (the extracted cifar-10-batches-py) or of an imagefolder (train/ and val/)."""
+    """Directory of cifar10 (the extracted cifar-10-batches-py) or of an imagefolder (train/<class>/ and val/<class>/)."""
     image_size: int = field(default=32, metadata=_at_least(1))
     channels: int = field(default=3, metadata=_at_least(1))
     batch_size: int = field(default=64, metadata=_at_least(1))
     """Per process."""
     augment: bool = True
+    """Training augmentation of the built-in sets; false: training images get the evaluation transform."""
     eval_fraction: float = field(default=0.25, metadata=_between(0, 1, low_open=True, high_open=True))
     """digits only: share held out for evaluation."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for a data set named as package.module:function."""
+    num_workers: int = field(default=0, metadata=_at_least(0))
+    """Worker processes loading (decoding, augmenting) batches per training process; 0 loads on the training
+    thread. Batches, and so the trained model, are identical for every value (each sample's augmentation is
+    seeded from trainer.seed, its epoch and its index)."""
+    pin_memory: bool | None = None
+    """Page-locked host batches for asynchronous copies to the GPU; null: on when training on CUDA."""
+    persistent_workers: bool | None = None
+    """Keep the workers between epochs; null: on when num_workers > 0. Needs num_workers > 0."""
+    prefetch_factor: int | None = field(default=None, metadata=_at_least(1))
+    """Batches each worker loads ahead; null: torch's default (2). Needs num_workers > 0."""
+    auto_augment: str = field(default="none", metadata=_choices(*AUTO_AUGMENTS))
+    """cifar10 / imagefolder training, after the crop and flip: none, trivial (TrivialAugmentWide) or
+    randaugment (RandAugment). Off with augment: false."""
+    normalize: str | None = field(default=None, metadata=_choices(*NORMALIZATIONS))
+    """cifar10 / imagefolder: imagenet (ImageNet's mean and std) or computed (per channel, measured on the
+    training split only, and applied to both splits); null: imagenet for imagefolder, computed for cifar10."""
+    decode_device: str = field(default="cpu", metadata=_choices(*DECODE_DEVICES))
+    """imagefolder: cpu (decoded where the sample is loaded: in the workers when num_workers > 0) or cuda
+    (JPEGs decoded with nvjpeg on the training GPU, in the training process: needs num_workers=0; the batches
+    are on the GPU already, so they are not pinned)."""
 
 
 @dataclass
@@ -178,6 +201,14 @@ class TrainerConfig:
     The first step pays the compile time; checkpoints are the same as eager ones."""
     compile_backend: str = DEFAULT_BACKEND
     """torch.compile's backend when trainer.compile is on: inductor, or e.g. aot_eager (compiles fast, no code generation)."""
+    channels_last: bool = False
+    """Model and 4-D image batches in channels-last memory format (faster convolutions on tensor cores)."""
+    cudnn_benchmark: bool = False
+    """Let cuDNN time its convolution algorithms at the first step of each shape and keep the fastest
+    (faster on GPUs with fixed input sizes; the chosen algorithms may differ from run to run)."""
+    allow_tf32: bool | None = None
+    """TF32 for fp32 matmuls and convolutions on Ampere and newer GPUs (O0's fp32 at tensor-core speed): true /
+    false for both; null keeps torch's defaults (convolutions yes, matmuls no)."""
 
 
 @dataclass

@@ -30,6 +30,8 @@ class RunObserver:
         self.start = time.perf_counter()
         self._last_time, self._last_samples = self.start, 0
         self.best_accuracy: float | None = None
+        self.data_wait_s = 0.0
+        """Seconds the loop waited for batches, over the logged steps of this process's run."""
         self.last_eval: dict[str, Any] = {}
         self._bar = None
         self._lines = progress == "lines" or (progress == "auto" and not sys.stderr.isatty())
@@ -66,6 +68,7 @@ class RunObserver:
 
     def log_step(self, record: dict[str, Any], samples_seen: int) -> None:
         """Record a logged step (the trainer logs every ``log_every`` steps and every skipped one)."""
+        self.data_wait_s += record.get("data_wait_s") or 0.0
         if not self.active:
             return
         now = time.perf_counter()
@@ -117,6 +120,7 @@ class RunObserver:
             "skipped_steps": progress["skipped_steps"],
             "samples_seen": progress["samples_seen"],
             "wall_time_s": time.perf_counter() - self.start,
+            "data_wait_s": self.data_wait_s,
             "world_size": self.env.world_size,
         }
         if not self.active:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import Dataset
@@ -29,7 +30,9 @@ from ampddp.training.assemble import RunSetup
 from ampddp.training.batches import BatchAdapter, LossFn, MetricsFn, accuracy, cross_entropy
 from ampddp.training.callbacks import Callback, Callbacks, ObserverCallback
 from ampddp.training.checkpointer import Checkpointer, TrainingState, check_resume_choice
+from ampddp.training.device import DeviceSettings
 from ampddp.training.evaluator import Evaluator
+from ampddp.training.loading import DataLoading, LoaderSettings
 from ampddp.training.loop import TrainingLoop
 from ampddp.training.settings import LoopSettings
 
@@ -53,7 +56,9 @@ class Trainer(TrainingLoop):
     training and evaluation alike; batches are ``(inputs, targets)``, dicts (``model(**batch)``) or
     whatever ``batches`` (a ``BatchAdapter``) understands. ``compile``: False (eager), True or a
     torch.compile mode, or a ``ModelCompiler``; checkpoints hold the bare module either way.
-    ``ddp``: torch DDP options. ``**settings``: the ``LoopSettings`` fields (batch_size,
+    ``ddp``: torch DDP options. ``loading``: loader workers, pinned memory, prefetching (batches do not
+    depend on them: each sample is fetched under its own seed). ``device``: channels_last, cuDNN
+    benchmark, TF32. ``**settings``: the ``LoopSettings`` fields (batch_size,
     grad_accum_steps, clip_grad_norm, max_epochs, max_steps, seed, shuffle, drop_last,
     checkpoint_every, eval_every, log_every, max_nonfinite_losses).
     """
@@ -79,6 +84,8 @@ class Trainer(TrainingLoop):
         loss_fn: LossFn = default_loss,
         metrics: MetricsFn | None = accuracy,
         batches: BatchAdapter | None = None,
+        loading: LoaderSettings | None = None,
+        device: DeviceSettings | None = None,
         run_dir: str | Path | None = None,
         keep_last: int | None = 3,
         resume: str | Path = "auto",
@@ -96,23 +103,25 @@ class Trainer(TrainingLoop):
             parse_signals(stop_signals)
         self.compiler = compile if isinstance(compile, ModelCompiler) else ModelCompiler.from_setting(compile)
         env = env or detect_env(device="auto")
-        setup = RunSetup(precision, impl, precision_overrides, registry, sync_bn, strategy, ddp, self.compiler, init_from)
+        device = device or DeviceSettings()
+        setup = RunSetup(precision, impl, precision_overrides, registry, sync_bn, strategy, ddp, self.compiler, init_from, device)
         run = setup.build(model, make_optimizer, env, on_compiled=self._compiled)
         state = TrainingState(
             run.module, run.optimizer, run.engine, make_scheduler(run.optimizer) if make_scheduler is not None else None,
             ResumableSampler(train_set, env, shuffle=loop.shuffle, seed=loop.seed, drop_last=loop.drop_last),
         )  # fmt: skip
         store = CheckpointStore(run_dir, keep_last) if run_dir is not None else None
-        batches = batches or BatchAdapter()
-        scoring = {"loss_fn": loss_fn, "metrics": metrics, "batches": batches}
+        batches = batches or BatchAdapter(images=torch.channels_last if device.channels_last else None)
+        data = DataLoading(loading or LoaderSettings(), env.device, loop.seed)
+        scoring = {"loss_fn": loss_fn, "metrics": metrics, "batches": batches, "loading": data}
         evaluator = None if eval_set is None else Evaluator(eval_set, loop.batch_size, env, **scoring)
         super().__init__(
             run, train_set, loop,
             checkpointer=Checkpointer(state, store, env, resume=resume, config=config, seed=loop.seed),
-            loss_fn=loss_fn, batches=batches,
+            loss_fn=loss_fn, batches=batches, loading=data,
             evaluator=evaluator,
             callbacks=Callbacks([*([ObserverCallback(observer)] if observer is not None else []), *callbacks]),
-            stop_signals=stop_signals,
+            stop_signals=stop_signals, device=device,
         )  # fmt: skip
         seed_everything(env.rank_seed(loop.seed))  # the one seeding point of the training streams, per rank
 

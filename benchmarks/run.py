@@ -26,6 +26,7 @@ import compile_modes
 import cuda_suite
 import ddp_scaling
 import fused_optimizers
+import input_pipeline
 import memory
 import modes
 import op_cost
@@ -44,6 +45,7 @@ BENCHMARKS = {
     "ddp": ddp_scaling.run,
     "compile": compile_modes.run,
     "op-cost": op_cost.run,
+    "input": input_pipeline.run,
     "cuda-suite": cuda_suite.run,
 }
 CUDA_ONLY = ("cuda-suite",)  # run on CPU only when named with --only

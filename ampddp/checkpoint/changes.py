@@ -3,7 +3,7 @@ would silently make it a different run.
 
 Every checkpoint carries the run's config. At resume, the keys whose values differ are listed in
 one warning. Keys that define the run — the model, the data set (a user's: with its kwargs), its
-split (the eval fraction and the seed that draws it) and the image size — are refused unless
+split (the eval fraction and the seed that draws it), the image size and the input normalisation — are refused unless
 ``checkpoint.allow_changes`` is true: continuing a ResNet on a different training split is not a
 resume but a new experiment.
 Everything else (learning rate, horizon, batch size, precision, ...) is a deliberate change that
@@ -25,6 +25,7 @@ RUN_DEFINING = (
     "data.root",
     "data.image_size",
     "data.channels",
+    "data.normalize",
     "data.eval_fraction",
     "trainer.seed",
 )

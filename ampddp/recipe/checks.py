@@ -23,7 +23,7 @@ from ampddp.checkpoint.restore import check_model_state, check_optimizer_state, 
 from ampddp.checkpoint.schedule_plan import plan_schedule
 from ampddp.checkpoint.store import CheckpointRef, CheckpointStore, find_checkpoint
 from ampddp.config import RunConfig, check_config, is_import_path
-from ampddp.data import CIFAR_LAYOUT, IMAGEFOLDER_LAYOUT
+from ampddp.data import CIFAR_LAYOUT, IMAGEFOLDER_LAYOUT, find_classes
 from ampddp.distributed.env import detect_env
 from ampddp.errors import CheckpointError, ConfigError
 from ampddp.precision.engine import PrecisionEngine
@@ -37,6 +37,8 @@ from ampddp.recipe.factories import (
     build_model_from,
     build_registry,
     ddp_options,
+    device_settings,
+    loader_settings,
     model_compiler,
     optimizer_factory,
     precision_overrides,
@@ -46,6 +48,12 @@ from ampddp.recipe.factories import (
 )
 
 DATASET_CLASSES = {"digits": 10, "cifar10": 10}
+IMAGE_OPTIONS = (
+    ("auto_augment", "none", ("cifar10", "imagefolder")),
+    ("normalize", None, ("cifar10", "imagefolder")),
+    ("decode_device", "cpu", ("imagefolder",)),
+)
+"""(data key, its default, the data sets that use it): a non-default value elsewhere is refused."""
 UNCATCHABLE_SIGNALS = frozenset(getattr(signal, name) for name in ("SIGKILL", "SIGSTOP") if hasattr(signal, name))
 _PROBE = ".ampddp-write-probe-{pid}"
 _PROBE_BYTES = 64 * 1024
@@ -59,8 +67,8 @@ def _check_model(config: RunConfig) -> nn.Module:
     if is_import_path(data.name):
         return model
     classes = DATASET_CLASSES.get(data.name)
-    if data.name == "imagefolder" and data.root is not None and (Path(data.root) / "train").is_dir():
-        classes = sum(1 for entry in (Path(data.root) / "train").iterdir() if entry.is_dir()) or None
+    if data.name == "imagefolder" and data.root is not None:
+        classes = len(find_classes(Path(data.root) / "train"))
     if classes is not None and model_cfg.num_classes < classes:
         raise ConfigError(
             f"model.num_classes={model_cfg.num_classes} is too small for data.name={data.name}, which has {classes} classes; "
@@ -88,10 +96,36 @@ def _check_data(config: RunConfig) -> Dataset | None:
     """A user's data set is built (its train set returned); a built-in one's data.root is checked."""
     data = config.data
     if is_import_path(data.name):
+        _check_image_options(config)
         return build_datasets_from(config, augment=False)[0]
     refuse_kwargs("data", data.name, data.kwargs)
     _check_data_root(config)
+    _check_image_options(config)
     return None
+
+
+def _check_image_options(config: RunConfig) -> None:
+    """The image pipeline's settings on the data sets they apply to; GPU decoding where it can run."""
+    data = config.data
+    name = "a data set named by import path" if is_import_path(data.name) else f"data.name={data.name}"
+    for key, default, applies_to in IMAGE_OPTIONS:
+        value = getattr(data, key)
+        if value != default and data.name not in applies_to:
+            raise ConfigError(f"data.{key}={value} applies to data.name={' or '.join(applies_to)}, not to {name}; remove data.{key}")
+    if data.name in ("cifar10", "imagefolder") and data.channels != 3:
+        raise ConfigError(f"data.channels={data.channels}: {data.name} images are RGB; set data.channels=3")
+    if data.decode_device != "cuda":
+        return
+    if data.num_workers > 0:
+        raise ConfigError(
+            f"data.decode_device=cuda decodes in the training process, so it needs data.num_workers=0 "
+            f"(found {data.num_workers}); or decode in the workers with data.decode_device=cpu"
+        )
+    if data.pin_memory:
+        raise ConfigError("data.decode_device=cuda yields batches already on the GPU, which cannot be pinned; set data.pin_memory=false")
+    if not torch.cuda.is_available() or config.distributed.device == "cpu":
+        where = "distributed.device=cpu" if torch.cuda.is_available() else "CUDA is not available on this machine"
+        raise ConfigError(f"data.decode_device=cuda decodes on the training GPU, but {where}; use data.decode_device=cpu")
 
 
 def _check_data_root(config: RunConfig) -> None:
@@ -109,6 +143,8 @@ def _check_data_root(config: RunConfig) -> None:
     for split in ("train", "val") if data.name == "imagefolder" else ():
         if not (root / split).is_dir():
             raise ConfigError(f"data.root={data.root}: missing {split}/ folder; expected {IMAGEFOLDER_LAYOUT}")
+    if data.name == "imagefolder":
+        find_classes(root / "train")
 
 
 def _check_stop_signals(names: list[str]) -> None:
@@ -269,6 +305,8 @@ def validate(config: RunConfig) -> None:
     run_dir's writability (the only check that touches the filesystem).
     """
     check_config(config)
+    loader_settings(config)
+    device_settings(config)
     _check_schedule(config)
     engine = build_engine(config.precision.mode, impl=config.precision.impl, **precision_overrides(config))
     build_registry(config)

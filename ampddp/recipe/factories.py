@@ -33,6 +33,8 @@ from ampddp.precision.engine import NATIVE_MODES
 from ampddp.precision.native import NATIVE_SETTINGS
 from ampddp.precision.registry import FP32, LOW, PROMOTE, OpRegistry
 from ampddp.recipe.schedule import LRSchedule, lr_scheduler
+from ampddp.training.device import DeviceSettings
+from ampddp.training.loading import LoaderSettings
 
 NATIVE_KEYS = tuple(key for key in NATIVE_SETTINGS if key in {f.name for f in dataclasses.fields(PrecisionConfig)})
 """The precision.* keys that native-fp16 / native-bf16 accept."""
@@ -181,7 +183,10 @@ def build_datasets_from(config: RunConfig, augment: bool) -> tuple[Dataset, Data
     data = config.data
     refuse_kwargs("data", data.name, data.kwargs)
     if not is_import_path(data.name):
-        return build_datasets(data.name, data.root, data.image_size, data.channels, data.eval_fraction, config.trainer.seed, augment)
+        return build_datasets(
+            data.name, data.root, data.image_size, data.channels, data.eval_fraction, config.trainer.seed, augment,
+            auto_augment=data.auto_augment, normalize=data.normalize, decode_device=data.decode_device,
+        )  # fmt: skip
     seed_everything(config.trainer.seed)
     result = _call("data.name", data.name, load_callable(data.name, "data.name"), **data.kwargs)
     if not isinstance(result, (tuple, list)) or len(result) != 2:
@@ -278,3 +283,17 @@ def ddp_options(config: RunConfig) -> DDPOptions:
         find_unused_parameters=dist_cfg.find_unused_parameters, static_graph=dist_cfg.static_graph,
         gradient_as_bucket_view=dist_cfg.gradient_as_bucket_view, bucket_cap_mb=dist_cfg.bucket_cap_mb, comm_hook=dist_cfg.comm_hook,
     )  # fmt: skip
+
+
+def loader_settings(config: RunConfig) -> LoaderSettings:
+    """data.num_workers / pin_memory / persistent_workers / prefetch_factor (checked together); batches
+    decoded on the GPU (data.decode_device=cuda) are not pinned."""
+    data = config.data
+    pin_memory = False if data.decode_device == "cuda" and data.pin_memory is None else data.pin_memory
+    return LoaderSettings(data.num_workers, pin_memory, data.persistent_workers, data.prefetch_factor)
+
+
+def device_settings(config: RunConfig) -> DeviceSettings:
+    """trainer.channels_last / cudnn_benchmark / allow_tf32."""
+    trainer = config.trainer
+    return DeviceSettings(trainer.channels_last, trainer.cudnn_benchmark, trainer.allow_tf32)

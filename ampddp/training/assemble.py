@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +19,14 @@ from ampddp.distributed.wrap import DDPOptions
 from ampddp.models import has_convolutions
 from ampddp.precision.registry import OpRegistry
 from ampddp.prepare import Prepared, prepare
+from ampddp.training.device import DeviceSettings
 
 logger = logging.getLogger("ampddp.trainer")
 
 
 @dataclass(frozen=True)
 class RunSetup:
-    """How a model becomes a prepared run: precision mode, sync-BN, parallel wrapper, compilation."""
+    """How a model becomes a prepared run: precision mode, sync-BN, parallel wrapper, compilation, memory format."""
 
     precision: str = "O1"
     impl: str = "builtin"
@@ -38,6 +39,8 @@ class RunSetup:
     compiler: ModelCompiler | None = None
     init_from: str | Path | None = None
     """A checkpoint or weights file whose model weights the run starts from (nothing else is taken)."""
+    device: DeviceSettings = field(default_factory=DeviceSettings)
+    """channels_last (applied to the model here), cuDNN benchmark and TF32 (set while training)."""
 
     def build(self, model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter]], Optimizer], env: DistEnv,
               on_compiled: Callable[[float], None] | None = None) -> Prepared:  # fmt: skip
@@ -45,6 +48,7 @@ class RunSetup:
         the set-up (cast, masters, DDP) is what gets compiled."""
         if self.init_from is not None:
             load_model_state(initial_weights(self.init_from), model, str(self.init_from))
+        model = self.device.convert(model)
         run = prepare(
             model, make_optimizer, env, precision=self.precision, impl=self.impl, precision_overrides=self.precision_overrides,
             registry=self.registry, sync_bn=self.sync_bn, strategy=self.strategy, ddp=self.ddp,

@@ -23,16 +23,19 @@ evaluator adds the sums over batches and ranks and divides by the number of samp
 TARGET_KEYS = ("labels", "label", "targets", "target")
 
 
-def move_to(value: Any, device: torch.device, non_blocking: bool = False) -> Any:
-    """``value`` with every tensor inside (tuples, lists, dicts, namedtuples) on ``device``."""
+def move_to(value: Any, device: torch.device, non_blocking: bool = False, images: torch.memory_format | None = None) -> Any:
+    """``value`` with every tensor inside (tuples, lists, dicts, namedtuples) on ``device``; 4-D
+    floating tensors (image batches) in the ``images`` memory format when one is given."""
     if isinstance(value, torch.Tensor):
+        if images is not None and value.dim() == 4 and value.is_floating_point():
+            return value.to(device, non_blocking=non_blocking, memory_format=images)
         return value.to(device, non_blocking=non_blocking)
     if isinstance(value, Mapping):
-        return type(value)({key: move_to(item, device, non_blocking) for key, item in value.items()})
+        return type(value)({key: move_to(item, device, non_blocking, images) for key, item in value.items()})
     if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(move_to(item, device, non_blocking) for item in value))
+        return type(value)(*(move_to(item, device, non_blocking, images) for item in value))
     if isinstance(value, (tuple, list)):
-        return type(value)(move_to(item, device, non_blocking) for item in value)
+        return type(value)(move_to(item, device, non_blocking, images) for item in value)
     return value
 
 
@@ -53,10 +56,14 @@ class BatchAdapter:
 
     Sequences are ``(inputs, *rest)`` and the model gets ``inputs``; mappings are passed as keyword
     arguments; a tensor is the input itself. The sample count is the leading size of the first tensor.
+    ``images``: the memory format for 4-D floating tensors (``torch.channels_last``), None: as loaded.
     """
 
+    def __init__(self, images: torch.memory_format | None = None) -> None:
+        self.images = images
+
     def to_device(self, batch: Any, device: torch.device) -> Any:
-        return move_to(batch, device, non_blocking=True)
+        return move_to(batch, device, non_blocking=True, images=self.images)
 
     def count(self, batch: Any) -> int:
         tensor = first_tensor(batch)

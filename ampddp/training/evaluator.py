@@ -16,6 +16,7 @@ from ampddp.distributed.data import eval_sampler, sum_across_ranks
 from ampddp.distributed.env import DistEnv
 from ampddp.errors import ConfigError
 from ampddp.training.batches import BatchAdapter, LossFn, MetricsFn
+from ampddp.training.loading import DataLoading, LoaderSettings
 
 RESERVED_NAMES = ("loss", "samples", "kind", "step", "epoch")
 """Names an evaluation record already uses: a metric may not take them."""
@@ -30,9 +31,11 @@ class Evaluator:
     """
 
     def __init__(self, eval_set: Dataset, batch_size: int, env: DistEnv, *, loss_fn: LossFn, metrics: MetricsFn | None,
-                 batches: BatchAdapter) -> None:  # fmt: skip
+                 batches: BatchAdapter, loading: DataLoading | None = None) -> None:  # fmt: skip
         self.eval_set, self.batch_size, self.env = eval_set, batch_size, env
         self.loss_fn, self.metrics, self.batches = loss_fn, metrics, batches
+        self.loading = loading or DataLoading(LoaderSettings(), env.device, seed=0)
+        self._loader: DataLoader | None = None
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, forward_context: Callable[[], AbstractContextManager[Any]]) -> dict[str, float]:
@@ -50,11 +53,11 @@ class Evaluator:
         return {**{name: (total / count).item() for name, total in zip(names, totals[:-1])}, "samples": int(count)}
 
     def _sums(self, model: nn.Module, forward_context: Callable[[], AbstractContextManager[Any]]) -> tuple[dict[str, float], float]:
-        sampler = eval_sampler(self.eval_set, self.env)
-        loader = DataLoader(self.eval_set, batch_size=self.batch_size, sampler=sampler, generator=torch.Generator())
+        if self._loader is None:  # built once: its workers (if any) serve every evaluation
+            self._loader = self.loading.eval_loader(self.eval_set, eval_sampler(self.eval_set, self.env), self.batch_size)
         sums: dict[str, float] = {}
         seen = 0.0
-        for batch in loader:
+        for batch in self._loader:
             batch = self.batches.to_device(batch, self.env.device)
             count = self.batches.count(batch)
             with forward_context():

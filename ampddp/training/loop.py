@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from torch.optim import Optimizer
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from ampddp.checkpoint.store import CheckpointRef
 from ampddp.distributed.data import ResumableSampler, sum_across_ranks
@@ -27,7 +27,9 @@ from ampddp.progress import Progress, finished
 from ampddp.training.batches import BatchAdapter, LossFn
 from ampddp.training.callbacks import Callbacks
 from ampddp.training.checkpointer import Checkpointer
+from ampddp.training.device import DeviceSettings
 from ampddp.training.evaluator import Evaluator
+from ampddp.training.loading import DataLoading, InputTimer
 from ampddp.training.nonfinite import NonFiniteGuard
 from ampddp.training.settings import LoopSettings
 
@@ -42,10 +44,13 @@ class TrainingLoop:
     """
 
     def __init__(self, run: Prepared, train_set: Dataset, settings: LoopSettings, *, checkpointer: Checkpointer,
-                 loss_fn: LossFn, batches: BatchAdapter, evaluator: Evaluator | None = None,
-                 callbacks: Callbacks | None = None, stop_signals: tuple[str, ...] | StopSignals = ()) -> None:  # fmt: skip
+                 loss_fn: LossFn, batches: BatchAdapter, loading: DataLoading, evaluator: Evaluator | None = None,
+                 callbacks: Callbacks | None = None, stop_signals: tuple[str, ...] | StopSignals = (),
+                 device: DeviceSettings | None = None) -> None:  # fmt: skip
         self.run, self.train_set, self.settings = run, train_set, settings
         self.checkpointer, self.loss_fn, self.batches, self.evaluator = checkpointer, loss_fn, batches, evaluator
+        self.loading, self.input_timer = loading, InputTimer()
+        self.device = device or DeviceSettings()
         self.callbacks = callbacks or Callbacks()
         self.stop_signals = stop_signals
         self.guard = NonFiniteGuard(settings.max_nonfinite_losses)
@@ -75,13 +80,19 @@ class TrainingLoop:
     def fit(self) -> dict[str, Any]:
         """Train until the horizon or a stop signal; returns progress, last evaluation and summary
         (``preempted`` names the signal when the run stopped early, after writing a checkpoint)."""
+        try:
+            return self._fit()
+        finally:
+            self.loading.close()  # the training loader's workers: stopped with the run, never left to exit
+
+    def _fit(self) -> dict[str, Any]:
         self.checkpointer.resume_if_asked(self._is_finished)
         if self.checkpointer.saved_step is not None and self._finished():
             return self._already_complete()
         self.callbacks.on_start(self.progress)
         own = not isinstance(self.stop_signals, StopSignals)
         stop = StopSignals(self.stop_signals) if own else self.stop_signals
-        with stop if own else contextlib.nullcontext():
+        with stop if own else contextlib.nullcontext(), self.device.backend_flags(self.run.env.device):
             preempted = self._train_until_done(stop)
         if not preempted and self.evaluator is not None and self._evaluated_step != self.progress.global_step:
             self._evaluate_and_report()
@@ -100,15 +111,15 @@ class TrainingLoop:
 
     def _train_until_done(self, stop: StopSignals) -> str | None:
         settings = self.settings
+        loader = self.loading.train_loader(self.train_set, self.sampler, settings.batch_size)  # once: workers persist
         while not self._finished():
             self.sampler.set_epoch(self.progress.epoch, start=self.progress.epoch_position)
-            loader = DataLoader(self.train_set, batch_size=settings.batch_size, sampler=self.sampler, generator=torch.Generator())
             last = len(loader) - 1
             if last < 0:
                 self._end_epoch()
                 continue
             window: list[Any] = []
-            for index, batch in enumerate(loader):
+            for index, batch in enumerate(self.input_timer.batches(loader)):
                 window.append(batch)
                 if len(window) == settings.grad_accum_steps or index == last:
                     if self._optimizer_step(window, ends_epoch=index == last, stop=stop):
@@ -223,6 +234,7 @@ class TrainingLoop:
             "lr": self.optimizer.param_groups[0]["lr"], "loss_scale": self.engine.loss_scale(),
             "skipped": not stepped, "skipped_steps": progress.skipped_steps,
             "grad_norm": None if grad_norm is None or not stepped else float(grad_norm),
+            "data_wait_s": self.input_timer.take(progress.global_step),
         }  # fmt: skip
 
     def _after_step(self, ends_epoch: bool) -> None:

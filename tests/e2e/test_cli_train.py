@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from image_folders import make_image_folder
 
 from ampddp import PRECISION_MODES
 from ampddp.checkpoint.store import CheckpointStore
@@ -20,6 +21,10 @@ ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 FAST = ["trainer.max_steps=2", "data.batch_size=8", "data.eval_fraction=0.05", "trainer.log_every_steps=1", "trainer.progress=lines"]
 BF16_MODES = ("O4", "O5", "native-bf16")
+IMAGEFOLDER_ON_CPU = ["distributed.nproc_per_node=1", "data.num_workers=0", "data.pin_memory=false", "optimizer.warmup_steps=1"]
+"""An imagefolder recipe (written for 8 GPUs) on 2 CPU cores: a generated folder of small JPEGs, one
+process loading on its own thread (tests/e2e/test_imagefolder_run.py runs the workers), a warmup
+shorter than the 2 steps."""
 
 
 def small_images(mode: str) -> str:
@@ -117,13 +122,15 @@ def check_run_dir(run_dir: Path, steps: int = 2) -> dict:
 
 @pytest.mark.parametrize("recipe", [r for r in RECIPES if "ddp" not in r.stem], ids=lambda p: p.stem)
 def test_each_recipe_runs_end_to_end(tmp_path, recipe):
+    config = load_config(recipe)
+    data = [f"data.root={make_image_folder(tmp_path / 'images')}", *IMAGEFOLDER_ON_CPU] if config.data.name == "imagefolder" else []
     result = subprocess.run(
-        [sys.executable, "-m", "ampddp", "train", str(recipe), f"trainer.run_dir={tmp_path}",
-         small_images(load_config(recipe).precision.mode), *FAST],
+        [sys.executable, "-m", "ampddp", "train", str(recipe), f"trainer.run_dir={tmp_path / 'run'}",
+         small_images(config.precision.mode), *FAST, *data],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    check_run_dir(tmp_path)
+    check_run_dir(tmp_path / "run")
 
 
 def test_two_processes_via_nproc_per_node_with_sync_bn(tmp_path):

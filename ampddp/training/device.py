@@ -1,0 +1,58 @@
+"""What a fast GPU run sets: channels-last memory format, cuDNN autotuning, TF32 — scoped to the run."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ampddp.errors import ConfigError
+
+logger = logging.getLogger("ampddp.trainer")
+
+
+@dataclass(frozen=True)
+class DeviceSettings:
+    """``channels_last``: the model and 4-D floating inputs in channels-last format; ``cudnn_benchmark``
+    and ``allow_tf32``: torch's backend flags, set while the run trains and restored after it."""
+
+    channels_last: bool = False
+    cudnn_benchmark: bool = False
+    allow_tf32: bool | None = None
+    """None: torch's defaults (TF32 for cuDNN convolutions, not for matmuls); True / False: both."""
+
+    def __post_init__(self) -> None:
+        for name in ("channels_last", "cudnn_benchmark"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"trainer.{name}={getattr(self, name)!r} is not valid; it must be true or false")
+        if self.allow_tf32 is not None and not isinstance(self.allow_tf32, bool):
+            raise ConfigError(f"trainer.allow_tf32={self.allow_tf32!r} is not valid; it must be true, false or null")
+
+    @property
+    def memory_format(self) -> torch.memory_format:
+        return torch.channels_last if self.channels_last else torch.contiguous_format
+
+    def convert(self, model: nn.Module) -> nn.Module:
+        """``model`` in the chosen memory format (in place: the parameters stay the same objects)."""
+        return model.to(memory_format=torch.channels_last) if self.channels_last else model
+
+    @contextmanager
+    def backend_flags(self, device: torch.device) -> Iterator[None]:
+        """cuDNN benchmark and TF32 as asked, for the duration of training; logs them with the device."""
+        saved = (torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+        torch.backends.cudnn.benchmark = self.cudnn_benchmark
+        if self.allow_tf32 is not None:
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = self.allow_tf32
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        logger.info(
+            "device %s (%s): channels_last %s, cudnn_benchmark %s, allow_tf32 %s",
+            device, name, self.channels_last, self.cudnn_benchmark, self.allow_tf32,
+        )  # fmt: skip
+        try:
+            yield
+        finally:
+            torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

@@ -1,0 +1,225 @@
+"""Feeding the loop: DataLoaders whose batches do not depend on the number of workers or processes.
+
+Each training sample is fetched with torch's global generator seeded from (seed, epoch, sample index)
+just around ``dataset[index]``, in the training process or in a loader worker alike, then restored.
+So augmentation that draws from torch (torchvision's transforms do) is the same for any
+``num_workers``, any number of processes and across a resume, and it never shifts the training
+run's own random streams (dropout). Python's ``random`` and numpy are seeded per worker from torch's
+seed (torch's documented practice): a dataset drawing from them is reproducible from run to run, but
+only torch draws are tied to the sample.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import signal
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from ampddp.distributed.data import ResumableSampler
+from ampddp.errors import ConfigError
+
+logger = logging.getLogger("ampddp.trainer")
+_MASK64 = (1 << 64) - 1
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """A 64-bit seed for one sample of one epoch (splitmix64 over the three numbers)."""
+    value = 0
+    for part in (seed, epoch, index):
+        value = (value ^ (part & _MASK64)) + 0x9E3779B97F4A7C15 & _MASK64
+        value = (value ^ (value >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+        value = (value ^ (value >> 27)) * 0x94D049BB133111EB & _MASK64
+        value ^= value >> 31
+    return value
+
+
+class SeededSamples(Dataset):
+    """``dataset`` addressed by ``(epoch, index)``: each item fetched under its own torch seed."""
+
+    def __init__(self, dataset: Dataset, seed: int) -> None:
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        epoch, index = key
+        generator = torch.default_generator
+        saved = generator.get_state()
+        generator.manual_seed(sample_seed(self.seed, epoch, index))
+        try:
+            return self.dataset[index]
+        finally:
+            generator.set_state(saved)
+
+
+class KeyedSampler(Sampler[tuple[int, int]]):
+    """``sampler``'s indices as ``(epoch, index)`` keys for ``SeededSamples``."""
+
+    def __init__(self, sampler: ResumableSampler) -> None:
+        self.sampler = sampler
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        epoch = self.sampler.epoch
+        return ((epoch, index) for index in self.sampler)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+WORKER_IGNORED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2") if hasattr(signal, name))
+"""A scheduler's stop signal reaches the whole process group; a worker ignores it and lets the
+training process checkpoint, after which the loader shuts the worker down."""
+
+
+def start_worker(worker_id: int) -> None:
+    """A loader worker's start: python's and numpy's generators seeded from the seed torch gave it,
+    and the job's stop signals ignored (a worker killed by one would crash the run instead of letting
+    it write its checkpoint)."""
+    seed = torch.initial_seed() % 2**32
+    random.seed(seed)
+    numpy.random.seed(seed)
+    for stop_signal in WORKER_IGNORED_SIGNALS:
+        signal.signal(stop_signal, signal.SIG_IGN)
+
+
+def _check_count(name: str, value: Any, low: int, optional: bool) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"data.{name}={value!r} is not valid; it must be an integer >= {low}" + (" or null" if optional else ""))
+
+
+@dataclass(frozen=True)
+class LoaderSettings:
+    """How batches are loaded: worker processes, pinned memory, prefetching."""
+
+    num_workers: int = 0
+    pin_memory: bool | None = None
+    """None: on when training on CUDA."""
+    persistent_workers: bool | None = None
+    """None: on when there are workers."""
+    prefetch_factor: int | None = None
+    """None: torch's default (2 batches per worker)."""
+
+    def __post_init__(self) -> None:
+        _check_count("num_workers", self.num_workers, 0, optional=False)
+        _check_count("prefetch_factor", self.prefetch_factor, 1, optional=True)
+        for name in ("pin_memory", "persistent_workers"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"data.{name}={getattr(self, name)!r} is not valid; it must be true, false or null")
+        for name in ("persistent_workers", "prefetch_factor"):
+            if self.num_workers == 0 and getattr(self, name) not in (None, False):
+                raise ConfigError(f"data.{name}={getattr(self, name)!r} needs worker processes; set data.num_workers >= 1 or leave it null")
+
+    def loader_options(self, device: torch.device) -> dict[str, Any]:
+        """DataLoader keywords for training on ``device``."""
+        options: dict[str, Any] = {
+            "num_workers": self.num_workers,
+            "pin_memory": device.type == "cuda" if self.pin_memory is None else self.pin_memory,
+        }
+        if self.num_workers > 0:
+            options["persistent_workers"] = True if self.persistent_workers is None else self.persistent_workers
+            options["worker_init_fn"] = start_worker
+            if self.prefetch_factor is not None:
+                options["prefetch_factor"] = self.prefetch_factor
+        return options
+
+
+class DataLoading:
+    """Builds the run's loaders once (workers persist across epochs); the training loader fetches
+    every sample under its own seed."""
+
+    def __init__(self, settings: LoaderSettings, device: torch.device, seed: int) -> None:
+        self.settings, self.device, self.seed = settings, device, seed
+        self._loaders: list[DataLoader] = []
+
+    def train_loader(self, dataset: Dataset, sampler: ResumableSampler, batch_size: int) -> DataLoader:
+        return self._kept(
+            DataLoader(
+                SeededSamples(dataset, self.seed), batch_size=batch_size, sampler=KeyedSampler(sampler),
+                generator=torch.Generator().manual_seed(self.seed), **self.settings.loader_options(self.device),
+            )
+        )  # fmt: skip
+
+    def eval_loader(self, dataset: Dataset, sampler: Sampler[int], batch_size: int) -> DataLoader:
+        """Workers start and stop with each evaluation (``evaluate()`` may be called after ``fit``)."""
+        options = {**self.settings.loader_options(self.device), "persistent_workers": False}
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, generator=torch.Generator().manual_seed(self.seed), **options)
+
+    def _kept(self, loader: DataLoader) -> DataLoader:
+        self._loaders.append(loader)
+        return loader
+
+    def close(self) -> None:
+        """Stop the workers of every loader built here (persistent ones live until told).
+
+        Workers ignore the job's stop signals, so they cannot be left to the interpreter's exit
+        (which terminates them with SIGTERM and waits): they are stopped here, at the end of training,
+        through the loader's own shutdown, and one that does not stop in time is killed.
+        """
+        for loader in self._loaders:
+            iterator = getattr(loader, "_iterator", None)  # torch keeps a persistent loader's workers here
+            loader._iterator = None
+            workers = list(getattr(iterator, "_workers", ()))
+            shutdown = getattr(iterator, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+            for worker in workers:
+                if worker.is_alive():
+                    worker.kill()
+                    worker.join()
+        self._loaders.clear()
+
+
+class InputTimer:
+    """Time the loop spends waiting for batches (``data_wait_s``), and a warning when the input
+    pipeline, not the model, sets the pace."""
+
+    SLOW_SHARE = 0.25
+    """Share of wall time spent waiting above which the pipeline is called the bottleneck."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self._since_take = 0.0
+        self._taken_at = time.perf_counter()
+        self._takes = 0
+        self._warned = False
+
+    def batches(self, loader: Iterable[Any]) -> Iterator[Any]:
+        iterator = iter(loader)
+        while True:
+            started = time.perf_counter()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            waited = time.perf_counter() - started
+            self.total += waited
+            self._since_take += waited
+            yield batch
+
+    def take(self, step: int) -> float:
+        """Seconds waited since the last ``take``; warns once when that was most of the time."""
+        now = time.perf_counter()
+        waited, elapsed = self._since_take, now - self._taken_at
+        self._since_take, self._taken_at = 0.0, now
+        self._takes += 1
+        # The first interval holds the workers' start-up (and compilation): judge from the second on.
+        if self._takes > 1 and not self._warned and elapsed > 0 and waited / elapsed > self.SLOW_SHARE:
+            self._warned = True
+            logger.warning(
+                "the input pipeline is the bottleneck: %.0f%% of the time up to step %d was spent waiting for batches; "
+                "raise data.num_workers (or make the dataset's __getitem__ cheaper)",
+                100 * waited / elapsed,
+                step,
+            )
+        return waited

@@ -1,0 +1,85 @@
+"""channels_last, cuDNN benchmark and TF32: applied to the run, scoped to its training, logged."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from ampddp.errors import ConfigError
+from ampddp.trainer import Trainer
+from ampddp.training import Callback
+from ampddp.training.device import DeviceSettings
+
+
+def conv_net() -> nn.Module:
+    torch.manual_seed(0)
+    layers = [nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4)]
+    return nn.Sequential(*layers)
+
+
+def images() -> TensorDataset:
+    generator = torch.Generator().manual_seed(2)
+    return TensorDataset(torch.randn(32, 3, 8, 8, generator=generator), torch.randint(0, 4, (32,), generator=generator))
+
+
+class FlagsSeen(Callback):
+    def __init__(self) -> None:
+        self.flags: list[tuple[bool, bool, bool]] = []
+
+    def on_step(self, progress, record):
+        self.flags.append((torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32))
+
+
+def train(device: DeviceSettings, callbacks=()) -> Trainer:
+    trainer = Trainer(conv_net(), lambda p: torch.optim.SGD(p, lr=0.1), images(), precision="O4", batch_size=8, max_steps=4,
+                      shuffle=False, device=device, callbacks=callbacks, log_every=1)  # fmt: skip
+    inputs = []
+    trainer.run.module[0].register_forward_pre_hook(lambda module, args: inputs.append(args[0]))
+    trainer.fit()
+    trainer.seen_inputs = inputs
+    return trainer
+
+
+def test_channels_last_converts_the_model_and_the_image_batches_and_trains_like_contiguous():
+    fast = train(DeviceSettings(channels_last=True))
+    plain = train(DeviceSettings())
+    weight = fast.run.module[0].weight
+    assert weight.is_contiguous(memory_format=torch.channels_last) and not weight.is_contiguous()
+    assert all(x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous() for x in fast.seen_inputs)
+    assert all(x.is_contiguous() for x in plain.seen_inputs)
+    for a, b in zip(fast.run.module.parameters(), plain.run.module.parameters()):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+
+
+def test_backend_flags_hold_while_training_and_are_restored_after(caplog):
+    before = (torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    seen = FlagsSeen()
+    with caplog.at_level(logging.INFO, logger="ampddp"):
+        train(DeviceSettings(cudnn_benchmark=True, allow_tf32=True), callbacks=[seen])
+    assert seen.flags and all(flags == (True, True, True) for flags in seen.flags)
+    assert (torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == before
+    assert "device cpu (cpu): channels_last False, cudnn_benchmark True, allow_tf32 True" in caplog.text
+
+
+def test_allow_tf32_null_keeps_torch_defaults():
+    seen = FlagsSeen()
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    train(DeviceSettings(), callbacks=[seen])
+    assert all(flags[1:] == before for flags in seen.flags)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"channels_last": "yes"}, "trainer.channels_last='yes' is not valid; it must be true or false"),
+        ({"cudnn_benchmark": 1}, "trainer.cudnn_benchmark=1 is not valid"),
+        ({"allow_tf32": "on"}, "trainer.allow_tf32='on' is not valid; it must be true, false or null"),
+    ],
+)
+def test_bad_device_settings_are_refused(settings, message):
+    with pytest.raises(ConfigError, match=message):
+        DeviceSettings(**settings)
