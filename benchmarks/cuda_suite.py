@@ -1,7 +1,8 @@
 """Single-GPU training throughput: ResNet-50 images/s in every mode, a GPT-style model's bf16 MFU.
 
 ResNet-50 runs channels_last on synthetic data already on the GPU, O0 with TF32 allowed (as
-NVIDIA's fp32 figures are), each mode side by side with the hand-written loop at the same precision.
+NVIDIA's fp32 figures are), each mode side by side with the hand-written loop at the same precision;
+one more row feeds it from JPEG files through the input pipeline (loader workers, pinned memory).
 The GPT-style model reports achieved TFLOPS and model FLOPs utilisation against the GPU's dense bf16
 peak. Both models also train under ``torch.compile(model)`` (inductor, after set-up) in every mode,
 side by side with the same engine loop eager (``compile_modes.compiled_vs_eager``: compile time left
@@ -19,8 +20,9 @@ import torch
 import torch.nn.functional as F
 from compile_modes import compiled_vs_eager
 from harness import Budget, Row, side_by_side
-from loops import engine_loop, plain_loop, resnet
+from loops import endless, engine_loop, plain_loop, plain_step, resnet, sgd
 from torch import nn
+from torch.utils.data import DataLoader
 
 RESNET_MODES = ("O0", "O1", "O2", "O3", "O4", "O5", "native-fp16", "native-bf16")
 GPT_MODES = ("native-bf16", "O4")  # token ids are integers: the modes that cast inputs to bf16 do not apply
@@ -108,6 +110,55 @@ def _resnet_rows(device: str, budget: Budget) -> list[Row]:
     return rows
 
 
+def _pipeline_rows(device: str, budget: Budget) -> list[Row]:
+    """ResNet-50 fed from JPEG files (the input pipeline, loader workers, pinned memory) instead of a
+    synthetic batch on the GPU: ampddp's Trainer vs a hand-written torchvision ImageFolder + DataLoader
+    loop with the same transforms, workers and precision."""
+    import tempfile
+    from pathlib import Path
+
+    from input_pipeline import write_jpegs
+    from torchvision.datasets import ImageFolder
+    from torchvision.io import ImageReadMode, decode_image
+
+    from ampddp.data import imagefolder
+    from ampddp.distributed.env import detect_env
+    from ampddp.trainer import Trainer
+    from ampddp.training import DeviceSettings, LoaderSettings
+
+    images, side, size, steps, repeats, workers = budget.pick((16, 32, 2, 2, 1, 0), (2048, 224, 128, 15, 3, 8), (4096, 224, 256, 20, 3, 12))
+    mode = "native-bf16" if device == "cuda" else "O5"
+    pinned = device == "cuda"
+    with tempfile.TemporaryDirectory(dir=Path.cwd(), prefix=".ampddp-bench-images-") as folder:
+        root = Path(folder)
+        source = 256 if budget.size != "smoke" else 48
+        write_jpegs(root, images, size=source)
+        train_set, _ = imagefolder(str(root), side, augment=True)
+        decode = lambda path: decode_image(path, mode=ImageReadMode.RGB)  # noqa: E731 - the hand-written side's loader
+        theirs_set = ImageFolder(str(root / "train"), transform=train_set.transform, loader=decode)
+        env = detect_env({}, device=device)
+
+        def ours() -> None:
+            model = resnet(50, classes=1000)
+            trainer = Trainer(model, sgd, train_set, env=env, precision=mode, batch_size=size, max_steps=steps, max_epochs=10**6,
+                              log_every=10**6, loading=LoaderSettings(num_workers=workers, pin_memory=pinned),
+                              device=DeviceSettings(channels_last=True, cudnn_benchmark=device == "cuda"))  # fmt: skip
+            trainer.fit()
+
+        def theirs() -> None:
+            step = plain_step(mode, resnet(50, classes=1000).to(device).to(memory_format=torch.channels_last), device)
+            loader = DataLoader(theirs_set, batch_size=size, shuffle=True, num_workers=workers, pin_memory=pinned,
+                                persistent_workers=workers > 0, generator=torch.Generator().manual_seed(0))  # fmt: skip
+            for _, (x, y) in zip(range(steps), endless(loader)):
+                step(x.to(device, non_blocking=True, memory_format=torch.channels_last), y.to(device, non_blocking=True))
+
+        row = side_by_side(f"cuda-suite/resnet50/{mode}/train-from-jpegs", ours, theirs, repeats=repeats, per=steps * size,
+                           unit="images/s", throughput=True,
+                           note=f"{images} JPEGs {source}px decoded + RandomResizedCrop {side} in {workers} loader workers, channels_last; "
+                                "vs a hand-written ImageFolder + DataLoader loop, same transforms, workers and precision")  # fmt: skip
+    return [row]
+
+
 def _gpt_workload(device: str, budget: Budget) -> tuple[TinyGPT, tuple[torch.Tensor, torch.Tensor], int, int, int, int]:
     """The GPT-style model, token ids and next-token labels on ``device``, tokens per batch
     (``size``, ``context``), steps and repeats per mode."""
@@ -165,4 +216,4 @@ def _compile_rows(device: str, budget: Budget) -> list[Row]:
 
 def run(device: str, budget: Budget) -> list[Row]:
     with _fast_fp32() if device == "cuda" else contextlib.nullcontext():
-        return _resnet_rows(device, budget) + _gpt_rows(device, budget) + _compile_rows(device, budget)
+        return _resnet_rows(device, budget) + _pipeline_rows(device, budget) + _gpt_rows(device, budget) + _compile_rows(device, budget)

@@ -188,7 +188,7 @@ def trainer_and_plain_epochs(
         trainer.fit()
 
     step = plain_step(mode, copy.deepcopy(model), data[0].device.type)
-    batches = _endless(DataLoader(dataset, batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(0)))
+    batches = endless(DataLoader(dataset, batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(0)))
 
     def theirs() -> None:
         for _, (x, y) in zip(range(steps), batches):
@@ -197,6 +197,6 @@ def trainer_and_plain_epochs(
     return ours, theirs
 
 
-def _endless(loader):
+def endless(loader):
     while True:
         yield from loader

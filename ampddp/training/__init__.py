@@ -7,6 +7,8 @@
 - ``checkpointer.Checkpointer``: saves/restores the ``TrainingState`` items and user-registered ones;
 - ``callbacks.Callback``: logging, progress and user hooks at fixed points;
 - ``nonfinite.NonFiniteGuard``: where a non-finite loss came from, when to stop;
+- ``loading.LoaderSettings`` / ``DataLoading``: loader workers, per-sample seeds, time waiting for data;
+- ``device.DeviceSettings``: channels_last, cuDNN benchmark, TF32 for the run;
 - ``loop.TrainingLoop``: the order of a step, calling the parts above.
 """
 
@@ -14,7 +16,9 @@ from ampddp.training.assemble import RunSetup
 from ampddp.training.batches import BatchAdapter, accuracy, cross_entropy
 from ampddp.training.callbacks import Callback, Callbacks, ObserverCallback
 from ampddp.training.checkpointer import Checkpointer, Stateful, TrainingState
+from ampddp.training.device import DeviceSettings
 from ampddp.training.evaluator import Evaluator
+from ampddp.training.loading import DataLoading, LoaderSettings
 from ampddp.training.loop import TrainingLoop
 from ampddp.training.nonfinite import NonFiniteGuard
 from ampddp.training.settings import LoopSettings
@@ -24,7 +28,10 @@ __all__ = [
     "Callback",
     "Callbacks",
     "Checkpointer",
+    "DataLoading",
+    "DeviceSettings",
     "Evaluator",
+    "LoaderSettings",
     "LoopSettings",
     "NonFiniteGuard",
     "ObserverCallback",
