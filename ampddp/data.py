@@ -1,9 +1,9 @@
 """Datasets: scikit-learn's digits (embedded, no download) by default; cifar10 and imagefolder locally.
 
 Augmentation (crops, flips, auto-augment, noise) draws from torch's global generator inside
-``dataset[index]`` and keeps no state in the data set: the training loader seeds torch's, python's
-and numpy's generators from (seed, epoch, sample index) around each fetch, so a sample gets the same
-augmentation in the main process or in any loader worker, and again after a resume.
+``dataset[index]`` and keeps no state in the data set: the training loader seeds torch's generator
+from (seed, epoch, sample index) around each fetch (``ampddp.training.loading``), so a sample gets the
+same augmentation in the main process or in any loader worker, and again after a resume.
 """
 
 from __future__ import annotations
@@ -110,6 +110,10 @@ def decode_file(path: str, device: str = "cpu") -> torch.Tensor:
         ) from None
     if image.dim() != 3:
         raise ConfigError(f"{path}: decodes to shape {tuple(image.shape)}, not one (3, H, W) image; imagefolder needs single-frame images")
+    if image.dtype != torch.uint8:  # a 16-bit PNG: scaled to 8 bits like every other image (statistics assume 0-255)
+        from torchvision.transforms.v2.functional import to_dtype
+
+        image = to_dtype(image, torch.uint8, scale=True)
     return image.to(device)
 
 

@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import Dataset
@@ -111,8 +110,8 @@ class Trainer(TrainingLoop):
             ResumableSampler(train_set, env, shuffle=loop.shuffle, seed=loop.seed, drop_last=loop.drop_last),
         )  # fmt: skip
         store = CheckpointStore(run_dir, keep_last) if run_dir is not None else None
-        batches = batches or BatchAdapter(images=torch.channels_last if device.channels_last else None)
-        data = DataLoading(loading or LoaderSettings(), env.device, loop.seed)
+        batches = batches or BatchAdapter(images=device.memory_format)
+        data = DataLoading(loading or LoaderSettings(), env.device, loop.seed, worker_seed=env.rank_seed(loop.seed))
         scoring = {"loss_fn": loss_fn, "metrics": metrics, "batches": batches, "loading": data}
         evaluator = None if eval_set is None else Evaluator(eval_set, loop.batch_size, env, **scoring)
         super().__init__(

@@ -59,6 +59,8 @@ class BatchAdapter:
     ``images``: the memory format for 4-D floating tensors (``torch.channels_last``), None: as loaded.
     """
 
+    images: torch.memory_format | None = None
+
     def __init__(self, images: torch.memory_format | None = None) -> None:
         self.images = images
 

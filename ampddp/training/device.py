@@ -6,6 +6,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,8 +34,9 @@ class DeviceSettings:
             raise ConfigError(f"trainer.allow_tf32={self.allow_tf32!r} is not valid; it must be true, false or null")
 
     @property
-    def memory_format(self) -> torch.memory_format:
-        return torch.channels_last if self.channels_last else torch.contiguous_format
+    def memory_format(self) -> torch.memory_format | None:
+        """The format image batches are moved in (None: as loaded)."""
+        return torch.channels_last if self.channels_last else None
 
     def convert(self, model: nn.Module) -> nn.Module:
         """``model`` in the chosen memory format (in place: the parameters stay the same objects)."""
@@ -43,10 +45,11 @@ class DeviceSettings:
     @contextmanager
     def backend_flags(self, device: torch.device) -> Iterator[None]:
         """cuDNN benchmark and TF32 as asked, for the duration of training; logs them with the device."""
-        saved = (torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+        benchmark = torch.backends.cudnn.benchmark
         torch.backends.cudnn.benchmark = self.cudnn_benchmark
-        if self.allow_tf32 is not None:
-            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = self.allow_tf32
+        precision = _tf32_settings() if self.allow_tf32 is not None else None
+        if precision is not None:
+            _set_tf32(self.allow_tf32)
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         logger.info(
             "device %s (%s): channels_last %s, cudnn_benchmark %s, allow_tf32 %s",
@@ -55,4 +58,42 @@ class DeviceSettings:
         try:
             yield
         finally:
-            torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+            torch.backends.cudnn.benchmark = benchmark
+            if precision is not None:
+                _restore_tf32(precision)
+
+
+# TF32 through torch's fp32_precision settings where they exist (mixing them with the legacy allow_tf32
+# flags raises in recent torch), else the legacy flags.
+_PRECISION_OWNERS = ("cuda.matmul", "cudnn.conv")
+
+
+def _owner(path: str) -> Any:
+    owner = torch.backends
+    for part in path.split("."):
+        owner = getattr(owner, part, None)
+    return owner
+
+
+def _tf32_settings() -> tuple[str, ...] | tuple[bool, bool]:
+    owners = [_owner(path) for path in _PRECISION_OWNERS]
+    if all(owner is not None and hasattr(owner, "fp32_precision") for owner in owners):
+        return tuple(owner.fp32_precision for owner in owners)
+    return (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+
+
+def _set_tf32(enabled: bool) -> None:
+    owners = [_owner(path) for path in _PRECISION_OWNERS]
+    if all(owner is not None and hasattr(owner, "fp32_precision") for owner in owners):
+        for owner in owners:
+            owner.fp32_precision = "tf32" if enabled else "ieee"
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
+
+
+def _restore_tf32(saved: tuple) -> None:
+    if isinstance(saved[0], str):
+        for owner, value in zip((_owner(path) for path in _PRECISION_OWNERS), saved):
+            owner.fp32_precision = value
+    else:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

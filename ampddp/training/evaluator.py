@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -16,7 +16,7 @@ from ampddp.distributed.data import eval_sampler, sum_across_ranks
 from ampddp.distributed.env import DistEnv
 from ampddp.errors import ConfigError
 from ampddp.training.batches import BatchAdapter, LossFn, MetricsFn
-from ampddp.training.loading import DataLoading, LoaderSettings
+from ampddp.training.loading import DataLoading, LoaderSettings, worker_error
 
 RESERVED_NAMES = ("loss", "samples", "kind", "step", "epoch")
 """Names an evaluation record already uses: a metric may not take them."""
@@ -53,11 +53,11 @@ class Evaluator:
         return {**{name: (total / count).item() for name, total in zip(names, totals[:-1])}, "samples": int(count)}
 
     def _sums(self, model: nn.Module, forward_context: Callable[[], AbstractContextManager[Any]]) -> tuple[dict[str, float], float]:
-        if self._loader is None:  # built once: its workers (if any) serve every evaluation
+        if self._loader is None:  # built once; its workers (if any) start and stop with each evaluation
             self._loader = self.loading.eval_loader(self.eval_set, eval_sampler(self.eval_set, self.env), self.batch_size)
         sums: dict[str, float] = {}
         seen = 0.0
-        for batch in self._loader:
+        for batch in _batches(self._loader):
             batch = self.batches.to_device(batch, self.env.device)
             count = self.batches.count(batch)
             with forward_context():
@@ -86,3 +86,11 @@ class Evaluator:
         gathered: list[list[str]] = [[] for _ in range(self.env.world_size)]
         dist.all_gather_object(gathered, local)
         return list(dict.fromkeys(name for names in gathered for name in names))
+
+
+def _batches(loader: DataLoader) -> Iterator[Any]:
+    """The loader's batches; a worker's ConfigError comes out as its one line."""
+    try:
+        yield from loader
+    except ConfigError as error:
+        raise worker_error(error) from None

@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ampddp.distributed.data import ResumableSampler
-from ampddp.errors import ConfigError
+from ampddp.errors import ConfigError, spelled
 
 logger = logging.getLogger("ampddp.trainer")
 _MASK64 = (1 << 64) - 1
@@ -118,7 +118,8 @@ class LoaderSettings:
                 raise ConfigError(f"data.{name}={getattr(self, name)!r} is not valid; it must be true, false or null")
         for name in ("persistent_workers", "prefetch_factor"):
             if self.num_workers == 0 and getattr(self, name) not in (None, False):
-                raise ConfigError(f"data.{name}={getattr(self, name)!r} needs worker processes; set data.num_workers >= 1 or leave it null")
+                value = spelled(getattr(self, name))
+                raise ConfigError(f"data.{name}={value} needs worker processes; set data.num_workers >= 1 or leave it null")
 
     def loader_options(self, device: torch.device) -> dict[str, Any]:
         """DataLoader keywords for training on ``device``."""
@@ -138,22 +139,40 @@ class DataLoading:
     """Builds the run's loaders once (workers persist across epochs); the training loader fetches
     every sample under its own seed."""
 
-    def __init__(self, settings: LoaderSettings, device: torch.device, seed: int) -> None:
+    def __init__(self, settings: LoaderSettings, device: torch.device, seed: int, worker_seed: int | None = None) -> None:
         self.settings, self.device, self.seed = settings, device, seed
+        self.worker_seed = seed if worker_seed is None else worker_seed
+        """Seeds the workers' python and numpy generators: give each rank its own (``DistEnv.rank_seed``)."""
         self._loaders: list[DataLoader] = []
 
+    def _options(self, sample: Any) -> dict[str, Any]:
+        """Loader options; pinned memory by default only for batches made on the CPU (torch cannot pin
+        tensors already on a GPU)."""
+        options = self.settings.loader_options(self.device)
+        if self.settings.pin_memory is None and options["pin_memory"] and not _all_on_cpu(sample):
+            options["pin_memory"] = False
+        return options
+
     def train_loader(self, dataset: Dataset, sampler: ResumableSampler, batch_size: int) -> DataLoader:
+        samples = SeededSamples(dataset, self.seed)
+        options = self._options(samples[(0, 0)] if len(samples) and self._pin_asked() else None)
         return self._kept(
             DataLoader(
-                SeededSamples(dataset, self.seed), batch_size=batch_size, sampler=KeyedSampler(sampler),
-                generator=torch.Generator().manual_seed(self.seed), **self.settings.loader_options(self.device),
+                samples, batch_size=batch_size, sampler=KeyedSampler(sampler),
+                generator=torch.Generator().manual_seed(self.worker_seed), **options,
             )
         )  # fmt: skip
 
     def eval_loader(self, dataset: Dataset, sampler: Sampler[int], batch_size: int) -> DataLoader:
         """Workers start and stop with each evaluation (``evaluate()`` may be called after ``fit``)."""
-        options = {**self.settings.loader_options(self.device), "persistent_workers": False}
-        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, generator=torch.Generator().manual_seed(self.seed), **options)
+        sample = dataset[0] if len(dataset) and self._pin_asked() else None  # type: ignore[arg-type]
+        options = {**self._options(sample), "persistent_workers": False}
+        generator = torch.Generator().manual_seed(self.worker_seed)
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, generator=generator, **options)
+
+    def _pin_asked(self) -> bool:
+        """Whether the default would pin (then one sample is looked at first)."""
+        return self.settings.pin_memory is None and self.device.type == "cuda"
 
     def _kept(self, loader: DataLoader) -> DataLoader:
         self._loaders.append(loader)
@@ -180,6 +199,26 @@ class DataLoading:
         self._loaders.clear()
 
 
+def _all_on_cpu(sample: Any) -> bool:
+    if isinstance(sample, torch.Tensor):
+        return sample.device.type == "cpu"
+    items = sample.values() if isinstance(sample, dict) else sample if isinstance(sample, (tuple, list)) else ()
+    return all(_all_on_cpu(item) for item in items)
+
+
+WORKER_ERROR = "in DataLoader worker process"
+
+
+def worker_error(error: ConfigError) -> ConfigError:
+    """A ConfigError raised in a loader worker, as its one line (torch re-raises it with the worker's
+    whole traceback as the message)."""
+    text = str(error)
+    if WORKER_ERROR not in text.splitlines()[0]:
+        return error
+    last = [line for line in text.strip().splitlines() if line.strip()][-1]
+    return ConfigError(last.split("ConfigError: ", 1)[-1])
+
+
 class InputTimer:
     """Time the loop spends waiting for batches (``data_wait_s``), and a warning when the input
     pipeline, not the model, sets the pace."""
@@ -202,6 +241,8 @@ class InputTimer:
                 batch = next(iterator)
             except StopIteration:
                 return
+            except ConfigError as error:  # e.g. an unreadable image, found by a worker
+                raise worker_error(error) from None
             waited = time.perf_counter() - started
             self.total += waited
             self._since_take += waited

@@ -29,7 +29,7 @@ from ampddp.training.callbacks import Callbacks
 from ampddp.training.checkpointer import Checkpointer
 from ampddp.training.device import DeviceSettings
 from ampddp.training.evaluator import Evaluator
-from ampddp.training.loading import DataLoading, InputTimer
+from ampddp.training.loading import DataLoading, InputTimer, LoaderSettings
 from ampddp.training.nonfinite import NonFiniteGuard
 from ampddp.training.settings import LoopSettings
 
@@ -44,12 +44,13 @@ class TrainingLoop:
     """
 
     def __init__(self, run: Prepared, train_set: Dataset, settings: LoopSettings, *, checkpointer: Checkpointer,
-                 loss_fn: LossFn, batches: BatchAdapter, loading: DataLoading, evaluator: Evaluator | None = None,
+                 loss_fn: LossFn, batches: BatchAdapter, loading: DataLoading | None = None, evaluator: Evaluator | None = None,
                  callbacks: Callbacks | None = None, stop_signals: tuple[str, ...] | StopSignals = (),
                  device: DeviceSettings | None = None) -> None:  # fmt: skip
         self.run, self.train_set, self.settings = run, train_set, settings
         self.checkpointer, self.loss_fn, self.batches, self.evaluator = checkpointer, loss_fn, batches, evaluator
-        self.loading, self.input_timer = loading, InputTimer()
+        self.loading = loading or DataLoading(LoaderSettings(), run.env.device, settings.seed, run.env.rank_seed(settings.seed))
+        self.input_timer = InputTimer()
         self.device = device or DeviceSettings()
         self.callbacks = callbacks or Callbacks()
         self.stop_signals = stop_signals
@@ -92,10 +93,11 @@ class TrainingLoop:
         self.callbacks.on_start(self.progress)
         own = not isinstance(self.stop_signals, StopSignals)
         stop = StopSignals(self.stop_signals) if own else self.stop_signals
-        with stop if own else contextlib.nullcontext(), self.device.backend_flags(self.run.env.device):
-            preempted = self._train_until_done(stop)
-        if not preempted and self.evaluator is not None and self._evaluated_step != self.progress.global_step:
-            self._evaluate_and_report()
+        with self.device.backend_flags(self.run.env.device):  # the final evaluation too
+            with stop if own else contextlib.nullcontext():
+                preempted = self._train_until_done(stop)
+            if not preempted and self.evaluator is not None and self._evaluated_step != self.progress.global_step:
+                self._evaluate_and_report()
         if self.checkpointer.saved_step != self.progress.global_step:
             self.checkpointer.save()
         summary = self.callbacks.on_end(self.progress)

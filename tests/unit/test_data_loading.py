@@ -73,7 +73,7 @@ def test_the_keyed_sampler_tags_each_index_with_the_sampler_epoch():
         ({"num_workers": 1.5}, "data.num_workers=1.5 is not valid"),
         ({"prefetch_factor": 0, "num_workers": 2}, "data.prefetch_factor=0 is not valid; it must be an integer >= 1 or null"),
         ({"prefetch_factor": 4}, "data.prefetch_factor=4 needs worker processes; set data.num_workers >= 1"),
-        ({"persistent_workers": True}, "data.persistent_workers=True needs worker processes"),
+        ({"persistent_workers": True}, "data.persistent_workers=true needs worker processes"),
         ({"pin_memory": "yes"}, "data.pin_memory='yes' is not valid; it must be true, false or null"),
     ],
 )
@@ -124,3 +124,34 @@ def test_fit_stops_its_loader_workers_even_though_they_ignore_stop_signals():
     assert multiprocessing.active_children() == []
     trainer.evaluate()  # after fit: its workers start and stop with it
     assert multiprocessing.active_children() == []
+
+
+class Unreadable(Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int):
+        if index == 5:
+            raise ConfigError("/data/train/cat/005.jpg: cannot read this image (corrupt)")
+        return torch.zeros(4), 0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_error_raised_in_a_worker_comes_out_as_its_one_line(workers):
+    from torch import nn
+
+    from ampddp.trainer import Trainer
+
+    trainer = Trainer(nn.Linear(4, 2), lambda p: torch.optim.SGD(p, lr=0.1), Unreadable(), precision="O0", batch_size=2,
+                      shuffle=False, loading=LoaderSettings(num_workers=workers))  # fmt: skip
+    with pytest.raises(ConfigError) as caught:
+        trainer.fit()
+    assert str(caught.value) == "/data/train/cat/005.jpg: cannot read this image (corrupt)"
+
+
+def test_memory_is_pinned_by_default_only_for_batches_made_on_the_cpu():
+    cuda = DataLoading(LoaderSettings(), torch.device("cuda"), seed=0)
+    assert cuda._options((torch.zeros(2), torch.tensor(1)))["pin_memory"]
+    assert not cuda._options((torch.zeros(2, device="meta"), torch.tensor(1)))["pin_memory"]  # e.g. data already on the GPU
+    assert DataLoading(LoaderSettings(pin_memory=True), torch.device("cuda"), seed=0)._options(None)["pin_memory"]

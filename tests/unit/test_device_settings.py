@@ -26,12 +26,18 @@ def images() -> TensorDataset:
     return TensorDataset(torch.randn(32, 3, 8, 8, generator=generator), torch.randint(0, 4, (32,), generator=generator))
 
 
+def flags() -> tuple:
+    """cuDNN benchmark and the TF32 settings, read through torch's fp32_precision API (reading the legacy
+    allow_tf32 flags after the new API was used raises)."""
+    return torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision
+
+
 class FlagsSeen(Callback):
     def __init__(self) -> None:
-        self.flags: list[tuple[bool, bool, bool]] = []
+        self.flags: list[tuple] = []
 
     def on_step(self, progress, record):
-        self.flags.append((torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32))
+        self.flags.append(flags())
 
 
 def train(device: DeviceSettings, callbacks=()) -> Trainer:
@@ -56,20 +62,23 @@ def test_channels_last_converts_the_model_and_the_image_batches_and_trains_like_
 
 
 def test_backend_flags_hold_while_training_and_are_restored_after(caplog):
-    before = (torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    before = flags()
     seen = FlagsSeen()
     with caplog.at_level(logging.INFO, logger="ampddp"):
         train(DeviceSettings(cudnn_benchmark=True, allow_tf32=True), callbacks=[seen])
-    assert seen.flags and all(flags == (True, True, True) for flags in seen.flags)
-    assert (torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == before
+    assert seen.flags and all(during == (True, "tf32", "tf32") for during in seen.flags)
+    assert flags() == before
+    seen_off = FlagsSeen()
+    train(DeviceSettings(allow_tf32=False), callbacks=[seen_off])
+    assert all(during == (False, "ieee", "ieee") for during in seen_off.flags) and flags() == before
     assert "device cpu (cpu): channels_last False, cudnn_benchmark True, allow_tf32 True" in caplog.text
 
 
 def test_allow_tf32_null_keeps_torch_defaults():
     seen = FlagsSeen()
-    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    before = flags()
     train(DeviceSettings(), callbacks=[seen])
-    assert all(flags[1:] == before for flags in seen.flags)
+    assert seen.flags and all(during == before for during in seen.flags)
 
 
 @pytest.mark.parametrize(
