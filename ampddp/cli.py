@@ -33,8 +33,8 @@ def _inspect(args: argparse.Namespace, early: EarlySignals) -> int:
 def _train(args: argparse.Namespace, early: EarlySignals) -> int:
     import logging
 
-    from ampddp.config import load_config
     from ampddp.distributed.env import detect_env
+    from ampddp.recipe.reading import load_config
     from ampddp.run import launch
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -47,7 +47,7 @@ def _train(args: argparse.Namespace, early: EarlySignals) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ampddp.config import describe_keys
+    from ampddp.recipe.reading import describe_keys
 
     parser = argparse.ArgumentParser(prog="ampddp", description="Mixed-precision training with apex-style opt levels on native PyTorch.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -22,7 +22,7 @@ from ampddp.checkpoint.files import load_safely
 from ampddp.checkpoint.restore import check_model_state, check_optimizer_state, check_sampler_state, initial_weights, restore_precision
 from ampddp.checkpoint.schedule_plan import plan_schedule
 from ampddp.checkpoint.store import CheckpointRef, CheckpointStore, find_checkpoint
-from ampddp.config import RunConfig, check_config, is_import_path
+from ampddp.config import RunConfig, is_import_path
 from ampddp.data import CIFAR_LAYOUT, IMAGEFOLDER_LAYOUT, find_classes
 from ampddp.distributed.env import detect_env
 from ampddp.errors import CheckpointError, ConfigError
@@ -46,6 +46,7 @@ from ampddp.recipe.factories import (
     scheduler_factory,
     steps_per_epoch,
 )
+from ampddp.recipe.reading import check_config
 
 DATASET_CLASSES = {"digits": 10, "cifar10": 10}
 IMAGE_OPTIONS = (

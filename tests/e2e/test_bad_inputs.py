@@ -19,11 +19,11 @@ import ampddp.recipe.checks
 import ampddp.run
 from ampddp.checkpoint import keys
 from ampddp.cli import EXIT_BROKEN_PIPE, EXIT_NONFINITE, main
-from ampddp.config import load_config, parse_overrides
 from ampddp.errors import NonFiniteGradientsError
 from ampddp.models import build_model
 from ampddp.precision.factory import build_engine
 from ampddp.progress import Progress
+from ampddp.recipe.reading import load_config, parse_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "recipes" / "quickstart.yaml"

@@ -13,9 +13,9 @@ from image_folders import make_image_folder
 from ampddp import PRECISION_MODES
 from ampddp.checkpoint.store import CheckpointStore
 from ampddp.cli import main
-from ampddp.config import load_config
 from ampddp.distributed import free_port
 from ampddp.observe import PLOT_FILES, read_metrics
+from ampddp.recipe.reading import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))

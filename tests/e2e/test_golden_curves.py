@@ -24,7 +24,7 @@ RTOL = 1e-5
 
 def loss_curve(mode: str, run_dir: Path) -> list[float]:
     """The logged training losses of the quickstart recipe at ``mode`` over its first ``STEPS`` steps."""
-    from ampddp.config import load_config
+    from ampddp.recipe.reading import load_config
     from ampddp.run import launch
 
     overrides = [f"precision.mode={mode}", f"trainer.run_dir={run_dir}", f"trainer.max_steps={STEPS}",

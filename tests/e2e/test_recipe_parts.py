@@ -20,12 +20,13 @@ from torch.optim import lr_scheduler as torch_schedulers
 from ampddp.apex.optimizers import FusedLAMB
 from ampddp.checkpoint import keys
 from ampddp.cli import main
-from ampddp.config import DistributedConfig, load_config
+from ampddp.config import DistributedConfig
 from ampddp.distributed import DDPOptions, launch_local
 from ampddp.distributed.sync_bn import SYNC_BN_CHOICES, resolve_sync_bn
 from ampddp.errors import ConfigError
 from ampddp.prepare import prepare
 from ampddp.recipe.factories import ddp_options, optimizer_factory, scheduler_factory
+from ampddp.recipe.reading import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "recipes" / "quickstart.yaml"

@@ -17,9 +17,9 @@ from resume_helpers import NoisyDigits, make_trainer, tree_snapshot
 from ampddp.checkpoint import keys
 from ampddp.checkpoint.changes import check_resume_settings, config_changes
 from ampddp.checkpoint.schedule_plan import plan_schedule
-from ampddp.config import load_config
 from ampddp.errors import ConfigError
 from ampddp.observe import METRICS_FILE, SUMMARY_FILE, read_metrics
+from ampddp.recipe.reading import load_config
 from ampddp.run_lock import LOCK_FILE
 
 ROOT = Path(__file__).resolve().parents[2]

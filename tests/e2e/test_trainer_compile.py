@@ -26,10 +26,10 @@ from ampddp.checkpoint.files import load_safely
 from ampddp.checkpoint.store import CheckpointStore
 from ampddp.cli import main
 from ampddp.compile_model import ModelCompiler
-from ampddp.config import load_config
 from ampddp.errors import ConfigError
 from ampddp.observe import read_metrics
 from ampddp.recipe.factories import model_compiler
+from ampddp.recipe.reading import load_config
 
 BACKEND = "aot_eager"
 COMPILED = ModelCompiler(backend=BACKEND)

@@ -12,7 +12,6 @@ from image_folders import CLASSES, make_image_folder
 from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 
-from ampddp.config import load_config
 from ampddp.data import (
     AUTO_AUGMENTS,
     IMAGENET_MEAN,
@@ -24,6 +23,7 @@ from ampddp.data import (
 )
 from ampddp.errors import ConfigError
 from ampddp.recipe.checks import validate
+from ampddp.recipe.reading import load_config
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
 

@@ -1,0 +1,249 @@
+"""Reading a recipe: YAML plus dotted ``key=value`` overrides into a checked RunConfig.
+
+Every key is checked before any work starts: an unknown key names the closest valid one, a wrong
+type names the expected type, a bad choice lists the valid ones, a number out of range says the
+range. Duplicate keys are refused (YAML would keep the last silently) and floats are read in every
+notation Python writes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ampddp.config import IMPORT_PATH_FORM, SECTIONS, Bounds, RunConfig, is_import_path
+from ampddp.errors import ConfigError, choice_error, closest, spelled
+
+# PyYAML implements YAML 1.1, whose float pattern wants a dot and a signed exponent: `1e-3` and `1E6`
+# would stay strings. Recipes and overrides read floats in every notation Python writes them.
+_FLOAT_TAG = "tag:yaml.org,2002:float"
+_FLOAT = re.compile(
+    r"""^(?:[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?|[0-9][0-9_]*[eE][-+]?[0-9]+)"""
+    r"""|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"""
+)
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` with Python's float notations (``1e-3``, ``1E6``, ``.5``, ``-2.5e-4``)."""
+
+
+_RecipeLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != _FLOAT_TAG]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_RecipeLoader.add_implicit_resolver(_FLOAT_TAG, _FLOAT, list("-+0123456789."))
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str, first: int, second: int) -> None:
+        super().__init__(
+            f"duplicate key {key!r} on lines {first} and {second}; each key may appear once (YAML would silently keep the last)"
+        )
+
+
+def _refuse_duplicates(node: yaml.Node, where: str = "") -> None:
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                name = f"{where}.{key_node.value}" if where else key_node.value
+                line = key_node.start_mark.line + 1
+                if name in seen:
+                    raise _DuplicateKey(name, seen[name], line)
+                seen[name] = line
+                _refuse_duplicates(value_node, name)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _refuse_duplicates(item, where)
+
+
+def parse_yaml(text: str) -> Any:
+    """One YAML document with Python float notations; raises yaml.YAMLError or _DuplicateKey."""
+    loader = _RecipeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _refuse_duplicates(node)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    mark, problem = getattr(error, "problem_mark", None), getattr(error, "problem", None)
+    if mark is not None and problem:
+        return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+def _allowed_types(annotation: Any) -> tuple[Any, ...]:
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        return tuple(arg for member in typing.get_args(annotation) for arg in _allowed_types(member))
+    return (annotation,)
+
+
+def _check_number(key: str, value: float, bounds: Bounds | None) -> float:
+    if isinstance(value, float) and not math.isfinite(value):
+        rule = f" {bounds.describe()}" if bounds else ""
+        raise ConfigError(f"{key}={value!r} is not valid; it must be a finite number{rule}")
+    if bounds is not None and not bounds.admits(value):
+        kind = "a finite number" if isinstance(value, float) else "an integer"
+        raise ConfigError(f"{key}={value!r} is out of range; it must be {kind} {bounds.describe()}")
+    return value
+
+
+def _as_float(value: str) -> float | None:
+    """A quoted number or a bare inf / nan in a float setting: read as the float it spells."""
+    try:
+        return float(value.replace("_", ""))
+    except ValueError:
+        return None
+
+
+def _coerce(key: str, value: Any, annotation: Any, metadata: typing.Mapping[str, Any]) -> Any:
+    allowed = _allowed_types(annotation)
+    choices, bounds = metadata.get("choices"), metadata.get("bounds")
+    if isinstance(value, bool) and choices and value is False and "off" in choices:
+        value = "off"  # YAML reads a bare `off` as false
+    if value is None and type(None) in allowed:
+        return None
+    if float in allowed and isinstance(value, str) and _as_float(value) is not None:
+        value = _as_float(value)
+    for kind in allowed:
+        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return _check_number(key, float(value), bounds)
+        if kind is int and isinstance(value, int) and not isinstance(value, bool):
+            return _check_number(key, value, bounds)
+        if kind in (str, bool) and isinstance(value, kind):
+            break
+        if typing.get_origin(kind) is list and isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return value
+        if typing.get_origin(kind) is dict and isinstance(value, dict) and all(isinstance(k, str) for k in value):
+            return value
+    else:
+        raise ConfigError(f"{key}={value!r} has the wrong type; expected {' or '.join(map(_type_name, allowed))}")
+    if choices and value not in choices:
+        if metadata.get("import_path") and is_import_path(value):
+            return value
+        error = choice_error(key, value, choices)
+        raise ConfigError(f"{error}, or {IMPORT_PATH_FORM}") if metadata.get("import_path") else error
+    return value
+
+
+def _type_name(kind: Any) -> str:
+    if kind is type(None):
+        return "null"
+    if typing.get_origin(kind) is list:
+        return "a list of strings"
+    if typing.get_origin(kind) is dict:
+        return "a mapping of names to values"
+    return kind.__name__
+
+
+def _build(section: str, cls: type, values: dict[str, Any]) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in fields:
+            raise ConfigError(f"unknown key {section}.{key}{closest(str(key), fields)}; valid keys in {section}: {', '.join(fields)}")
+        kwargs[key] = _coerce(f"{section}.{key}", value, hints[key], fields[key].metadata)
+    return cls(**kwargs)
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, dict[str, Any]]:
+    """``["precision.mode=O2", "trainer.max_steps=5"]`` -> nested dict (values parsed as YAML)."""
+    nested: dict[str, dict[str, Any]] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        section, dot, name = key.strip().partition(".")
+        if not sep or not dot or not name:
+            raise ConfigError(f"override {item!r} is not of the form section.key=value (e.g. precision.mode=O2)")
+        try:
+            value = parse_yaml(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            value = raw
+        except _DuplicateKey as error:
+            raise ConfigError(f"override {item!r}: {error}") from None
+        nested.setdefault(section, {})[name] = value
+    return nested
+
+
+def read_recipe(path: str | Path) -> dict[str, Any]:
+    """The recipe's sections as plain dicts; ConfigError names the file and what is wrong with it."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such recipe file")
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise ConfigError(f"{path}: cannot read the recipe ({error.strerror or error})") from None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte 0x{data[error.start]:02x} at offset {error.start}); save the recipe as UTF-8"
+        ) from None
+    try:
+        raw = parse_yaml(text)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: not valid YAML ({_yaml_problem(error)})") from None
+    except _DuplicateKey as error:
+        raise ConfigError(f"{path}: {error}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: a recipe is a mapping of sections (precision, model, data, ...), found {type(raw).__name__}")
+    for section, values in raw.items():
+        if section not in SECTIONS:
+            raise ConfigError(
+                f"{path}: unknown section {section!r}{closest(str(section), SECTIONS)}; valid sections: {', '.join(SECTIONS)}"
+            )
+        if values is not None and not isinstance(values, dict):
+            keys = ", ".join(f.name for f in dataclasses.fields(SECTIONS[section]))
+            raise ConfigError(
+                f"{path}: section {section!r} must be a mapping of key: value lines, found {type(values).__name__} {values!r}; "
+                f"valid keys in {section}: {keys}"
+            )
+    return {section: dict(values or {}) for section, values in raw.items()}
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a recipe (YAML) and apply overrides; raise ConfigError on the first bad key or value."""
+    raw = read_recipe(path) if path is not None else {}
+    for section, values in parse_overrides(overrides or []).items():
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown section {section!r}{closest(str(section), SECTIONS)}; valid sections: {', '.join(SECTIONS)}")
+        raw[section] = {**raw.get(section, {}), **values}
+    return RunConfig(**{section: _build(section, SECTIONS[section], values) for section, values in raw.items()})
+
+
+def describe_keys() -> str:
+    """Every key with its default, for ``ampddp train --help``."""
+    lines = []
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            choices = f.metadata.get("choices")
+            hint = f" {{{', '.join(map(spelled, choices))}}}" if choices else ""
+            lines.append(f"  {section}.{f.name} = {default!r}{hint}")
+    return "\n".join(lines)
+
+
+def check_config(config: RunConfig) -> None:
+    """Check every value of a RunConfig again, for one built in code (``load_config`` checks as it reads)."""
+    for section, cls in SECTIONS.items():
+        values = getattr(config, section)
+        if not isinstance(values, cls):
+            raise ConfigError(f"section {section!r} must be a {cls.__name__}, found {type(values).__name__}")
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            _coerce(f"{section}.{f.name}", getattr(values, f.name), hints[f.name], f.metadata)
