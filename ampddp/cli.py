@@ -10,13 +10,15 @@ import json
 import os
 import sys
 
-from ampddp.errors import AmpUsageError, CheckpointError, ConfigError, NonFiniteGradientsError
+from ampddp.errors import AmpUsageError, CheckpointError, ConfigError, NonFiniteGradientsError, PeerFailureError
 from ampddp.preemption import EXIT_PREEMPTED, EarlySignals
 
 EXIT_USAGE = 2
 """A bad recipe, setting, path or checkpoint: refused before anything was written."""
 EXIT_NONFINITE = 3
 """Training stopped because the loss or gradients stayed non-finite (NonFiniteGradientsError)."""
+EXIT_PEER_FAILURE = 4
+"""Another rank died or stopped responding (PeerFailureError); the same command resumes the run."""
 EXIT_BROKEN_PIPE = 141
 """stdout was closed early (``ampddp inspect RUN | head``): 128 + SIGPIPE, as a shell tool reports it."""
 
@@ -95,10 +97,18 @@ def _run(args: argparse.Namespace, early: EarlySignals) -> int:
     except NonFiniteGradientsError as error:
         print(f"ampddp {args.command}: error: training stopped: {_one_line(error)}", file=sys.stderr)
         return EXIT_NONFINITE
+    except PeerFailureError as error:
+        print(
+            f"ampddp {args.command}: error: training stopped: {_one_line(error)}; "
+            "the same command resumes the run from its newest complete checkpoint",
+            file=sys.stderr,
+        )
+        return EXIT_PEER_FAILURE
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; its exit status: 0, EXIT_USAGE, EXIT_NONFINITE, EXIT_PREEMPTED or EXIT_BROKEN_PIPE.
+    """Run one command; its exit status: 0, EXIT_USAGE, EXIT_NONFINITE, EXIT_PEER_FAILURE,
+    EXIT_PREEMPTED or EXIT_BROKEN_PIPE.
 
     Stop signals are held from the first line, before torch and the recipe load: ``train`` hands
     those the recipe names to the run (one already received stops it at its first step).
