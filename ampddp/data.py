@@ -28,6 +28,8 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")
 """Files an imagefolder class folder contributes (any case); others are skipped, as ImageFolder skips them."""
 AUTO_AUGMENTS = ("none", "trivial", "randaugment")
 NORMALIZATIONS = ("imagenet", "computed")
+DEFAULT_NORMALIZATIONS = {"cifar10": "computed", "imagefolder": "imagenet"}
+"""What ``data.normalize: null`` stands for on each data set that normalises its inputs."""
 DECODE_DEVICES = ("cpu", "cuda")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -304,6 +306,14 @@ def imagefolder(
     )
 
 
+def resolve_normalize(name: str, normalize: str | None) -> str | None:
+    """The normalisation data set ``name`` applies for ``data.normalize``: null stands for the set's
+    default, so a null and that default describe the same inputs (a resume compares these). None
+    where the set takes no such setting (digits standardises itself; a user's function does its own)."""
+    default = DEFAULT_NORMALIZATIONS.get(name)
+    return None if default is None else normalize or default
+
+
 def build_datasets(
     name: str,
     root: str | None,
@@ -317,9 +327,9 @@ def build_datasets(
     decode_device: str = "cpu",
 ) -> tuple[Dataset, Dataset]:
     """Training and evaluation sets for ``data.name``; ``normalize`` None: each set's default
-    (computed for cifar10, imagenet for imagefolder)."""
+    (``resolve_normalize``)."""
     if name == "digits":
         return digits(image_size, channels, eval_fraction, seed, augment)
     if name == "cifar10":
-        return cifar10(root, image_size, augment, auto_augment, normalize or "computed")
-    return imagefolder(root, image_size, augment, auto_augment, normalize or "imagenet", decode_device)
+        return cifar10(root, image_size, augment, auto_augment, resolve_normalize(name, normalize))
+    return imagefolder(root, image_size, augment, auto_augment, resolve_normalize("imagefolder", normalize), decode_device)

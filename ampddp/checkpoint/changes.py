@@ -8,6 +8,9 @@ split (the eval fraction and the seed that draws it), the image size and the inp
 resume but a new experiment.
 Everything else (learning rate, horizon, batch size, precision, ...) is a deliberate change that
 the trainer applies (see ``ampddp.checkpoint.schedule_plan``).
+
+``data.normalize`` is compared as the normalisation it selects (null: the data set's default), and
+a checkpoint written before the key existed counts as what its data set did then.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ampddp.data import resolve_normalize
 from ampddp.errors import ConfigError
 
 RUN_DEFINING = (
@@ -33,6 +37,35 @@ RUN_DEFINING = (
 HOW_TO_RESUME = ("checkpoint.resume", "checkpoint.resume_from", "checkpoint.allow_changes", "checkpoint.init_from", "trainer.run_dir")
 """Keys that say where and how to resume, not what to train: never reported."""
 ALLOW_KEY = "checkpoint.allow_changes"
+NORMALIZE_KEY = "data.normalize"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A setting compared as what it does (``value``) and shown as written (``shown``): a null that
+    stands for a data set's default, or a key an older checkpoint lacks. ``advice`` goes into a refusal."""
+
+    value: Any
+    shown: str
+    advice: str = ""
+
+    def __repr__(self) -> str:
+        return self.shown
+
+
+BEFORE_NORMALIZE = {
+    "imagefolder": Setting(
+        "none",
+        "(absent: no normalisation, written before ampddp normalised inputs)",
+        "its model learned from unnormalised inputs in [0, 1], which no data.normalize value gives",
+    ),
+    "cifar10": Setting(
+        "computed", "(absent: the training split's per-channel statistics, as 'computed'; written before data.normalize existed)"
+    ),
+}
+"""data.name -> what a checkpoint without data.normalize (written before the key existed) fed its
+model: imagefolder [0, 1] pixels, cifar10 standardised with the training split's statistics
+(what 'computed' does). digits and a user's data set never took the key: no entry."""
 
 
 @dataclass(frozen=True)
@@ -59,12 +92,35 @@ def _flatten(config: Mapping[str, Any]) -> dict[str, Any]:
     return flat
 
 
+def _resolve_normalize(flat: dict[str, Any]) -> dict[str, Any]:
+    """data.normalize as the normalisation it selects, so a null and the default it stands for are no change."""
+    if NORMALIZE_KEY not in flat:
+        return flat
+    name, written = flat.get("data.name"), flat[NORMALIZE_KEY]
+    name = name if isinstance(name, str) else ""
+    resolved = resolve_normalize(name, written)
+    if resolved != written:
+        shown = f"null ({name}'s default, {resolved!r})" if written is None else f"{written!r} (unused by {name})"
+        flat[NORMALIZE_KEY] = Setting(resolved, shown)
+    return flat
+
+
+def _add_before_normalize(old: dict[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """A checkpoint written before data.normalize existed gets what its data set did then."""
+    name = old.get("data.name")
+    if NORMALIZE_KEY not in old and NORMALIZE_KEY in new and isinstance(name, str) and name in BEFORE_NORMALIZE:
+        old[NORMALIZE_KEY] = BEFORE_NORMALIZE[name]
+    return old
+
+
 def config_changes(saved: Mapping[str, Any] | None, current: Mapping[str, Any] | None) -> list[Change]:
     """Every setting whose value differs, in key order. A key the checkpoint does not have (written
-    by an older ampddp, before the key existed) is not a change."""
+    by an older ampddp, before the key existed) is not a change, except ``data.normalize``: it
+    counts as what the data set did to its inputs before the key (``BEFORE_NORMALIZE``)."""
     if not isinstance(saved, Mapping) or not isinstance(current, Mapping) or not saved or not current:
         return []
-    old, new = _flatten(saved), _flatten(current)
+    new = _resolve_normalize(_flatten(current))
+    old = _add_before_normalize(_resolve_normalize(_flatten(saved)), new)
     return [
         Change(key, old[key], new[key])
         for key in sorted(new)
@@ -73,7 +129,10 @@ def config_changes(saved: Mapping[str, Any] | None, current: Mapping[str, Any] |
 
 
 def _normal(value: Any) -> Any:
-    """Lists and tuples compare alike (a config read back from a checkpoint may hold either)."""
+    """Lists and tuples compare alike (a config read back from a checkpoint may hold either); a
+    ``Setting`` as its value."""
+    if isinstance(value, Setting):
+        return _normal(value.value)
     return [_normal(v) for v in value] if isinstance(value, (list, tuple)) else value
 
 
@@ -89,9 +148,11 @@ def check_resume_settings(saved: Mapping[str, Any] | None, current: Mapping[str,
     defining = [change for change in changes if change.defines_run]
     allowed = bool(_flatten(current or {}).get(ALLOW_KEY, False))
     if defining and not allowed:
+        advice = "".join(f" ({change.saved.advice})" for change in defining if isinstance(change.saved, Setting) and change.saved.advice)
         raise ConfigError(
-            f"cannot resume {where} with {', '.join(map(str, defining))}: the model, the data set, its split or the image size "
-            f"would differ from what the checkpoint was trained on, so this would be a different run; use another trainer.run_dir "
+            f"cannot resume {where} with {', '.join(map(str, defining))}: the model, the data set, its split, the image size or the "
+            f"input normalisation would differ from what the checkpoint was trained on{advice}, so this would be a different run; "
+            f"use another trainer.run_dir "
             f"(checkpoint.init_from={where} starts a fresh run from these weights) or set {ALLOW_KEY}=true to resume anyway"
         )
     return f"resuming {where} with changed settings: " + "; ".join(map(str, changes))

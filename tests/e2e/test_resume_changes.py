@@ -6,17 +6,20 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from image_folders import make_image_folder
 from resume_helpers import NoisyDigits, make_trainer, tree_snapshot
 
 from ampddp.checkpoint import keys
 from ampddp.checkpoint.changes import check_resume_settings, config_changes
 from ampddp.checkpoint.schedule_plan import plan_schedule
+from ampddp.data import IMAGENET_MEAN, IMAGENET_STD, build_datasets, resolve_normalize
 from ampddp.errors import ConfigError
 from ampddp.observe import METRICS_FILE, SUMMARY_FILE, read_metrics
 from ampddp.recipe.reading import load_config
@@ -81,6 +84,108 @@ def test_every_changed_key_is_listed_and_run_defining_ones_are_refused():
     older = {section: dict(values) for section, values in saved.items()}
     del older["checkpoint"]["allow_changes"]  # a checkpoint written before the key existed
     assert config_changes(older, saved) == []
+
+
+# ---- data.normalize: the normalisation it selects, and checkpoints from before the key ------------
+IMAGEFOLDER = ("data.name=imagefolder", "data.root=images", "data.channels=3")
+CIFAR10 = ("data.name=cifar10", "data.root=cifar", "data.channels=3")
+ADDED_WITH_NORMALIZE = {
+    "data": ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor", "auto_augment", "normalize", "decode_device"),
+    "trainer": ("channels_last", "cudnn_benchmark", "allow_tf32"),
+}
+"""The keys the change that introduced data.normalize added (26a3acc)."""
+ABSENT_IMAGEFOLDER = "data.normalize (absent: no normalisation, written before ampddp normalised inputs)"
+
+
+def settings(*overrides: str) -> dict:
+    return load_config(RECIPE, list(overrides)).to_dict()
+
+
+def written_before_normalize(config: dict) -> dict:
+    """``config`` as an ampddp from before data.normalize saved it: without the keys that change added."""
+    return {
+        section: {k: v for k, v in values.items() if k not in ADDED_WITH_NORMALIZE.get(section, ())} for section, values in config.items()
+    }
+
+
+def test_a_null_normalize_and_the_default_it_stands_for_are_the_same_run():
+    for data_set, default in (("imagefolder", "imagenet"), ("cifar10", "computed")):
+        null = settings(f"data.name={data_set}", "data.root=images", "data.channels=3")
+        explicit = settings(f"data.name={data_set}", "data.root=images", "data.channels=3", f"data.normalize={default}")
+        assert config_changes(null, explicit) == [] and config_changes(explicit, null) == [], data_set
+        assert check_resume_settings(null, explicit, "ckpt") is None and check_resume_settings(explicit, null, "ckpt") is None
+    assert (resolve_normalize("imagefolder", None), resolve_normalize("cifar10", None)) == ("imagenet", "computed")
+    assert resolve_normalize("imagefolder", "computed") == "computed"
+    assert resolve_normalize("digits", None) is None and resolve_normalize("pkg.mod:data", None) is None
+
+
+def test_the_image_pipeline_applies_the_normalisation_the_resolver_names(tmp_path):
+    images = make_image_folder(tmp_path / "images", per_class=2, val_per_class=1, size=16)
+    train_set, eval_set = build_datasets("imagefolder", str(images), 8, 3, 0.25, 0, augment=True, normalize=None)
+    for dataset in (train_set, eval_set):
+        normalize = next(t for t in dataset.transform.transforms if type(t).__name__ == "Normalize")
+        assert (tuple(normalize.mean), tuple(normalize.std)) == (IMAGENET_MEAN, IMAGENET_STD)
+
+
+def test_a_null_normalize_resumed_with_another_normalisation_is_refused():
+    null, computed = settings(*IMAGEFOLDER), settings(*IMAGEFOLDER, "data.normalize=computed")
+    shown = "data.normalize null (imagefolder's default, 'imagenet') -> 'computed'"
+    with pytest.raises(ConfigError, match=rf"^cannot resume ckpt with {re.escape(shown)}: .*input normalisation.*allow_changes=true"):
+        check_resume_settings(null, computed, "ckpt")
+    with pytest.raises(ConfigError, match=re.escape("data.normalize 'computed' -> null (imagefolder's default, 'imagenet')")):
+        check_resume_settings(computed, null, "ckpt")
+    allowed = settings(*IMAGEFOLDER, "data.normalize=computed", "checkpoint.allow_changes=true")
+    assert check_resume_settings(null, allowed, "ckpt") == f"resuming ckpt with changed settings: {shown}"
+    with pytest.raises(ConfigError, match=re.escape("data.normalize null (cifar10's default, 'computed') -> 'imagenet'")):
+        check_resume_settings(settings(*CIFAR10), settings(*CIFAR10, "data.normalize=imagenet"), "ckpt")
+
+
+def test_an_imagefolder_checkpoint_from_before_data_normalize_is_refused_unless_allowed():
+    old = written_before_normalize(settings(*IMAGEFOLDER))
+    for normalize in ("null", "imagenet", "computed"):
+        current = settings(*IMAGEFOLDER, f"data.normalize={normalize}")
+        assert [c.key for c in config_changes(old, current)] == ["data.normalize"], "the other new keys default to the old behaviour"
+        with pytest.raises(ConfigError) as refused:
+            check_resume_settings(old, current, "ckpt")
+        message = str(refused.value)
+        assert message.startswith(f"cannot resume ckpt with {ABSENT_IMAGEFOLDER} -> "), message
+        assert "learned from unnormalised inputs in [0, 1], which no data.normalize value gives" in message
+        assert "checkpoint.init_from=ckpt starts a fresh run" in message and "checkpoint.allow_changes=true" in message
+    allowed = settings(*IMAGEFOLDER, "data.normalize=imagenet", "checkpoint.allow_changes=true")
+    assert check_resume_settings(old, allowed, "ckpt") == f"resuming ckpt with changed settings: {ABSENT_IMAGEFOLDER} -> 'imagenet'"
+
+
+def test_a_cifar10_checkpoint_from_before_data_normalize_was_standardised_as_computed():
+    old = written_before_normalize(settings(*CIFAR10))
+    assert config_changes(old, settings(*CIFAR10)) == [] and config_changes(old, settings(*CIFAR10, "data.normalize=computed")) == []
+    with pytest.raises(
+        ConfigError, match=r"data.normalize \(absent: the training split's per-channel statistics, as 'computed'.*\) -> 'imagenet'"
+    ):
+        check_resume_settings(old, settings(*CIFAR10, "data.normalize=imagenet"), "ckpt")
+
+
+def test_digits_and_a_users_data_set_are_unaffected_by_normalize():
+    for config in (settings(), settings("data.name=pkg.mod:data")):
+        assert config_changes(written_before_normalize(config), config) == []
+        assert check_resume_settings(written_before_normalize(config), config, "ckpt") is None
+        assert config_changes(config, config) == []
+
+
+@pytest.mark.timeout(400)
+def test_an_imagefolder_run_with_null_normalize_resumes_with_imagenet_and_refuses_computed(tmp_path):
+    images = make_image_folder(tmp_path / "images", per_class=4, val_per_class=1, size=16)
+    run_dir = tmp_path / "run"
+    image_run = ["data.name=imagefolder", f"data.root={images}", "data.channels=3", "data.batch_size=4", "trainer.max_steps=2",
+                 "checkpoint.every_steps=1", "checkpoint.keep_last=null"]  # fmt: skip
+    first = train(run_dir, *image_run)
+    assert first.returncode == 0, first.stderr[-2000:]
+    before = snapshot(run_dir)
+    refused = train(run_dir, *image_run, f"checkpoint.resume_from={step_dir(run_dir, 1)}", "data.normalize=computed")
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr[-2000:]
+    assert "data.normalize null (imagefolder's default, 'imagenet') -> 'computed'" in refused.stderr and snapshot(run_dir) == before
+    resumed = train(run_dir, *image_run, f"checkpoint.resume_from={step_dir(run_dir, 1)}", "data.normalize=imagenet")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "with changed settings" not in resumed.stderr and "resumed from" in resumed.stderr
 
 
 # ---- the schedule plan ---------------------------------------------------------------------------
