@@ -16,7 +16,7 @@ from ampddp.distributed.data import eval_sampler, sum_across_ranks
 from ampddp.distributed.env import DistEnv
 from ampddp.errors import ConfigError
 from ampddp.training.batches import BatchAdapter, LossFn, MetricsFn
-from ampddp.training.loading import DataLoading, LoaderSettings, worker_error
+from ampddp.training.loading import DataLoading, LoaderSettings, loader_pass, worker_error
 
 RESERVED_NAMES = ("loss", "samples", "kind", "step", "epoch")
 """Names an evaluation record already uses: a metric may not take them."""
@@ -89,8 +89,8 @@ class Evaluator:
 
 
 def _batches(loader: DataLoader) -> Iterator[Any]:
-    """The loader's batches; a worker's ConfigError comes out as its one line."""
+    """The loader's batches (its workers stopped with the pass); a worker's ConfigError comes out as its one line."""
     try:
-        yield from loader
+        yield from loader_pass(loader)
     except ConfigError as error:
         raise worker_error(error) from None

@@ -15,8 +15,9 @@ import logging
 import random
 import signal
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 from typing import Any
 
 import numpy
@@ -25,6 +26,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ampddp.distributed.data import ResumableSampler
 from ampddp.errors import ConfigError, spelled
+from ampddp.preemption import blocked_signals
 
 logger = logging.getLogger("ampddp.trainer")
 _MASK64 = (1 << 64) - 1
@@ -83,12 +85,63 @@ training process checkpoint, after which the loader shuts the worker down."""
 def start_worker(worker_id: int) -> None:
     """A loader worker's start: python's and numpy's generators seeded from the seed torch gave it,
     and the job's stop signals ignored (a worker killed by one would crash the run instead of letting
-    it write its checkpoint)."""
+    it write its checkpoint). They arrive blocked (``start_iterator``): ignored first, so that one
+    sent since the fork is dropped, then unblocked, as they were in the parent."""
     seed = torch.initial_seed() % 2**32
     random.seed(seed)
     numpy.random.seed(seed)
     for stop_signal in WORKER_IGNORED_SIGNALS:
         signal.signal(stop_signal, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, WORKER_IGNORED_SIGNALS)
+
+
+def start_iterator(loader: DataLoader) -> Iterator[Any]:
+    """``iter(loader)`` with the job's stop signals blocked while it starts workers. A worker
+    inherits the mask until ``start_worker`` ignores them, so a signal sent to the process group as
+    it starts cannot kill it (and crash the run); this process gets its own once the mask is back."""
+    method = _start_method(loader) if hasattr(signal, "pthread_sigmask") else None
+    if method not in ("fork", "spawn"):
+        return iter(loader)  # a forkserver forks workers itself, and one launched in the block would keep the mask
+    if method == "spawn":
+        resource_tracker.ensure_running()  # launched in the block, it would unblock SIGINT and SIGTERM there
+    with blocked_signals(WORKER_IGNORED_SIGNALS):
+        return iter(loader)
+
+
+def _start_method(loader: DataLoader) -> str | None:
+    """How ``loader`` starts its workers (its context, else torch's default); None without workers."""
+    if loader.num_workers == 0:
+        return None
+    return (loader.multiprocessing_context or torch.multiprocessing).get_start_method()
+
+
+def loader_pass(loader: DataLoader) -> Iterator[Any]:
+    """One pass over ``loader``, started by ``start_iterator``. Workers started for this pass only
+    (not persistent: evaluation) are stopped when it ends, however it ends, as ``DataLoading.close``
+    stops the persistent ones."""
+    iterator = start_iterator(loader)
+    try:
+        yield from iterator
+    finally:
+        if not loader.persistent_workers:
+            stop_workers(iterator)
+
+
+def stop_workers(iterator: Any) -> None:
+    """Stop a loader iterator's workers through torch's own shutdown, and kill one still alive.
+
+    Workers ignore the job's stop signals, so they cannot be left to torch's fallback or to the
+    interpreter's exit (both send SIGTERM, and the exit then waits forever for a hung worker).
+    """
+    workers = list(getattr(iterator, "_workers", ()))
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+    for worker in workers:
+        if worker.is_alive():
+            worker.kill()
+            worker.join()
 
 
 def _check_count(name: str, value: Any, low: int, optional: bool) -> None:
@@ -179,23 +232,12 @@ class DataLoading:
         return loader
 
     def close(self) -> None:
-        """Stop the workers of every loader built here (persistent ones live until told).
-
-        Workers ignore the job's stop signals, so they cannot be left to the interpreter's exit
-        (which terminates them with SIGTERM and waits): they are stopped here, at the end of training,
-        through the loader's own shutdown, and one that does not stop in time is killed.
-        """
+        """Stop the workers of every loader built here (persistent ones live until told), at the end
+        of training (``stop_workers``)."""
         for loader in self._loaders:
             iterator = getattr(loader, "_iterator", None)  # torch keeps a persistent loader's workers here
             loader._iterator = None
-            workers = list(getattr(iterator, "_workers", ()))
-            shutdown = getattr(iterator, "_shutdown_workers", None)
-            if shutdown is not None:
-                shutdown()
-            for worker in workers:
-                if worker.is_alive():
-                    worker.kill()
-                    worker.join()
+            stop_workers(iterator)
         self._loaders.clear()
 
 
@@ -233,8 +275,8 @@ class InputTimer:
         self._takes = 0
         self._warned = False
 
-    def batches(self, loader: Iterable[Any]) -> Iterator[Any]:
-        iterator = iter(loader)
+    def batches(self, loader: DataLoader) -> Iterator[Any]:
+        iterator = loader_pass(loader)
         while True:
             started = time.perf_counter()
             try:
