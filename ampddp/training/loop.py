@@ -80,7 +80,8 @@ class TrainingLoop:
 
     def fit(self) -> dict[str, Any]:
         """Train until the horizon or a stop signal; returns progress, last evaluation and summary
-        (``preempted`` names the signal when the run stopped early, after writing a checkpoint)."""
+        (``preempted`` names the signal when the run stopped early, after writing a checkpoint; one
+        agreed on the last step stops nothing: the run ends as an uninterrupted one, evaluated)."""
         try:
             return self._fit()
         finally:
@@ -97,7 +98,7 @@ class TrainingLoop:
             with stop if own else contextlib.nullcontext():
                 preempted = self._train_until_done(stop)
             if not preempted and self.evaluator is not None and self._evaluated_step != self.progress.global_step:
-                self._evaluate_and_report()
+                self._evaluate_and_report()  # a run that ended without a step (max_steps=0); the last step evaluates itself
         if self.checkpointer.saved_step != self.progress.global_step:
             self.checkpointer.save()
         summary = self.callbacks.on_end(self.progress)
@@ -124,11 +125,12 @@ class TrainingLoop:
             for index, batch in enumerate(self.input_timer.batches(loader)):
                 window.append(batch)
                 if len(window) == settings.grad_accum_steps or index == last:
-                    if self._optimizer_step(window, ends_epoch=index == last, stop=stop):
+                    stop_agreed = self._optimizer_step(window, ends_epoch=index == last, stop=stop)
+                    if self._finished():
+                        break  # a stop on the last step: the run ended (evaluated) as it would have anyway
+                    if stop_agreed:
                         return stop.received or "a stop signal on another rank"
                     window = []
-                    if self._finished():
-                        break
         return None
 
     def _is_finished(self, progress: Progress) -> bool:
@@ -240,10 +242,13 @@ class TrainingLoop:
         }  # fmt: skip
 
     def _after_step(self, ends_epoch: bool) -> None:
+        """Epoch end and evaluation, then the checkpoint: the last step is evaluated before it is
+        saved, so a checkpoint of a finished run always follows its final evaluation (a run killed
+        during that evaluation resumes from an earlier checkpoint and evaluates)."""
         step, every = self.progress.global_step, self.settings
         if ends_epoch:
             self._end_epoch()
-        elif every.eval_every and self.evaluator is not None and step % every.eval_every == 0:
+        elif self.evaluator is not None and (self._finished() or (every.eval_every and step % every.eval_every == 0)):
             self._evaluate_and_report()
         if every.checkpoint_every and step % every.checkpoint_every == 0:
             self.checkpointer.save()
