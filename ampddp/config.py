@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ampddp.compile_model import COMPILE_CHOICES, DEFAULT_BACKEND
-from ampddp.data import AUTO_AUGMENTS, DECODE_DEVICES, NORMALIZATIONS
+from ampddp.data import AUTO_AUGMENTS, CROPS, DECODE_DEVICES, NORMALIZATIONS
 from ampddp.distributed.sync_bn import SYNC_BN_CHOICES
 from ampddp.distributed.wrap import COMM_HOOKS, STRATEGIES
 from ampddp.precision.engine import IMPLS, PRECISION_MODES
@@ -110,7 +110,7 @@ class DataConfig:
     name: str = field(default="digits", metadata=_choices("digits", "cifar10", "imagefolder", import_path=True))
     """digits: scikit-learn's handwritten digits (no download); cifar10 / imagefolder: from data.root; or a
     user's function as package.module:function, called with data.kwargs, returning (train_set, eval_set or None).
-    root, image_size, channels, augment and eval_fraction apply to the built-in datasets; auto_augment and
+    root, image_size, channels, augment and eval_fraction apply to the built-in datasets; crop, auto_augment and
     normalize to cifar10 and imagefolder; decode_device to imagefolder."""
     root: str | None = None
     """Directory of cifar10 (the extracted cifar-10-batches-py) or of an imagefolder (train/<class>/ and val/<class>/)."""
@@ -134,6 +134,10 @@ class DataConfig:
     """Keep the workers between epochs; null: on when num_workers > 0. Needs num_workers > 0."""
     prefetch_factor: int | None = field(default=None, metadata=_at_least(1))
     """Batches each worker loads ahead; null: torch's default (2). Needs num_workers > 0."""
+    crop: str = field(default="random-resized", metadata=_choices(*CROPS))
+    """cifar10 / imagefolder training crop: random-resized (RandomResizedCrop; evaluation resizes to
+    image_size / 0.875 and center-crops, ImageNet practice) or padded (a random image_size crop of the image
+    zero-padded by image_size / 8: CIFAR practice; evaluation sees the whole image)."""
     auto_augment: str = field(default="none", metadata=_choices(*AUTO_AUGMENTS))
     """cifar10 / imagefolder training, after the crop and flip: none, trivial (TrivialAugmentWide) or
     randaugment (RandAugment). Off with augment: false."""

@@ -27,6 +27,9 @@ IMAGEFOLDER_LAYOUT = "ROOT/train/<class>/<image> and ROOT/val/<class>/<image>"
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")
 """Files an imagefolder class folder contributes (any case); others are skipped, as ImageFolder skips them."""
 AUTO_AUGMENTS = ("none", "trivial", "randaugment")
+CROPS = ("random-resized", "padded")
+"""Training crops: random-resized (ImageNet's RandomResizedCrop, eval at image_size / 0.875 then
+center crop) or padded (CIFAR's random crop of a zero-padded image, eval on the whole image)."""
 NORMALIZATIONS = ("imagenet", "computed")
 DEFAULT_NORMALIZATIONS = {"cifar10": "computed", "imagefolder": "imagenet"}
 """What ``data.normalize: null`` stands for on each data set that normalises its inputs."""
@@ -150,32 +153,57 @@ def channel_stats(batches: Iterable[torch.Tensor]) -> tuple[tuple[float, ...], t
 
 
 def image_transforms(
-    image_size: int, augment: bool, auto_augment: str, mean: Sequence[float], std: Sequence[float]
+    image_size: int,
+    augment: bool,
+    auto_augment: str,
+    mean: Sequence[float],
+    std: Sequence[float],
+    crop: str = "random-resized",
 ) -> tuple[Transform, Transform]:
-    """(train, eval) transforms v2 on uint8 (C, H, W) images, as ImageNet-style training uses them.
+    """(train, eval) transforms v2 on uint8 (C, H, W) images, as ImageNet- or CIFAR-style training uses them.
 
-    Train: RandomResizedCrop + horizontal flip (+ TrivialAugmentWide / RandAugment), then to float
-    in [0, 1] and Normalize; eval: resize the short side to image_size / 0.875, CenterCrop, the same
-    Normalize. ``augment=False`` gives training the evaluation transform.
+    Train: the ``crop`` (``train_geometry``) + horizontal flip (+ TrivialAugmentWide / RandAugment),
+    then to float in [0, 1] and Normalize; eval: ``eval_geometry`` and the same Normalize.
+    ``augment=False`` gives training the evaluation transform.
     """
     from torchvision.transforms import v2
 
     if auto_augment not in AUTO_AUGMENTS:
         raise choice_error("data.auto_augment", auto_augment, AUTO_AUGMENTS)
     to_float = [v2.ToDtype(torch.float32, scale=True), v2.Normalize(list(mean), list(std))]
-    eval_tf = v2.Compose([*eval_geometry(image_size), *to_float])
+    eval_tf = v2.Compose([*eval_geometry(image_size, crop), *to_float])
     if not augment:
         return eval_tf, eval_tf
     policy = {"none": [], "trivial": [v2.TrivialAugmentWide()], "randaugment": [v2.RandAugment()]}[auto_augment]
-    train_tf = v2.Compose([v2.RandomResizedCrop(image_size), v2.RandomHorizontalFlip(), *policy, *to_float])
+    train_tf = v2.Compose([*train_geometry(image_size, crop), v2.RandomHorizontalFlip(), *policy, *to_float])
     return train_tf, eval_tf
 
 
-def eval_geometry(image_size: int) -> list[Transform]:
-    """Resize the short side to image_size / 0.875, then center-crop image_size (uint8 stays uint8)."""
+def train_geometry(image_size: int, crop: str = "random-resized") -> list[Transform]:
+    """random-resized: RandomResizedCrop to image_size; padded: the evaluation geometry, then a random
+    image_size crop of it zero-padded by image_size / 8 on each side (4 pixels at CIFAR's 32)."""
     from torchvision.transforms import v2
 
-    return [v2.Resize(round(image_size / EVAL_CROP_FRACTION)), v2.CenterCrop(image_size)]
+    _check_crop(crop)
+    if crop == "padded":
+        return [*eval_geometry(image_size, crop), v2.RandomCrop(image_size, padding=max(1, round(image_size / 8)))]
+    return [v2.RandomResizedCrop(image_size)]
+
+
+def eval_geometry(image_size: int, crop: str = "random-resized") -> list[Transform]:
+    """Resize the short side, then center-crop image_size (uint8 stays uint8): to image_size / 0.875
+    after a random-resized crop (ImageNet practice), to image_size itself after a padded one (the
+    whole image, as CIFAR evaluates: unchanged at its own size)."""
+    from torchvision.transforms import v2
+
+    _check_crop(crop)
+    short_side = image_size if crop == "padded" else round(image_size / EVAL_CROP_FRACTION)
+    return [v2.Resize(short_side), v2.CenterCrop(image_size)]
+
+
+def _check_crop(crop: str) -> None:
+    if crop not in CROPS:
+        raise choice_error("data.crop", crop, CROPS)
 
 
 def digits(image_size: int, channels: int, eval_fraction: float, seed: int, augment: bool) -> tuple[Dataset, Dataset]:
@@ -217,7 +245,12 @@ def _stats(normalize: str, measure: Callable[[], Iterable[torch.Tensor]]) -> tup
 
 
 def cifar10(
-    root: str | None, image_size: int, augment: bool, auto_augment: str = "none", normalize: str = "computed"
+    root: str | None,
+    image_size: int,
+    augment: bool,
+    auto_augment: str = "none",
+    normalize: str = "computed",
+    crop: str = "random-resized",
 ) -> tuple[Dataset, Dataset]:
     """CIFAR-10's 50,000 training and 10,000 test images from data.root (never downloaded), through
     ``image_transforms``; ``computed`` statistics come from the whole training split."""
@@ -233,7 +266,7 @@ def cifar10(
 
     (train_images, train_labels), (test_images, test_labels) = load(True), load(False)
     mean, std = _stats(normalize, lambda: train_images.split(STATS_IMAGES))
-    train_tf, eval_tf = image_transforms(image_size, augment, auto_augment, mean, std)
+    train_tf, eval_tf = image_transforms(image_size, augment, auto_augment, mean, std, crop)
     return TransformedImages(train_images, train_labels, train_tf), TransformedImages(test_images, test_labels, eval_tf)
 
 
@@ -276,6 +309,7 @@ def imagefolder(
     auto_augment: str = "none",
     normalize: str = "imagenet",
     decode_device: str = "cpu",
+    crop: str = "random-resized",
 ) -> tuple[Dataset, Dataset]:
     """ROOT/train/<class>/ and ROOT/val/<class>/ image files, decoded at each fetch (on ``decode_device``);
     class indices follow the training split's sorted folder names. ``computed`` statistics come from a
@@ -293,13 +327,13 @@ def imagefolder(
     def measure() -> Iterable[torch.Tensor]:
         from torchvision.transforms import v2
 
-        crop = v2.Compose(eval_geometry(image_size))
+        geometry = v2.Compose(eval_geometry(image_size, crop))
         count = min(len(train_samples), STATS_IMAGES)
         chosen = torch.randperm(len(train_samples), generator=torch.Generator().manual_seed(_STATS_SEED))[:count]
-        return (crop(decode_file(train_samples[i][0])).unsqueeze(0) for i in sorted(chosen.tolist()))
+        return (geometry(decode_file(train_samples[i][0])).unsqueeze(0) for i in sorted(chosen.tolist()))
 
     mean, std = _stats(normalize, measure)
-    train_tf, eval_tf = image_transforms(image_size, augment, auto_augment, mean, std)
+    train_tf, eval_tf = image_transforms(image_size, augment, auto_augment, mean, std, crop)
     return (
         ImageFiles(train_samples, classes, train_tf, decode_device),
         ImageFiles(val_samples, classes, eval_tf, decode_device),
@@ -325,11 +359,12 @@ def build_datasets(
     auto_augment: str = "none",
     normalize: str | None = None,
     decode_device: str = "cpu",
+    crop: str = "random-resized",
 ) -> tuple[Dataset, Dataset]:
     """Training and evaluation sets for ``data.name``; ``normalize`` None: each set's default
     (``resolve_normalize``)."""
     if name == "digits":
         return digits(image_size, channels, eval_fraction, seed, augment)
     if name == "cifar10":
-        return cifar10(root, image_size, augment, auto_augment, resolve_normalize(name, normalize))
-    return imagefolder(root, image_size, augment, auto_augment, resolve_normalize("imagefolder", normalize), decode_device)
+        return cifar10(root, image_size, augment, auto_augment, resolve_normalize(name, normalize), crop)
+    return imagefolder(root, image_size, augment, auto_augment, resolve_normalize("imagefolder", normalize), decode_device, crop)

@@ -50,6 +50,7 @@ from ampddp.recipe.reading import check_config
 
 DATASET_CLASSES = {"digits": 10, "cifar10": 10}
 IMAGE_OPTIONS = (
+    ("crop", "random-resized", ("cifar10", "imagefolder")),
     ("auto_augment", "none", ("cifar10", "imagefolder")),
     ("normalize", None, ("cifar10", "imagefolder")),
     ("decode_device", "cpu", ("imagefolder",)),

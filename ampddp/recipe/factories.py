@@ -185,7 +185,7 @@ def build_datasets_from(config: RunConfig, augment: bool) -> tuple[Dataset, Data
     if not is_import_path(data.name):
         return build_datasets(
             data.name, data.root, data.image_size, data.channels, data.eval_fraction, config.trainer.seed, augment,
-            auto_augment=data.auto_augment, normalize=data.normalize, decode_device=data.decode_device,
+            auto_augment=data.auto_augment, normalize=data.normalize, decode_device=data.decode_device, crop=data.crop,
         )  # fmt: skip
     seed_everything(config.trainer.seed)
     result = _call("data.name", data.name, load_callable(data.name, "data.name"), **data.kwargs)

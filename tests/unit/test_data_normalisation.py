@@ -68,3 +68,30 @@ def test_cifar10_test_split_uses_the_training_statistics(tmp_path, monkeypatch):
     assert (test_images.mean(dim=(0, 2, 3)) > 1.0).all(), "the brighter test split keeps its shift"
     image, label = train_set[3]
     assert image.shape == (3, 32, 32) and image.dtype == torch.float32 and label == 3
+
+
+def test_cifar10_padded_crop_evaluates_the_whole_image_and_trains_on_shifted_crops(tmp_path, monkeypatch):
+    """data.crop=padded: CIFAR's practice (random 32 crop of the image padded by 4, flip; eval unchanged)."""
+    (tmp_path / "cifar-10-batches-py").mkdir()
+    monkeypatch.setattr(torchvision.datasets, "CIFAR10", FakeCIFAR10)
+    train_set, test_set = cifar10(str(tmp_path), image_size=32, augment=True, crop="padded")
+    normalize = next(t for t in test_set.transform.transforms if isinstance(t, v2.Normalize))
+    mean, std = torch.tensor(normalize.mean).view(3, 1, 1), torch.tensor(normalize.std).view(3, 1, 1)
+    raw_test = torch.tensor(FakeCIFAR10("", False, False).data).permute(0, 3, 1, 2)
+    torch.testing.assert_close(test_set[2][0], (raw_test[2].float() / 255.0 - mean) / std)
+    raw = torch.tensor(FakeCIFAR10("", True, False).data).permute(0, 3, 1, 2)[5].float() / 255.0
+    padded = torch.nn.functional.pad(raw, (4, 4, 4, 4))
+    crops = {(top, left, flip) for top in range(9) for left in range(9) for flip in (False, True)}
+    seen = set()
+    for seed in range(40):
+        torch.manual_seed(seed)
+        image = train_set[5][0] * std + mean
+        match = [c for c in crops if torch.allclose(image, _window(padded, *c), atol=1e-5)]
+        assert len(match) >= 1, "every training image is a 32x32 window of the zero-padded image, maybe flipped"
+        seen.add(match[0])
+    assert len(seen) > 10, "the windows are drawn at random"
+
+
+def _window(padded: torch.Tensor, top: int, left: int, flip: bool) -> torch.Tensor:
+    window = padded[:, top : top + 32, left : left + 32]
+    return window.flip(-1) if flip else window

@@ -113,6 +113,20 @@ def test_a_bad_auto_augment_is_one_line_listing_the_choices():
         image_transforms(32, True, "trivialaugment", IMAGENET_MEAN, IMAGENET_STD)
     with pytest.raises(ConfigError, match="valid choices: imagenet, computed"):
         load_config(QUICKSTART, ["data.normalize=per_split"])
+    with pytest.raises(ConfigError, match=r"data.crop='center' is not valid; valid choices: random-resized, padded$"):
+        load_config(QUICKSTART, ["data.crop=center"])
+    with pytest.raises(ConfigError, match=r"data\.crop='pad' is not valid"):
+        image_transforms(32, True, "none", IMAGENET_MEAN, IMAGENET_STD, crop="pad")
+
+
+def test_a_padded_crop_on_an_imagefolder_evaluates_at_the_training_size(folder):
+    train_set, val_set = imagefolder(str(folder), image_size=24, augment=True, crop="padded")
+    path, _ = val_set.samples[0]
+    raw = decode_image(str(path), mode=ImageReadMode.RGB)
+    expected = v2.Compose([v2.Resize(24), v2.CenterCrop(24)])(raw).float() / 255.0
+    expected = (expected - torch.tensor(IMAGENET_MEAN).view(3, 1, 1)) / torch.tensor(IMAGENET_STD).view(3, 1, 1)
+    torch.testing.assert_close(val_set[0][0], expected)
+    assert train_set[0][0].shape == (3, 24, 24)
 
 
 def test_class_indices_and_sample_order_match_torchvisions_imagefolder(folder):
@@ -170,8 +184,9 @@ def check(tmp_path: Path, *overrides: str) -> None:
 
 def test_validate_checks_the_image_settings_against_the_data_set(tmp_path, folder):
     imagefolder_run = ("data.name=imagefolder", f"data.root={folder}", "data.channels=3", "model.name=small_cnn")
-    check(tmp_path, *imagefolder_run, "data.auto_augment=trivial", "data.normalize=computed")
+    check(tmp_path, *imagefolder_run, "data.auto_augment=trivial", "data.normalize=computed", "data.crop=padded")
     cases = [
+        (("data.crop=padded",), "data.crop=padded applies to data.name=cifar10 or imagefolder, not to data.name=digits"),
         (("data.auto_augment=trivial",), "data.auto_augment=trivial applies to data.name=cifar10 or imagefolder, not to data.name=digits"),
         (("data.name=imagefolder", f"data.root={folder}", "data.channels=1"), "data.channels=1: imagefolder images are RGB"),
         ((*imagefolder_run, "data.decode_device=cuda", "data.num_workers=2"), "data.decode_device=cuda decodes in the training process"),
