@@ -313,7 +313,8 @@ def imagefolder(
 ) -> tuple[Dataset, Dataset]:
     """ROOT/train/<class>/ and ROOT/val/<class>/ image files, decoded at each fetch (on ``decode_device``);
     class indices follow the training split's sorted folder names. ``computed`` statistics come from a
-    fixed subset of at most STATS_IMAGES training images after the evaluation resize and crop."""
+    fixed subset of at most STATS_IMAGES training images after the random-resized crop's evaluation
+    resize and crop, whatever ``crop`` is (so a crop setting never changes the normalisation)."""
     path = _require(root, "imagefolder", IMAGEFOLDER_LAYOUT)
     for split in ("train", "val"):
         if not (path / split).is_dir():
@@ -327,7 +328,7 @@ def imagefolder(
     def measure() -> Iterable[torch.Tensor]:
         from torchvision.transforms import v2
 
-        geometry = v2.Compose(eval_geometry(image_size, crop))
+        geometry = v2.Compose(eval_geometry(image_size))  # whatever data.crop: a crop never changes the normalisation
         count = min(len(train_samples), STATS_IMAGES)
         chosen = torch.randperm(len(train_samples), generator=torch.Generator().manual_seed(_STATS_SEED))[:count]
         return (geometry(decode_file(train_samples[i][0])).unsqueeze(0) for i in sorted(chosen.tolist()))

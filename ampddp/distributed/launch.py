@@ -28,6 +28,11 @@ class LaunchError(RuntimeError):
     """A launched worker failed; the message names the rank and carries its traceback."""
 
 
+class RankExitedError(LaunchError, PeerFailureError):
+    """A rank's process ended (killed, or exited) before returning its result: for the ranks
+    left, and for the CLI's exit status, another rank died."""
+
+
 USER_FACING_ERRORS = (ConfigError, CheckpointError, NonFiniteGradientsError, AmpUsageError, PeerFailureError)
 """Errors re-raised in the launching process with their own type (one line and exit status in the CLI)."""
 
@@ -125,6 +130,16 @@ def _worker_error(rank: int, nprocs: int, pickled: bytes | None, trace: str) -> 
     return LaunchError(f"rank {rank} of {nprocs} failed:\n{trace}")
 
 
+def _how_it_ended(exitcode: int) -> str:
+    """'exited with code 7', or 'was killed by SIGKILL' for a negative multiprocessing exit code."""
+    if exitcode >= 0:
+        return f"exited with code {exitcode}"
+    try:
+        return f"was killed by {signal.Signals(-exitcode).name}"
+    except ValueError:
+        return f"was killed by signal {-exitcode}"
+
+
 def _collect(processes: list, results: Any, nprocs: int, job_timeout_s: float | None) -> list[Any]:
     outcome: dict[int, Any] = {}
     deadline = None if job_timeout_s is None else time.monotonic() + job_timeout_s
@@ -136,7 +151,7 @@ def _collect(processes: list, results: Any, nprocs: int, job_timeout_s: float | 
             outcome[rank] = pickle.loads(value)
         for rank, process in enumerate(processes):
             if rank not in outcome and process.exitcode is not None and results.empty():
-                raise LaunchError(f"rank {rank} of {nprocs} exited with code {process.exitcode} before finishing")
+                raise RankExitedError(f"rank {rank} of {nprocs} {_how_it_ended(process.exitcode)} before finishing")
         if deadline is not None and time.monotonic() > deadline:
             missing = sorted(set(range(nprocs)) - set(outcome))
             raise LaunchError(f"ranks {missing} of {nprocs} did not finish within job_timeout_s={job_timeout_s:.0f}s")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, closing
 from typing import Any
 
 import torch
@@ -57,16 +57,17 @@ class Evaluator:
             self._loader = self.loading.eval_loader(self.eval_set, eval_sampler(self.eval_set, self.env), self.batch_size)
         sums: dict[str, float] = {}
         seen = 0.0
-        for batch in _batches(self._loader):
-            batch = self.batches.to_device(batch, self.env.device)
-            count = self.batches.count(batch)
-            with forward_context():
-                outputs = self.batches.forward(model, batch)
-                values = {"loss": self.loss_fn(outputs, batch).detach().double() * count}
-            values.update(self._metric_values(outputs, batch))
-            for name, value in values.items():
-                sums[name] = sums.get(name, 0.0) + float(value)
-            seen += count
+        with closing(_batches(self._loader)) as batches:  # a failing batch stops the workers here and now
+            for batch in batches:
+                batch = self.batches.to_device(batch, self.env.device)
+                count = self.batches.count(batch)
+                with forward_context():
+                    outputs = self.batches.forward(model, batch)
+                    values = {"loss": self.loss_fn(outputs, batch).detach().double() * count}
+                values.update(self._metric_values(outputs, batch))
+                for name, value in values.items():
+                    sums[name] = sums.get(name, 0.0) + float(value)
+                seen += count
         return sums, seen
 
     def _metric_values(self, outputs: Any, batch: Any) -> dict[str, Any]:

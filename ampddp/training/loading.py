@@ -11,6 +11,7 @@ only torch draws are tied to the sample.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import signal
@@ -99,32 +100,42 @@ def start_worker(worker_id: int) -> None:
 def start_iterator(loader: DataLoader) -> Iterator[Any]:
     """``iter(loader)`` with the job's stop signals blocked while it starts workers. A worker
     inherits the mask until ``start_worker`` ignores them, so a signal sent to the process group as
-    it starts cannot kill it (and crash the run); this process gets its own once the mask is back."""
+    it starts cannot kill it (and crash the run); this process gets its own once the mask is back.
+
+    Under the ``forkserver`` start method (Python 3.14's default on Linux) the server forks the
+    workers with its own mask, so the few milliseconds before ``start_worker`` stay unprotected."""
     method = _start_method(loader) if hasattr(signal, "pthread_sigmask") else None
     if method not in ("fork", "spawn"):
-        return iter(loader)  # a forkserver forks workers itself, and one launched in the block would keep the mask
+        return iter(loader)  # a forkserver launched in the block would keep the mask for every process it starts
     if method == "spawn":
         resource_tracker.ensure_running()  # launched in the block, it would unblock SIGINT and SIGTERM there
-    with blocked_signals(WORKER_IGNORED_SIGNALS):
-        return iter(loader)
+    iterator = None
+    try:
+        with blocked_signals(WORKER_IGNORED_SIGNALS):
+            iterator = iter(loader)
+    except BaseException:  # e.g. a pending SIGINT raised as the mask comes back: the workers exist already
+        if iterator is not None:
+            stop_workers(iterator)
+        raise
+    return iterator
 
 
-def _start_method(loader: DataLoader) -> str | None:
+def _start_method(loader: Any) -> str | None:
     """How ``loader`` starts its workers (its context, else torch's default); None without workers."""
-    if loader.num_workers == 0:
+    if getattr(loader, "num_workers", 0) == 0:
         return None
     return (loader.multiprocessing_context or torch.multiprocessing).get_start_method()
 
 
-def loader_pass(loader: DataLoader) -> Iterator[Any]:
-    """One pass over ``loader``, started by ``start_iterator``. Workers started for this pass only
-    (not persistent: evaluation) are stopped when it ends, however it ends, as ``DataLoading.close``
-    stops the persistent ones."""
+def loader_pass(loader: Any) -> Iterator[Any]:
+    """One pass over ``loader`` (a DataLoader, or any iterable), started by ``start_iterator``.
+    Workers started for this pass only (not persistent: evaluation) are stopped when it ends, however
+    it ends, as ``DataLoading.close`` stops the persistent ones."""
     iterator = start_iterator(loader)
     try:
         yield from iterator
     finally:
-        if not loader.persistent_workers:
+        if not getattr(loader, "persistent_workers", False):
             stop_workers(iterator)
 
 
@@ -276,19 +287,19 @@ class InputTimer:
         self._warned = False
 
     def batches(self, loader: DataLoader) -> Iterator[Any]:
-        iterator = loader_pass(loader)
-        while True:
-            started = time.perf_counter()
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                return
-            except ConfigError as error:  # e.g. an unreadable image, found by a worker
-                raise worker_error(error) from None
-            waited = time.perf_counter() - started
-            self.total += waited
-            self._since_take += waited
-            yield batch
+        with contextlib.closing(loader_pass(loader)) as iterator:  # its workers stop with this pass, not at collection
+            while True:
+                started = time.perf_counter()
+                try:
+                    batch = next(iterator)
+                except StopIteration:
+                    return
+                except ConfigError as error:  # e.g. an unreadable image, found by a worker
+                    raise worker_error(error) from None
+                waited = time.perf_counter() - started
+                self.total += waited
+                self._since_take += waited
+                yield batch
 
     def take(self, step: int) -> float:
         """Seconds waited since the last ``take``; warns once when that was most of the time."""

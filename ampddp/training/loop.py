@@ -122,15 +122,16 @@ class TrainingLoop:
                 self._end_epoch()
                 continue
             window: list[Any] = []
-            for index, batch in enumerate(self.input_timer.batches(loader)):
-                window.append(batch)
-                if len(window) == settings.grad_accum_steps or index == last:
-                    stop_agreed = self._optimizer_step(window, ends_epoch=index == last, stop=stop)
-                    if self._finished():
-                        break  # a stop on the last step: the run ended (evaluated) as it would have anyway
-                    if stop_agreed:
-                        return stop.received or "a stop signal on another rank"
-                    window = []
+            with contextlib.closing(self.input_timer.batches(loader)) as batches:  # workers of a non-persistent loader stop with the epoch
+                for index, batch in enumerate(batches):
+                    window.append(batch)
+                    if len(window) == settings.grad_accum_steps or index == last:
+                        stop_agreed = self._optimizer_step(window, ends_epoch=index == last, stop=stop)
+                        if self._finished():
+                            break  # a stop on the last step: the run ended (evaluated) as it would have anyway
+                        if stop_agreed:
+                            return stop.received or "a stop signal on another rank"
+                        window = []
         return None
 
     def _is_finished(self, progress: Progress) -> bool:

@@ -20,7 +20,7 @@ from ampddp.distributed import (
     sum_across_ranks,
 )
 from ampddp.distributed.env import detect_env
-from ampddp.errors import NonFiniteGradientsError
+from ampddp.errors import NonFiniteGradientsError, PeerFailureError
 
 SAMPLES = 11
 
@@ -105,8 +105,9 @@ def test_ampddp_errors_of_a_rank_keep_their_type_with_the_rank_in_front():
 
 def test_a_rank_that_exits_early_is_reported_quickly():
     start = time.monotonic()
-    with pytest.raises(LaunchError, match="rank 1 of 2 exited with code 7"):
+    with pytest.raises(LaunchError, match="rank 1 of 2 exited with code 7 before finishing") as caught:
         launch_local(exiting_worker, 2, device="cpu", timeout_s=30)
+    assert isinstance(caught.value, PeerFailureError), "for the other ranks (and the CLI's exit status) a peer died"
     assert time.monotonic() - start < 25
 
 

@@ -1,5 +1,6 @@
-"""A rank killed mid-run: the survivor of ``ampddp train`` says which rank failed in one line and
-exits with EXIT_PEER_FAILURE, on which a scheduler can requeue the job (resuming is tested in test_preemption)."""
+"""A rank killed mid-run: ``ampddp train`` says which rank failed in one line and exits with
+EXIT_PEER_FAILURE, on which a scheduler can requeue the job (resuming is tested in test_preemption) —
+a rank started as torchrun starts it, and a run spawning its own ranks (distributed.nproc_per_node)."""
 
 from __future__ import annotations
 
@@ -27,8 +28,11 @@ def start_rank(rank: int, port: int, run_dir: Path) -> subprocess.Popen:
     """One rank as torchrun starts it (env:// rendezvous), without torchrun's restarts and kills."""
     env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
-    command = [sys.executable, "-m", "ampddp", "train", RECIPE, f"trainer.run_dir={run_dir}", *SETTINGS]
-    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    return subprocess.Popen(train_command(run_dir), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+
+
+def train_command(run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "ampddp", "train", RECIPE, f"trainer.run_dir={run_dir}", *SETTINGS, *extra]
 
 
 def wait_for_step(run_dir: Path, step: int, ranks: list[subprocess.Popen]) -> None:
@@ -52,7 +56,36 @@ def test_the_survivor_of_a_killed_rank_exits_4_with_one_line_naming_it(tmp_path)
             rank.kill()
             rank.communicate()
     assert ranks[0].returncode == EXIT_PEER_FAILURE == 4, err[-3000:]
+    assert_one_line_naming(err, "rank 1")
+
+
+def assert_one_line_naming(err: str, who: str) -> None:
     last = err.strip().splitlines()[-1]
     assert last.startswith("ampddp train: error: training stopped: "), err[-3000:]
-    assert "rank 1" in last and last.endswith("the same command resumes the run from its newest complete checkpoint")
-    assert "Traceback" not in err
+    assert who in last and last.endswith("the same command resumes the run from its newest complete checkpoint"), last
+    assert "Traceback" not in err, err[-3000:]
+
+
+def spawned_ranks(launcher: int) -> list[int]:
+    """The launcher's rank processes (multiprocessing spawn children; not its resource tracker)."""
+    children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
+    return [int(pid) for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the spawned ranks through /proc")
+def test_a_run_that_spawns_its_ranks_exits_4_when_one_is_killed(tmp_path):
+    run_dir = tmp_path / "run"
+    launcher = subprocess.Popen(train_command(run_dir, "distributed.nproc_per_node=2"), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, cwd=ROOT)  # fmt: skip
+    try:
+        wait_for_step(run_dir, 10, [launcher])
+        victims = spawned_ranks(launcher.pid)
+        assert len(victims) == 2, victims
+        os.kill(victims[1], signal.SIGKILL)
+        _, err = launcher.communicate(timeout=120)
+    finally:
+        launcher.kill()
+        launcher.communicate()
+    assert launcher.returncode == EXIT_PEER_FAILURE, err[-3000:]
+    assert_one_line_naming(err, "was killed by SIGKILL before finishing")

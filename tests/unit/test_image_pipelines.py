@@ -200,3 +200,10 @@ def test_validate_checks_the_image_settings_against_the_data_set(tmp_path, folde
         with pytest.raises(ConfigError) as error:
             check(tmp_path, *overrides)
         assert message in str(error.value) and "\n" not in str(error.value), overrides
+
+
+def test_the_crop_never_changes_computed_statistics(tmp_path):
+    folder = make_image_folder(tmp_path / "images")
+    resized, _ = imagefolder(str(folder), image_size=24, augment=True, normalize="computed")
+    padded, _ = imagefolder(str(folder), image_size=24, augment=True, normalize="computed", crop="padded")
+    assert normalize_of(resized).mean == normalize_of(padded).mean and normalize_of(resized).std == normalize_of(padded).std
