@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import warnings
 from collections.abc import Iterator
 
 from ampddp.distributed.env import DistEnv
@@ -55,14 +56,20 @@ def rank_console(env: DistEnv) -> Iterator[None]:
     if quiet is not None:
         for handler in root.handlers:
             handler.addFilter(quiet)
+    captured_before = _capturing_warnings()
     logging.captureWarnings(True)
     try:
         yield
     finally:
-        logging.captureWarnings(False)
+        logging.captureWarnings(captured_before)  # an application that routes warnings to logging keeps doing so
         if quiet is not None:
             for handler in root.handlers:
                 handler.removeFilter(quiet)
         if added is not None:
             root.removeHandler(added)
         root.setLevel(previous_level)
+
+
+def _capturing_warnings() -> bool:
+    """Whether ``logging.captureWarnings(True)`` is in effect (logging has no public getter)."""
+    return warnings.showwarning is getattr(logging, "_showwarning", None)

@@ -65,6 +65,20 @@ def test_other_ranks_print_only_errors_prefixed_with_their_rank(rank, capsys):
         assert err == ["[rank 1] an error line"]
 
 
+@pytest.mark.parametrize("captured", [False, True])
+def test_warning_capture_is_left_as_the_application_set_it(captured):
+    original = warnings.showwarning
+    logging.captureWarnings(captured)
+    try:
+        before = warnings.showwarning
+        with rank_console(DistEnv(rank=0, world_size=1)):
+            assert warnings.showwarning is not original, "warnings go to logging during the run"
+        assert warnings.showwarning is before
+    finally:
+        logging.captureWarnings(False)
+        warnings.showwarning = original
+
+
 @pytest.mark.timeout(400)
 def test_two_processes_print_one_summary_and_each_warning_once(tmp_path):
     def train(*extra: str) -> subprocess.CompletedProcess:
