@@ -78,7 +78,12 @@ class ResumableSampler(Sampler[int]):
         return iter(self._remaining()[self.rank :: self.world_size])
 
     def __len__(self) -> int:
-        return len(self._remaining()) // self.world_size
+        return self.samples_per_rank()
+
+    def samples_per_rank(self, start: int | None = None) -> int:
+        """Samples each rank gets in an epoch begun at ``start`` (default: the current epoch's start)."""
+        left = max(self.length - (self.start if start is None else start), 0)
+        return left // self.world_size if self.drop_last else -(-left // self.world_size)
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "start": self.start, "seed": self.seed, "shuffle": self.shuffle, "drop_last": self.drop_last}

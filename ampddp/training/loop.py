@@ -29,6 +29,7 @@ from ampddp.training.callbacks import Callbacks
 from ampddp.training.checkpointer import Checkpointer
 from ampddp.training.device import DeviceSettings
 from ampddp.training.evaluator import Evaluator
+from ampddp.training.last_batch import check_single_sample_batch
 from ampddp.training.loading import DataLoading, InputTimer, LoaderSettings
 from ampddp.training.nonfinite import NonFiniteGuard
 from ampddp.training.settings import LoopSettings
@@ -91,6 +92,7 @@ class TrainingLoop:
         self.checkpointer.resume_if_asked(self._is_finished)
         if self.checkpointer.saved_step is not None and self._finished():
             return self._already_complete()
+        self._check_last_batch()
         self.callbacks.on_start(self.progress)
         own = not isinstance(self.stop_signals, StopSignals)
         stop = StopSignals(self.stop_signals) if own else self.stop_signals
@@ -105,6 +107,14 @@ class TrainingLoop:
         if preempted:
             logger.warning("stopped by %s at step %d after writing a checkpoint; run again to resume", preempted, self.progress.global_step)
         return {"progress": self.progress.state_dict(), "eval": self.last_eval, "summary": {**summary, "preempted": preempted}}
+
+    def _check_last_batch(self) -> None:
+        """An epoch ending in a batch the model cannot train on fails now, not an epoch in."""
+        epochs = {self.sampler.samples_per_rank(self.progress.epoch_position), self.sampler.samples_per_rank(0)}
+        run = self.run
+        check_single_sample_batch(
+            run.module, self.train_set, sorted(epochs), self.settings.batch_size, self.batches, run.env.device, self.engine.forward_context
+        )
 
     def _already_complete(self) -> dict[str, Any]:
         """A re-run of a finished run: say so, change nothing (no evaluation, no summary rewrite)."""
