@@ -7,15 +7,18 @@ anything is written, in ``ampddp.recipe.checks``.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from ampddp.config import RunConfig
 from ampddp.console import rank_console
+from ampddp.distributed.data import broadcast_from_main
 from ampddp.distributed.env import DistEnv, detect_env, setup_distributed, shutdown_distributed
 from ampddp.distributed.launch import launch_local
 from ampddp.distributed.watch import PeerWatch
+from ampddp.errors import ConfigError
 from ampddp.observe import RunObserver
 from ampddp.preemption import EarlySignals, StopSignals
 from ampddp.recipe.checks import validate
@@ -95,21 +98,47 @@ def launch(config: RunConfig, early: EarlySignals | None = None) -> dict[str, An
     ``early`` holds the stop signals through ``validate`` (see ``train``); a parent of spawned
     workers takes them over and forwards them, including one that came before the workers existed.
 
-    The main process (rank 0, or the parent of spawned workers) holds the run_dir lock throughout.
+    The main process (rank 0, or the parent of spawned workers) holds the run_dir lock throughout;
+    under a launcher every rank stops with a ConfigError when rank 0 cannot take it.
     """
     validate(config)
     dist_cfg = config.distributed
     env = detect_env(device=dist_cfg.device, backend=dist_cfg.backend, timeout_s=dist_cfg.timeout_s)
-    with RunDirLock(config.trainer.run_dir) if env.is_main else contextlib.nullcontext():  # one writer per run_dir
-        if dist_cfg.nproc_per_node > 1 and env.launcher == "none":
-            with StopSignals(config.trainer.stop_signals, early=early) as stop:
-                results = launch_local(
-                    _spawned, dist_cfg.nproc_per_node, (config,), device=dist_cfg.device, backend=dist_cfg.backend,
-                    timeout_s=dist_cfg.timeout_s, forward_signals=stop,
-                )  # fmt: skip
-            return results[0]
-        env = setup_distributed(device=dist_cfg.device, backend=dist_cfg.backend, timeout_s=dist_cfg.timeout_s)
+    if dist_cfg.nproc_per_node > 1 and env.launcher == "none":
+        with RunDirLock(config.trainer.run_dir), StopSignals(config.trainer.stop_signals, early=early) as stop:
+            results = launch_local(
+                _spawned, dist_cfg.nproc_per_node, (config,), device=dist_cfg.device, backend=dist_cfg.backend,
+                timeout_s=dist_cfg.timeout_s, forward_signals=stop,
+            )  # fmt: skip
+        return results[0]
+    with _joined_and_locked(config) as env:
+        return train(config, env, early)
+
+
+@contextlib.contextmanager
+def _joined_and_locked(config: RunConfig) -> Iterator[DistEnv]:
+    """Join the process group, with rank 0 holding the run_dir lock (one writer per run_dir) until
+    the group is shut down on leaving, on every path.
+
+    Every rank learns from one broadcast whether rank 0 got the lock, so when another run holds it
+    all ranks raise ConfigError at once, instead of the others waiting ``timeout_s`` in a collective
+    for a rank 0 that has left.
+    """
+    dist_cfg, run_dir = config.distributed, config.trainer.run_dir
+    env = setup_distributed(device=dist_cfg.device, backend=dist_cfg.backend, timeout_s=dist_cfg.timeout_s)
+    with contextlib.ExitStack() as held:  # closed last: the lock outlives the process group
         try:
-            return train(config, env, early)
+            refusal: ConfigError | None = None
+            if env.is_main:
+                try:
+                    held.enter_context(RunDirLock(run_dir))
+                except ConfigError as error:
+                    refusal = error
+            refused = broadcast_from_main(None if refusal is None else str(refusal), env)
+            if refusal is not None:
+                raise refusal
+            if refused is not None:
+                raise ConfigError(f"rank 0 could not take the run_dir lock, so rank {env.rank} stops too: {refused}")
+            yield env
         finally:
             shutdown_distributed()
