@@ -128,13 +128,13 @@ def _joined_and_locked(config: RunConfig) -> Iterator[DistEnv]:
     env = setup_distributed(device=dist_cfg.device, backend=dist_cfg.backend, timeout_s=dist_cfg.timeout_s)
     with contextlib.ExitStack() as held:  # closed last: the lock outlives the process group
         try:
-            refusal: ConfigError | None = None
+            refusal: BaseException | None = None
             if env.is_main:
                 try:
                     held.enter_context(RunDirLock(run_dir))
-                except ConfigError as error:
+                except BaseException as error:  # any failure: the other ranks must hear of it, not wait
                     refusal = error
-            refused = broadcast_from_main(None if refusal is None else str(refusal), env)
+            refused = broadcast_from_main(None if refusal is None else str(refusal) or type(refusal).__name__, env)
             if refusal is not None:
                 raise refusal
             if refused is not None:

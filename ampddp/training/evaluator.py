@@ -40,12 +40,13 @@ class Evaluator:
     @torch.no_grad()
     def evaluate(self, model: nn.Module, forward_context: Callable[[], AbstractContextManager[Any]]) -> dict[str, float]:
         rng = capture_rng()
-        was_training = model.training
+        modes = [(module, module.training) for module in model.modules()]  # a frozen (eval-mode) part stays frozen
         model.eval()
         try:
             sums, seen = self._sums(model, forward_context)
         finally:
-            model.train(was_training)
+            for module, training in modes:
+                module.training = training
             restore_rng(rng)  # evaluation must not shift the training run's random streams
         names = self._names_on_every_rank(list(sums))
         totals = sum_across_ranks(torch.tensor([*(sums.get(name, 0.0) for name in names), seen], dtype=torch.float64))

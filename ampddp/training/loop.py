@@ -29,7 +29,7 @@ from ampddp.training.callbacks import Callbacks
 from ampddp.training.checkpointer import Checkpointer
 from ampddp.training.device import DeviceSettings
 from ampddp.training.evaluator import Evaluator
-from ampddp.training.last_batch import check_single_sample_batch
+from ampddp.training.last_batch import check_single_sample_batch, epochs_to_finish
 from ampddp.training.loading import DataLoading, InputTimer, LoaderSettings
 from ampddp.training.nonfinite import NonFiniteGuard
 from ampddp.training.settings import LoopSettings
@@ -109,12 +109,10 @@ class TrainingLoop:
         return {"progress": self.progress.state_dict(), "eval": self.last_eval, "summary": {**summary, "preempted": preempted}}
 
     def _check_last_batch(self) -> None:
-        """An epoch ending in a batch the model cannot train on fails now, not an epoch in."""
-        epochs = {self.sampler.samples_per_rank(self.progress.epoch_position), self.sampler.samples_per_rank(0)}
-        run = self.run
-        check_single_sample_batch(
-            run.module, self.train_set, sorted(epochs), self.settings.batch_size, self.batches, run.env.device, self.engine.forward_context
-        )
+        """An epoch ending in a batch the training step cannot take fails now, not an epoch in."""
+        epochs = epochs_to_finish(self.progress, self.sampler, self.settings)
+        with torch.no_grad():
+            check_single_sample_batch(self.train_set, epochs, self.settings.batch_size, self.compute_loss, self.run.module, self.run.env)
 
     def _already_complete(self) -> dict[str, Any]:
         """A re-run of a finished run: say so, change nothing (no evaluation, no summary rewrite)."""
