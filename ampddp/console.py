@@ -73,7 +73,6 @@ def rank_console(env: DistEnv) -> Iterator[None]:
 def _capturing_warnings() -> bool:
     """Whether ``logging.captureWarnings(True)`` is in effect. logging has no public getter; it keeps
     the replaced ``showwarning`` while capturing (even if something wrapped its own since)."""
-    saved = getattr(logging, "_warnings_showwarning", None)
     if hasattr(logging, "_warnings_showwarning"):
-        return saved is not None
+        return logging._warnings_showwarning is not None
     return warnings.showwarning is getattr(logging, "_showwarning", None)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import AbstractContextManager, closing
 from typing import Any
 
@@ -16,7 +16,7 @@ from ampddp.distributed.data import eval_sampler, sum_across_ranks
 from ampddp.distributed.env import DistEnv
 from ampddp.errors import ConfigError
 from ampddp.training.batches import BatchAdapter, LossFn, MetricsFn
-from ampddp.training.loading import DataLoading, LoaderSettings, loader_pass, worker_error
+from ampddp.training.loading import DataLoading, LoaderSettings, loader_pass
 
 RESERVED_NAMES = ("loss", "samples", "kind", "step", "epoch")
 """Names an evaluation record already uses: a metric may not take them."""
@@ -58,7 +58,7 @@ class Evaluator:
             self._loader = self.loading.eval_loader(self.eval_set, eval_sampler(self.eval_set, self.env), self.batch_size)
         sums: dict[str, float] = {}
         seen = 0.0
-        with closing(_batches(self._loader)) as batches:  # a failing batch stops the workers here and now
+        with closing(loader_pass(self._loader)) as batches:  # a failing batch stops the workers here and now
             for batch in batches:
                 batch = self.batches.to_device(batch, self.env.device)
                 count = self.batches.count(batch)
@@ -88,11 +88,3 @@ class Evaluator:
         gathered: list[list[str]] = [[] for _ in range(self.env.world_size)]
         dist.all_gather_object(gathered, local)
         return list(dict.fromkeys(name for names in gathered for name in names))
-
-
-def _batches(loader: DataLoader) -> Iterator[Any]:
-    """The loader's batches (its workers stopped with the pass); a worker's ConfigError comes out as its one line."""
-    try:
-        yield from loader_pass(loader)
-    except ConfigError as error:
-        raise worker_error(error) from None

@@ -130,10 +130,13 @@ def _start_method(loader: Any) -> str | None:
 def loader_pass(loader: Any) -> Iterator[Any]:
     """One pass over ``loader`` (a DataLoader, or any iterable), started by ``start_iterator``.
     Workers started for this pass only (not persistent: evaluation) are stopped when it ends, however
-    it ends, as ``DataLoading.close`` stops the persistent ones."""
+    it ends, as ``DataLoading.close`` stops the persistent ones. A worker's ConfigError (e.g. an
+    unreadable image) comes out as its one line (``worker_error``)."""
     iterator = start_iterator(loader)
     try:
         yield from iterator
+    except ConfigError as error:
+        raise worker_error(error) from None
     finally:
         if not getattr(loader, "persistent_workers", False):
             stop_workers(iterator)
@@ -294,8 +297,6 @@ class InputTimer:
                     batch = next(iterator)
                 except StopIteration:
                     return
-                except ConfigError as error:  # e.g. an unreadable image, found by a worker
-                    raise worker_error(error) from None
                 waited = time.perf_counter() - started
                 self.total += waited
                 self._since_take += waited
