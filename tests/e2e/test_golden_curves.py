@@ -37,9 +37,10 @@ INSTRUCTION_FAMILIES = ("amx_bf16", "avx512_fp16", "avx512_bf16", "avx512f", "av
 def instruction_family() -> str:
     """The widest of ``INSTRUCTION_FAMILIES`` this CPU has (from /proc/cpuinfo), or ``"unknown"``."""
     try:
-        flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), [])
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         return "unknown"
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
     return next((family for family in INSTRUCTION_FAMILIES if family in flags), "unknown")
 
 
