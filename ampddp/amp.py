@@ -31,11 +31,14 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
+from ampddp.amp_stash import mark_optimizer, unmark_optimizer
+from ampddp.distributed.rewrap import param_dtypes, rehook_wrappers_after_cast
 from ampddp.errors import AmpUsageError, ConfigError
 from ampddp.precision.cast_context import OpCastContext, end_thread_casts, suspend_thread_casts
 from ampddp.precision.compile_support import run_eagerly_as_own_frame
 from ampddp.precision.engine import PrecisionEngine, check_models_and_optimizers
 from ampddp.precision.factory import build_engine
+from ampddp.precision.opt_level import OptLevelEngine
 from ampddp.precision.policy import check_opt_level
 from ampddp.precision.registry import (
     BFLOAT16,
@@ -70,6 +73,8 @@ class SetUp:
     engine: PrecisionEngine
     models: list[nn.Module]
     optimizers: list[Optimizer]
+    request: tuple[Any, ...] = ()
+    """What ``initialize`` was asked for (opt level, impl, enabled, overrides): a repeat of it is a no-op."""
     hooks: list[RemovableHandle] = field(default_factory=list)
     initializing_thread: threading.local = field(default_factory=threading.local)
     """Marks the thread that called ``initialize``, the only one whose forwards open a cast window
@@ -86,6 +91,16 @@ class SetUp:
 
     def holds(self, obj: object) -> bool:
         return any(obj is held for held in (*self.models, *self.optimizers))
+
+    def holds_exactly(self, models: list[nn.Module], optimizers: list[Optimizer]) -> bool:
+        same = [a is b for a, b in zip((*models, *optimizers), (*self.models, *self.optimizers))]
+        return len(models) == len(self.models) and len(optimizers) == len(self.optimizers) and all(same)
+
+    def mark_optimizers(self) -> None:
+        """apex's ``optimizer._amp_stash`` on each optimizer, as libraries test for it (see ampddp.amp_stash)."""
+        if isinstance(self.engine, OptLevelEngine) and self.engine.policy.enabled:
+            for optimizer in self.optimizers:
+                mark_optimizer(optimizer, self.engine.optimizer_grads(optimizer))
 
     def install_hooks(self) -> None:
         """Casting outlives the forward until the loss is handed to ``scale_loss`` (see module doc).
@@ -125,6 +140,8 @@ class SetUp:
         for handle in self.hooks:
             handle.remove()
         self.hooks = []
+        for optimizer in self.optimizers:
+            unmark_optimizer(optimizer)
         self.engine.teardown()
 
 
@@ -180,6 +197,9 @@ class Amp:
         """
         model_list, models_were_list = _as_list(models, nn.Module, "models")
         optimizer_list, optimizers_were_list = ([], False) if optimizers is None else _as_list(optimizers, Optimizer, "optimizers")
+        request = (opt_level, impl, enabled, sorted(overrides.items()))
+        if self._repeats_a_setup(model_list, optimizer_list, request):
+            return models if optimizers is None else (models, optimizers)
         allow_low = self.allow_incoming_model_not_fp32
         options = {"allow_low_precision_models": True} if allow_low and impl == "builtin" else {}
         engine = build_engine(check_opt_level(opt_level), impl=impl, registry=self._registry, enabled=enabled, **options, **overrides)
@@ -194,9 +214,13 @@ class Amp:
         self.end_casts()
         for earlier in [s for s in self.setups if any(s.holds(obj) for obj in (*model_list, *optimizer_list))]:
             earlier.teardown()
+        dtypes_before = param_dtypes(model_list)
         engine.setup(model_list, optimizer_list)
-        setup = SetUp(engine, model_list, optimizer_list)
+        if param_dtypes(model_list) != dtypes_before:
+            rehook_wrappers_after_cast(model_list)
+        setup = SetUp(engine, model_list, optimizer_list, request)
         setup.install_hooks()
+        setup.mark_optimizers()
         self._setups = [ref for ref in self._setups if (live := ref()) is not None and live.live]
         self._setups.append(weakref.ref(setup))
         self._newest = setup
@@ -205,6 +229,11 @@ class Amp:
         if optimizers is None:
             return out_models
         return out_models, (optimizer_list if optimizers_were_list else optimizer_list[0])
+
+    def _repeats_a_setup(self, models: list[nn.Module], optimizers: list[Optimizer], request: tuple[Any, ...]) -> bool:
+        """True when exactly these objects were initialized with exactly this request: mmengine calls
+        ``initialize`` again until it sees ``_amp_stash``. Anything else goes through ``initialize``'s checks."""
+        return any(setup.holds_exactly(models, optimizers) and setup.request == request for setup in self.setups)
 
     @property
     def setups(self) -> tuple[SetUp, ...]:

@@ -332,6 +332,10 @@ class OptLevelEngine(PrecisionEngine):
     def master_params(self, optimizer: Optimizer) -> Iterator[nn.Parameter]:
         return self._record(optimizer).master_params()
 
+    def optimizer_grads(self, optimizer: Optimizer) -> OptimizerGrads:
+        """The masters and gradient bookkeeping of one optimizer of this set-up (read by apex's ``_amp_stash``)."""
+        return self._record(optimizer)
+
     # ---- state --------------------------------------------------------------------------------
     def loss_scale(self, loss_id: int = 0) -> float:
         return self.scaler_for(loss_id).loss_scale

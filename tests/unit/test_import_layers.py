@@ -15,13 +15,19 @@ from pathlib import Path
 import ampddp
 
 LAYERS = [
-    ("foundations", ("ampddp.errors", "ampddp.progress", "ampddp.preemption", "ampddp.data", "ampddp.models", "ampddp.run_lock")),
+    (
+        "foundations",
+        ("ampddp.errors", "ampddp.progress", "ampddp.preemption", "ampddp.data", "ampddp.models", "ampddp.run_lock", "ampddp.torch_compat"),
+    ),
     ("precision", ("ampddp.precision", "ampddp.diagnostics")),
     ("distributed", ("ampddp.distributed", "ampddp.console", "ampddp.observe")),
     ("prepare", ("ampddp.prepare", "ampddp.compile_model")),
     ("checkpoint", ("ampddp.checkpoint",)),
     ("training", ("ampddp.training", "ampddp.trainer")),
-    ("application", ("ampddp.config", "ampddp.recipe", "ampddp.run", "ampddp.cli", "ampddp.__main__", "ampddp.amp", "ampddp.apex")),
+    (
+        "application",
+        ("ampddp.config", "ampddp.recipe", "ampddp.run", "ampddp.cli", "ampddp.__main__", "ampddp.amp", "ampddp.amp_stash", "ampddp.apex"),
+    ),
 ]
 PACKAGE = Path(ampddp.__file__).parent
 
