@@ -73,13 +73,19 @@ def main():
         def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None):
             losses.append(float(outputs["loss"]))
 
+    optimizer = dict(type="SGD", lr=0.05, momentum=0.9)
+    optim_wrapper = dict(type="ApexOptimWrapper", opt_level=args.opt_level, loss_scale="dynamic", optimizer=optimizer)
     runner = Runner(
         model=model,
         work_dir=args.work_dir,
-        train_dataloader=dict(dataset=Points(), sampler=dict(type=DefaultSampler, shuffle=True), batch_size=16, num_workers=0,
-                              collate_fn=dict(type="default_collate")),
-        optim_wrapper=dict(type="ApexOptimWrapper", opt_level=args.opt_level, loss_scale="dynamic",
-                           optimizer=dict(type="SGD", lr=0.05, momentum=0.9)),  # fmt: skip
+        train_dataloader=dict(
+            dataset=Points(),
+            sampler=dict(type=DefaultSampler, shuffle=True),
+            batch_size=16,
+            num_workers=0,
+            collate_fn=dict(type="default_collate"),
+        ),
+        optim_wrapper=optim_wrapper,
         train_cfg=dict(by_epoch=False, max_iters=args.iters),
         default_hooks=dict(checkpoint=dict(type="CheckpointHook", interval=4, by_epoch=False), logger=dict(type="LoggerHook", interval=4)),
         custom_hooks=[dict(type=RecordLoss)],
