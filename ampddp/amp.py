@@ -80,6 +80,9 @@ class SetUp:
     """Marks the thread that called ``initialize``, the only one whose forwards open a cast window
     (a thread-local flag rather than ``threading.get_ident()``, which ``torch.compile`` cannot trace)."""
     live: bool = True
+    process_wide: bool = False
+    """apex's scope for O1/O4 casts (``python -m ampddp.apex``): on the initializing thread from ``initialize``
+    on, outside forwards too, except while ``scale_loss`` and the optimizer step run."""
 
     def __post_init__(self) -> None:
         self.initializing_thread.marked = True
@@ -109,24 +112,35 @@ class SetUp:
         """
 
         def close_before_forward(module: nn.Module, args: Any) -> None:
+            # Any window open on this thread ends: a model's forward follows its own set-up only (an O0
+            # model next to an O1 one trains as it would alone, process-wide casting included).
             context = self.cast_context
-            if context is not None and not context.active:
-                context.close_window()
+            if self.live and (context is None or not context.active):
+                end_thread_casts()
 
         def open_after_forward(module: nn.Module, args: Any, output: Any) -> None:
-            context = self.cast_context  # None once torn down or op casting was stopped (handle._deactivate)
-            if context is not None and getattr(self.initializing_thread, "marked", False):
-                context.open_window()
+            self.open_window_here()
 
         def close_before_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
             if self.live:
                 end_thread_casts()
 
-        run_eagerly_as_own_frame(close_before_forward, open_after_forward, close_before_step)
+        def reopen_after_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+            if self.process_wide:
+                self.open_window_here()
+
+        run_eagerly_as_own_frame(close_before_forward, open_after_forward, close_before_step, reopen_after_step)
         for model in self.models:
             self.hooks.append(model.register_forward_pre_hook(close_before_forward, prepend=True))
             self.hooks.append(model.register_forward_hook(open_after_forward))
         self.hooks += [optimizer.register_step_pre_hook(close_before_step) for optimizer in self.optimizers]
+        self.hooks += [optimizer.register_step_post_hook(reopen_after_step) for optimizer in self.optimizers]
+
+    def open_window_here(self) -> None:
+        """Apply the op lists on this thread until the next forward, ``scale_loss`` or step, if it initialized."""
+        context = self.cast_context  # None once torn down or op casting was stopped (handle._deactivate)
+        if context is not None and getattr(self.initializing_thread, "marked", False):
+            context.open_window()
 
     def unwind(self) -> None:
         """Exit contexts left entered by forwards interrupted with KeyboardInterrupt on this thread."""
@@ -155,6 +169,26 @@ class Amp:
         self._initialized_optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
         self.allow_incoming_model_not_fp32 = False
         """Accept models with fp16/bf16 params in ``initialize`` (apex's ``_amp_state`` flag of that name)."""
+        self._process_wide = False
+
+    @contextlib.contextmanager
+    def process_wide_casts(self) -> Iterator[None]:
+        """apex's O1/O4 scope inside the block: from ``initialize`` on, ops anywhere on the initializing
+        thread follow the op lists — modules and functions never given to ``initialize`` too — except while
+        ``scale_loss`` (backward) and the optimizer step run. ``python -m ampddp.apex`` runs the program
+        inside it; the library API keeps casting to the models' forwards and the loss after them."""
+        self._process_wide = True
+        try:
+            yield
+        finally:
+            self._process_wide = False
+            for setup in self.setups:
+                setup.process_wide = False
+            end_thread_casts()
+
+    def _reopen_process_casts(self, setup: SetUp | None) -> None:
+        if self._process_wide and setup is not None and setup.live:
+            setup.open_window_here()
 
     @property
     def registry(self) -> OpRegistry:
@@ -218,9 +252,10 @@ class Amp:
         engine.setup(model_list, optimizer_list)
         if param_dtypes(model_list) != dtypes_before:
             rehook_wrappers_after_cast(model_list)
-        setup = SetUp(engine, model_list, optimizer_list, request)
+        setup = SetUp(engine, model_list, optimizer_list, request, process_wide=self._process_wide)
         setup.install_hooks()
         setup.mark_optimizers()
+        self._reopen_process_casts(setup)
         self._setups = [ref for ref in self._setups if (live := ref()) is not None and live.live]
         self._setups.append(weakref.ref(setup))
         self._newest = setup
@@ -244,20 +279,27 @@ class Amp:
     @property
     def engine(self) -> PrecisionEngine:
         """The engine of the newest set-up (raises before ``initialize``)."""
+        return self._require_newest().engine
+
+    def _require_newest(self) -> SetUp:
         if self._newest is None or not self._newest.live:
             raise AmpUsageError("amp.initialize(model, optimizer, opt_level=...) must be called first")
-        return self._newest.engine
+        return self._newest
 
-    def _engine_for(self, optimizers: list[Optimizer]) -> PrecisionEngine:
-        """The set-up holding these optimizers (one set-up must hold them all)."""
-        engine = self.engine
+    def _setup_for(self, optimizers: list[Optimizer]) -> SetUp | None:
+        """The set-up holding these optimizers (one set-up must hold them all); None when none holds them."""
+        self._require_newest()
         owners = {id(s): s for optimizer in optimizers for s in self.setups if s.holds(optimizer)}
         if len(owners) > 1:
             raise AmpUsageError(
                 "these optimizers were passed to different amp.initialize calls; call scale_loss once per set-up, "
                 "with the optimizers that set-up holds"
             )
-        return next(iter(owners.values())).engine if owners else engine
+        return next(iter(owners.values())) if owners else None
+
+    def _engine_for(self, optimizers: list[Optimizer]) -> PrecisionEngine:
+        setup = self._setup_for(optimizers)
+        return setup.engine if setup is not None else self.engine
 
     def end_casts(self) -> None:
         """End O1/O4 casting left on this thread: the window after a forward, and contexts that forwards
@@ -265,6 +307,7 @@ class Amp:
         end_thread_casts()
         for setup in self.setups:
             setup.unwind()
+        self._reopen_process_casts(self._newest)
 
     @contextlib.contextmanager
     def disable_casts(self) -> Iterator[None]:
@@ -294,10 +337,12 @@ class Amp:
         if delay_overflow_check:
             raise ConfigError("delay_overflow_check=True is not supported; valid: False (the overflow check runs when scale_loss exits)")
         optimizer_list, _ = _as_list(optimizers, Optimizer, "optimizers")
-        engine = self._engine_for(optimizer_list)
+        setup = self._setup_for(optimizer_list)
+        engine = setup.engine if setup is not None else self.engine
         end_thread_casts()
         with engine.scale_loss(loss, optimizer_list, loss_id=loss_id, delay_unscale=delay_unscale) as scaled:
             yield scaled
+        self._reopen_process_casts(setup or self._newest)
 
     def forward_context(self) -> AbstractContextManager[Any]:
         """The newest set-up's O1/O4 op-cast context, with device autocast: models from ``initialize``

@@ -8,6 +8,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ampddp import amp
 from ampddp.apex.aliasing import alias_apex, alias_apex_in_children
 
 USAGE = "usage: python -m ampddp.apex [--local-rank N] SCRIPT [ARGS...]  |  python -m ampddp.apex [--local-rank N] -m MODULE [ARGS...]"
@@ -74,21 +75,22 @@ def _source_of(program: Program) -> str:
 
 
 def run(program: Program) -> None:
-    """Run ``program`` as ``__main__`` with apex aliased; its exceptions and SystemExit propagate."""
+    """Run ``program`` as ``__main__`` with apex aliased and apex's process-wide O1/O4 casting (see
+    ``Amp.process_wide_casts``); its exceptions and SystemExit propagate."""
     alias_apex()
     alias_apex_in_children()
     args = list(program.args)
     if program.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", program.local_rank)
         args.insert(0, f"{local_rank_flag(_source_of(program))}={program.local_rank}")
-    if program.is_module:
-        sys.argv = [program.target, *args]
-        runpy.run_module(program.target, run_name="__main__", alter_sys=True)
-        return
     sys.argv = [program.target, *args]
-    script = Path(program.target).resolve()  # __main__.__file__ is absolute, as python gives it since 3.9
-    sys.path[0] = str(script.parent)
-    runpy.run_path(str(script), run_name="__main__")
+    with amp.default.process_wide_casts():
+        if program.is_module:
+            runpy.run_module(program.target, run_name="__main__", alter_sys=True)
+            return
+        script = Path(program.target).resolve()  # __main__.__file__ is absolute, as python gives it since 3.9
+        sys.path[0] = str(script.parent)
+        runpy.run_path(str(script), run_name="__main__")
 
 
 def main(argv: list[str]) -> int:
