@@ -42,6 +42,7 @@ from ampddp.precision.cast_rules import (
 from ampddp.precision.compile_support import run_eagerly_as_own_frame
 from ampddp.precision.device_autocast import DeviceAutocast
 from ampddp.precision.registry import CAST_ATTRIBUTE, FP32, LOW, PROMOTE, Registration, tensors_in
+from ampddp.precision.rnn_inputs import RnnInputAlignment
 
 ORIGINAL_ATTRIBUTE = "__ampddp_original__"
 _SWAP_LOCK = threading.Lock()
@@ -266,6 +267,7 @@ class _Opening:
         self._with_autocast = False
         self._suspension: Any = None
         self._dispatchers: list[tuple[Any, str, _Dispatcher]] = []
+        self._rnn_inputs = RnnInputAlignment()
 
     def open(self, with_autocast: bool, at_bottom: bool) -> None:
         """Device autocast (if asked), then the dispatcher kernels' casts or the cast mode and the swaps;
@@ -288,6 +290,8 @@ class _Opening:
             else:
                 torch._C._push_on_torch_function_stack(self.cast_mode)
             self.mode_pushed = True
+            if not with_autocast:
+                self._rnn_inputs.install()
             for entry in self._swaps:
                 self._dispatchers.append((entry.module, entry.name, _install_dispatcher(entry.module, entry.name)))
         except BaseException:
@@ -295,6 +299,7 @@ class _Opening:
             raise
 
     def close(self) -> None:
+        self._rnn_inputs.remove()
         dispatchers, self._dispatchers = self._dispatchers, []
         for module, name, dispatcher in reversed(dispatchers):
             _release_dispatcher(module, name, dispatcher)
