@@ -332,15 +332,15 @@ class Amp:
 
         On exit the new grads are unscaled (into fp32 masters under O2/O5) and checked; an overflow
         halves the scale and makes the next ``optimizer.step()`` a no-op. ``model`` is accepted for
-        apex compatibility and unused, as in apex.
+        apex compatibility and unused, as in apex. ``delay_overflow_check=True``: unscale only; the
+        caller updates the scale (and skips) with ``_amp_state.loss_scalers[loss_id].update_scale()``.
         """
-        if delay_overflow_check:
-            raise ConfigError("delay_overflow_check=True is not supported; valid: False (the overflow check runs when scale_loss exits)")
         optimizer_list, _ = _as_list(optimizers, Optimizer, "optimizers")
         setup = self._setup_for(optimizer_list)
         engine = setup.engine if setup is not None else self.engine
         end_thread_casts()
-        with engine.scale_loss(loss, optimizer_list, loss_id=loss_id, delay_unscale=delay_unscale) as scaled:
+        options = {"delay_unscale": delay_unscale, "delay_overflow_check": delay_overflow_check}
+        with engine.scale_loss(loss, optimizer_list, loss_id=loss_id, **options) as scaled:
             yield scaled
         self._reopen_process_casts(setup or self._newest)
 

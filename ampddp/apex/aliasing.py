@@ -1,4 +1,4 @@
-"""Make ``import apex`` (and ``import amp_C``) resolve to ``ampddp.apex`` in this process.
+"""Make ``import apex`` (and ``import amp_C``, ``import apex_C``) resolve to ``ampddp.apex`` in this process.
 
 An import hook at the front of ``sys.meta_path`` maps ``apex.X.Y`` to ``ampddp.apex.X.Y``: the same
 module objects under both names, so ``apex.amp is ampddp.apex.amp``. A name ampddp.apex does not
@@ -19,7 +19,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-ALIASES = {"apex": "ampddp.apex", "amp_C": "ampddp.apex.amp_C"}
+ALIASES = {"apex": "ampddp.apex", "amp_C": "ampddp.apex.amp_C", "apex_C": "ampddp.apex.apex_C"}
 
 
 class _AliasLoader(importlib.abc.Loader):
@@ -48,7 +48,7 @@ def _missing_message(name: str) -> str:
 
 
 class ApexAliasFinder(importlib.abc.MetaPathFinder):
-    """Finds ``apex``/``amp_C`` modules as their ``ampddp.apex`` counterparts."""
+    """Finds ``apex``/``amp_C``/``apex_C`` modules as their ``ampddp.apex`` counterparts."""
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         root, _, rest = fullname.partition(".")

@@ -81,11 +81,17 @@ class ApexEngine(PrecisionEngine):
 
     @contextlib.contextmanager
     def scale_loss(
-        self, loss: torch.Tensor, optimizers: list[Optimizer], loss_id: int = 0, delay_unscale: bool = False
+        self,
+        loss: torch.Tensor,
+        optimizers: list[Optimizer],
+        loss_id: int = 0,
+        delay_unscale: bool = False,
+        delay_overflow_check: bool = False,
     ) -> Iterator[torch.Tensor]:
         """apex's own scale_loss; a drop in its scale on exit means it will skip the next step."""
         before = self.loss_scale(loss_id)
-        with self._amp.scale_loss(loss, optimizers, loss_id=loss_id, delay_unscale=delay_unscale) as scaled:
+        options = {"delay_overflow_check": True} if delay_overflow_check else {}
+        with self._amp.scale_loss(loss, optimizers, loss_id=loss_id, delay_unscale=delay_unscale, **options) as scaled:
             yield scaled
         if self.loss_scale(loss_id) < before:
             self._skipped += 1

@@ -130,7 +130,12 @@ class PrecisionEngine(ABC):
         self.load_precision_state(PrecisionState.from_dict(state))
 
     def scale_loss(
-        self, loss: torch.Tensor, optimizers: Sequence[Optimizer], loss_id: int = 0, delay_unscale: bool = False
+        self,
+        loss: torch.Tensor,
+        optimizers: Sequence[Optimizer],
+        loss_id: int = 0,
+        delay_unscale: bool = False,
+        delay_overflow_check: bool = False,
     ) -> AbstractContextManager[torch.Tensor]:
         """apex's ``with amp.scale_loss(loss, optimizers) as scaled`` (unscale and update on exit); opt-level engines only."""
         raise AmpUsageError(f"scale_loss is apex's API for opt levels O0-O5; {self.mode} uses engine.backward(loss) and engine.step")

@@ -44,6 +44,15 @@ def _overflowed(records: Sequence[OptimizerGrads], scaler: LossScaler) -> bool:
     return scaler.dynamic and bool(found) and bool(sum(found[1:], found[0]).item())
 
 
+def _defer_overflow(records: Sequence[OptimizerGrads], scaler: LossScaler) -> bool:
+    """Keep the records' non-finite flags on the scaler for the caller's ``update_scale`` (no host sync); never skip."""
+    found = [record.found_inf for record in records if record.found_inf is not None]
+    if found:
+        pending = sum(found[1:], found[0])
+        scaler.deferred_found_inf = pending if scaler.deferred_found_inf is None else scaler.deferred_found_inf + pending
+    return False
+
+
 @dataclass
 class _PendingStep:
     """The loss whose scaled grads await the next step, and whether that step happened."""
@@ -296,9 +305,19 @@ class OptLevelEngine(PrecisionEngine):
 
     @contextlib.contextmanager
     def scale_loss(
-        self, loss: torch.Tensor, optimizers: Sequence[Optimizer], loss_id: int = 0, delay_unscale: bool = False
+        self,
+        loss: torch.Tensor,
+        optimizers: Sequence[Optimizer],
+        loss_id: int = 0,
+        delay_unscale: bool = False,
+        delay_overflow_check: bool = False,
     ) -> Iterator[torch.Tensor]:
-        """apex semantics: unscale and update the scale when the block exits (once per backward)."""
+        """apex semantics: unscale and update the scale when the block exits (once per backward).
+
+        ``delay_overflow_check=True`` (apex's, for callers that reduce gradients themselves first, as
+        NVIDIA's BERT does): unscale, but leave the scale update and the skip decision to the caller's
+        ``update_scale()`` on apex's scaler view; the non-finite flags wait in ``scaler.deferred_found_inf``.
+        """
         scaler = self.scaler_for(loss_id)
         if not self.policy.enabled:
             yield loss
@@ -324,7 +343,7 @@ class OptLevelEngine(PrecisionEngine):
             return
         for record in records:
             record.unscale_(scaler)
-        skip = self._update(loss_id, _overflowed(records, scaler), records)
+        skip = _defer_overflow(records, scaler) if delay_overflow_check else self._update(loss_id, _overflowed(records, scaler), records)
         for record in records:
             record.found_inf, record.unscaled = None, False
             record.skip_pending = record.skip_pending or skip

@@ -54,6 +54,9 @@ class LossScaler:
         self.skipped_steps = 0
         self.consecutive_skips = 0
         self.hysteresis_left = hysteresis
+        self.deferred_found_inf: torch.Tensor | None = None
+        """Non-finite flags of backwards unscaled with ``delay_overflow_check=True``, not yet given to ``update``
+        (apex: the caller decides when, with ``loss_scalers[i].update_scale()``)."""
 
     @classmethod
     def from_policy(cls, policy: PrecisionPolicy) -> LossScaler:

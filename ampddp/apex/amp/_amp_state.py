@@ -9,9 +9,11 @@ through to the newest set-up of ``ampddp.amp.default``, so nothing is copied or 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import nn
 from torch.optim import Optimizer
 
@@ -24,10 +26,11 @@ from ampddp.precision.scaler import LossScaler
 
 
 class ScalerView:
-    """apex's ``LossScaler`` attributes over one live ampddp scaler."""
+    """apex's ``LossScaler`` attributes over one live ampddp scaler (one view per scaler: see ``view_of``)."""
 
     def __init__(self, scaler: LossScaler) -> None:
         self._scaler = scaler
+        self._flag: torch.Tensor | None = None
 
     def loss_scale(self) -> float:
         return self._scaler.loss_scale
@@ -67,6 +70,58 @@ class ScalerView:
     @property
     def _scale_seq_len(self) -> int:
         return self._scaler.growth_interval
+
+    @_scale_seq_len.setter
+    def _scale_seq_len(self, value: int) -> None:
+        """NVIDIA's GNMT sets its own growth interval here (``upscale_interval``)."""
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"_scale_seq_len {value!r} is not valid; it must be a whole number >= 1 (steps between scale growths)")
+        self._scaler.growth_interval = value
+
+    @property
+    def _overflow_buf(self) -> torch.Tensor | None:
+        """A flag tensor the caller's own kernels set on inf/nan (NVIDIA's BERT passes ``amp_C.multi_tensor_scale``'s);
+        ``update_scale`` reads it. Unset: the flags of ``scale_loss(..., delay_overflow_check=True)``."""
+        return self._flag
+
+    @_overflow_buf.setter
+    def _overflow_buf(self, value: torch.Tensor) -> None:
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            raise ConfigError(f"_overflow_buf must be a one-element tensor (an overflow flag), got {type(value).__name__}")
+        self._flag = value
+
+    @property
+    def _has_overflow(self) -> bool:
+        found = self._flag if self._flag is not None else self._scaler.deferred_found_inf
+        return found is not None and bool(found.item())
+
+    def clear_overflow_state(self) -> None:
+        """Forget pending overflow flags (apex called this before each unscale)."""
+        self._scaler.deferred_found_inf = None
+        if self._flag is not None:
+            self._flag.zero_()
+
+    def update_scale(self) -> bool:
+        """apex's ``LossScaler.update_scale``: apply the pending overflow flag to the scale; True means skip the step.
+
+        For callers of ``scale_loss(..., delay_overflow_check=True)``: like apex, this does not skip
+        ``optimizer.step()`` itself; the caller does not step when it returns True.
+        """
+        overflow = self._has_overflow
+        self._scaler.deferred_found_inf = None
+        return self._scaler.update(overflow)
+
+
+_VIEWS: weakref.WeakKeyDictionary[LossScaler, ScalerView] = weakref.WeakKeyDictionary()
+"""The view of each live scaler, so that what a script sets on ``loss_scalers[0]`` (``_overflow_buf``, its own
+attributes) is there the next time it reads ``loss_scalers[0]``, as on apex's persistent scaler objects."""
+
+
+def view_of(scaler: LossScaler) -> ScalerView:
+    view = _VIEWS.get(scaler)
+    if view is None:
+        view = _VIEWS[scaler] = ScalerView(scaler)
+    return view
 
 
 class PropertiesView:
@@ -118,7 +173,7 @@ class SetUpHandle:
 
     @property
     def _default_scaler(self) -> ScalerView:
-        return ScalerView(self._engine.scalers[0])
+        return view_of(self._engine.scalers[0])
 
 
 WRITABLE = ("allow_incoming_model_not_fp32", "hard_override")
@@ -149,7 +204,7 @@ class AmpStateView:
 
     @property
     def loss_scalers(self) -> list[ScalerView]:
-        return [ScalerView(scaler) for scaler in self._engine("loss_scalers").scalers]
+        return [view_of(scaler) for scaler in self._engine("loss_scalers").scalers]
 
     @property
     def opt_properties(self) -> PropertiesView:
