@@ -32,7 +32,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from ampddp.amp_stash import mark_optimizer, unmark_optimizer
-from ampddp.distributed.rewrap import param_dtypes, rehook_wrappers_after_cast
+from ampddp.distributed.rewrap import param_dtypes, refuse_model_grad_reduction_with_masters, rehook_wrappers_after_cast
 from ampddp.errors import AmpUsageError, ConfigError
 from ampddp.precision.cast_context import OpCastContext, end_thread_casts, suspend_thread_casts
 from ampddp.precision.compile_support import run_eagerly_as_own_frame
@@ -245,6 +245,8 @@ class Amp:
                     "masters); pass each optimizer through initialize once, as apex required: build a new optimizer over "
                     "the model's parameters for a new set-up"
                 )
+        if isinstance(engine, OptLevelEngine) and engine.policy.enabled and engine.policy.uses_master_weights:
+            refuse_model_grad_reduction_with_masters(model_list)
         self.end_casts()
         for earlier in [s for s in self.setups if any(s.holds(obj) for obj in (*model_list, *optimizer_list))]:
             earlier.teardown()
