@@ -4,7 +4,6 @@ with ``DS_ACCELERATOR=cpu`` on CPU; ``LEVEL`` ``off`` drops the section (the fp3
 Each rank writes ``DIR/rank{N}.json``."""
 
 import json
-import os
 import sys
 from pathlib import Path
 

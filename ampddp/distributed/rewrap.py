@@ -58,9 +58,9 @@ def refuse_model_grad_reduction_with_masters(models: Sequence[nn.Module]) -> Non
     engines = [w for w in wrappers_around(models) if is_deepspeed_engine(w)]
     if engines and dist.get_world_size() > 1:
         raise AmpUsageError(
-            "DeepSpeed's \"amp\" section with fp32 master weights (O2/O5) on several ranks would train them apart: DeepSpeed "
+            'DeepSpeed\'s "amp" section with fp32 master weights (O2/O5) on several ranks would train them apart: DeepSpeed '
             "all-reduces the model's gradients after amp has already taken the masters' gradients from them. Use "
-            "\"opt_level\": \"O1\" (or O4, O3) in the \"amp\" section, or DeepSpeed's own \"fp16\"/\"bf16\" sections"
+            '"opt_level": "O1" (or O4, O3) in the "amp" section, or DeepSpeed\'s own "fp16"/"bf16" sections'
         )
 
 

@@ -27,7 +27,8 @@ REPO = Path(__file__).resolve().parents[2]
 def run_job(tmp_path, level, name):
     out = tmp_path / name
     out.mkdir()
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "ampddp.apex", str(JOB), level, "--out", str(out)]  # fmt: skip
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    args = [sys.executable, *launcher, "-m", "ampddp.apex", str(JOB), level, "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     env.pop("WORLD_SIZE", None)
     return subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=400, env=env), out
@@ -50,5 +51,5 @@ def test_the_amp_section_at_o1_keeps_ranks_identical_and_close_to_fp32(tmp_path)
 def test_the_amp_section_with_master_weights_on_several_ranks_is_refused_in_one_line(tmp_path):
     done, _ = run_job(tmp_path, "O2", "o2")
     assert done.returncode != 0
-    assert "AmpUsageError: DeepSpeed's \"amp\" section with fp32 master weights (O2/O5) on several ranks" in done.stderr
+    assert 'AmpUsageError: DeepSpeed\'s "amp" section with fp32 master weights (O2/O5) on several ranks' in done.stderr
     assert '"opt_level": "O1"' in done.stderr
