@@ -1,6 +1,8 @@
 """``ampddp`` command line: ``ampddp train RECIPE [key=value ...]`` and ``ampddp inspect PATH [--json]``.
 
-Only light modules are imported at the top: ``main`` catches the stop signals before torch loads.
+Only light modules are imported at the top: ``main`` catches the stop signals before torch loads, and
+``--help`` / ``--version`` answer without importing torch at all (the choices they list live in
+``ampddp.choices``).
 """
 
 from __future__ import annotations
@@ -48,10 +50,21 @@ def _train(args: argparse.Namespace, early: EarlySignals) -> int:
     return EXIT_PREEMPTED if summary.get("preempted") else 0
 
 
+def _version() -> str:
+    """The installed distribution's version, read from its metadata (no torch import)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ampddp")
+    except PackageNotFoundError:
+        return "unknown (not installed; running from a source tree)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ampddp.recipe.reading import describe_keys
 
     parser = argparse.ArgumentParser(prog="ampddp", description="Mixed-precision training with apex-style opt levels on native PyTorch.")
+    parser.add_argument("--version", action="version", version=f"ampddp {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train = commands.add_parser(
         "train",

@@ -23,17 +23,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from ampddp.choices import COMPILE_CHOICES, COMPILE_MODES, DEFAULT_BACKEND
 from ampddp.errors import ConfigError, choice_error, closest
 
 if TYPE_CHECKING:
     from ampddp.prepare import Prepared
 
 logger = logging.getLogger("ampddp.compile")
-
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-"""torch.compile's modes; ``trainer.compile: true`` means ``default``."""
-COMPILE_CHOICES: tuple[bool | str, ...] = (False, True, *COMPILE_MODES)
-DEFAULT_BACKEND = "inductor"
 
 
 def _available_backends() -> tuple[list[str], list[str]]:

@@ -13,11 +13,19 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from ampddp.compile_model import COMPILE_CHOICES, DEFAULT_BACKEND
-from ampddp.data import AUTO_AUGMENTS, CROPS, DECODE_DEVICES, NORMALIZATIONS
-from ampddp.distributed.sync_bn import SYNC_BN_CHOICES
-from ampddp.distributed.wrap import COMM_HOOKS, STRATEGIES
-from ampddp.precision.engine import IMPLS, PRECISION_MODES
+from ampddp.choices import (
+    AUTO_AUGMENTS,
+    COMM_HOOKS,
+    COMPILE_CHOICES,
+    CROPS,
+    DECODE_DEVICES,
+    DEFAULT_BACKEND,
+    IMPLS,
+    NORMALIZATIONS,
+    PRECISION_MODES,
+    STRATEGIES,
+    SYNC_BN_CHOICES,
+)
 
 IMPORT_PATH_FORM = "package.module:function"
 """How a recipe names a user's function: the module to import, a colon, the callable in it."""

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from ampddp.choices import AUTO_AUGMENTS, CROPS, DECODE_DEVICES, NORMALIZATIONS
 from ampddp.errors import ConfigError, choice_error
 
 if TYPE_CHECKING:
@@ -26,14 +27,8 @@ CIFAR_LAYOUT = "ROOT/cifar-10-batches-py/ (the extracted python version of CIFAR
 IMAGEFOLDER_LAYOUT = "ROOT/train/<class>/<image> and ROOT/val/<class>/<image>"
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")
 """Files an imagefolder class folder contributes (any case); others are skipped, as ImageFolder skips them."""
-AUTO_AUGMENTS = ("none", "trivial", "randaugment")
-CROPS = ("random-resized", "padded")
-"""Training crops: random-resized (ImageNet's RandomResizedCrop, eval at image_size / 0.875 then
-center crop) or padded (CIFAR's random crop of a zero-padded image, eval on the whole image)."""
-NORMALIZATIONS = ("imagenet", "computed")
 DEFAULT_NORMALIZATIONS = {"cifar10": "computed", "imagefolder": "imagenet"}
 """What ``data.normalize: null`` stands for on each data set that normalises its inputs."""
-DECODE_DEVICES = ("cpu", "cuda")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 EVAL_CROP_FRACTION = 0.875

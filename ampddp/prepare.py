@@ -18,8 +18,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from ampddp.choices import SYNC_BN_CHOICES
 from ampddp.distributed.env import DistEnv
-from ampddp.distributed.sync_bn import SYNC_BN_CHOICES, convert_sync_batchnorm
+from ampddp.distributed.sync_bn import convert_sync_batchnorm
 from ampddp.distributed.wrap import DDPOptions, GradSync, wrap_model
 from ampddp.errors import choice_error
 from ampddp.precision.engine import PrecisionEngine

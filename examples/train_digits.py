@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ampddp import PRECISION_MODES
+from ampddp.choices import STRATEGIES, SYNC_BN_CHOICES
 from ampddp.distributed import (
     DistEnv,
     PeerWatch,
@@ -35,8 +36,7 @@ from ampddp.distributed import (
     shutdown_distributed,
     sum_across_ranks,
 )
-from ampddp.distributed.wrap import STRATEGIES
-from ampddp.prepare import SYNC_BN_CHOICES, prepare
+from ampddp.prepare import prepare
 
 
 def load_data(seed: int) -> tuple[TensorDataset, TensorDataset]:

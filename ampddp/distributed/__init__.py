@@ -1,5 +1,6 @@
 """Data-parallel training: process-group environment, wrapping, SyncBN, sharding and launching."""
 
+from ampddp.choices import COMM_HOOKS, STRATEGIES
 from ampddp.distributed.data import (
     EvalShardSampler,
     ResumableSampler,
@@ -15,7 +16,7 @@ from ampddp.distributed.env import DistEnv, detect_env, init_distributed, seed_e
 from ampddp.distributed.launch import LaunchError, free_port, launch_local
 from ampddp.distributed.sync_bn import PortableSyncBatchNorm, convert_sync_batchnorm
 from ampddp.distributed.watch import PeerFailureError, PeerWatch
-from ampddp.distributed.wrap import COMM_HOOKS, STRATEGIES, DDPOptions, GradSync, global_batch_loss_weight, unwrap_model, wrap_model
+from ampddp.distributed.wrap import DDPOptions, GradSync, global_batch_loss_weight, unwrap_model, wrap_model
 
 __all__ = [
     "COMM_HOOKS",

@@ -17,12 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ampddp.choices import SYNC_BN_IMPLS
 from ampddp.distributed.apex_parallel import apex_parallel_attr
 from ampddp.errors import choice_error
-
-SYNC_BN_IMPLS = ("auto", "torch", "apex", "portable")
-SYNC_BN_CHOICES = ("off", *SYNC_BN_IMPLS)
-"""``distributed.sync_bn`` / ``prepare(sync_bn=...)``: off, or the implementation BatchNorm layers become."""
 
 
 def _world(group: Any) -> int:

@@ -12,14 +12,11 @@ from typing import Any
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ampddp.choices import COMM_HOOKS, STRATEGIES
 from ampddp.distributed.apex_parallel import apex_parallel_attr
 from ampddp.distributed.data import sum_across_ranks
 from ampddp.distributed.env import DistEnv
 from ampddp.errors import ConfigError, choice_error
-
-STRATEGIES = ("ddp", "apex-ddp", "dp", "none")
-COMM_HOOKS = ("none", "fp16", "bf16")
-"""DDP communication hooks: none (all-reduce in the gradients' dtype) or compress to fp16 / bf16."""
 
 
 @dataclass(frozen=True)

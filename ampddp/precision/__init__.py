@@ -1,6 +1,7 @@
 """The precision engine: opt-level policies, loss scaling, master weights and op casting."""
 
-from ampddp.precision.engine import NATIVE_MODES, PRECISION_MODES, PrecisionEngine
+from ampddp.choices import PRECISION_MODES
+from ampddp.precision.engine import NATIVE_MODES, PrecisionEngine
 from ampddp.precision.factory import build_engine
 from ampddp.precision.policy import OPT_LEVELS, PrecisionPolicy, resolve_policy
 from ampddp.precision.registry import OpRegistry, bfloat16_function, float_function, half_function, promote_function

@@ -17,12 +17,10 @@ from torch.optim import Optimizer
 
 from ampddp.errors import AmpUsageError
 from ampddp.precision.casting import first_non_fp32_param
-from ampddp.precision.policy import OPT_LEVELS, PrecisionPolicy
+from ampddp.precision.policy import PrecisionPolicy
 from ampddp.precision.state import PrecisionState
 
 NATIVE_MODES = {"native-fp16": torch.float16, "native-bf16": torch.bfloat16}
-PRECISION_MODES = (*OPT_LEVELS, *NATIVE_MODES)
-IMPLS = ("builtin", "apex")
 
 
 def check_models_and_optimizers(

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ampddp.choices import IMPLS, PRECISION_MODES
 from ampddp.errors import choice_error
 from ampddp.precision.apex_backend import ApexEngine
-from ampddp.precision.engine import IMPLS, NATIVE_MODES, PRECISION_MODES, PrecisionEngine
+from ampddp.precision.engine import NATIVE_MODES, PrecisionEngine
 from ampddp.precision.native import NativeAmpEngine
 from ampddp.precision.opt_level import OptLevelEngine
 from ampddp.precision.policy import resolve_policy

@@ -19,10 +19,11 @@ from torch.optim import lr_scheduler as torch_schedulers
 
 from ampddp.apex.optimizers import FusedLAMB
 from ampddp.checkpoint import keys
+from ampddp.choices import SYNC_BN_CHOICES
 from ampddp.cli import main
 from ampddp.config import DistributedConfig
 from ampddp.distributed import DDPOptions, launch_local
-from ampddp.distributed.sync_bn import SYNC_BN_CHOICES, resolve_sync_bn
+from ampddp.distributed.sync_bn import resolve_sync_bn
 from ampddp.errors import ConfigError
 from ampddp.prepare import prepare
 from ampddp.recipe.factories import ddp_options, optimizer_factory, scheduler_factory

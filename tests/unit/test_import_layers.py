@@ -17,7 +17,16 @@ import ampddp
 LAYERS = [
     (
         "foundations",
-        ("ampddp.errors", "ampddp.progress", "ampddp.preemption", "ampddp.data", "ampddp.models", "ampddp.run_lock", "ampddp.torch_compat"),
+        (
+            "ampddp.errors",
+            "ampddp.progress",
+            "ampddp.preemption",
+            "ampddp.data",
+            "ampddp.models",
+            "ampddp.run_lock",
+            "ampddp.torch_compat",
+            "ampddp.choices",
+        ),
     ),
     ("precision", ("ampddp.precision", "ampddp.diagnostics")),
     ("distributed", ("ampddp.distributed", "ampddp.console", "ampddp.observe")),

@@ -1,0 +1,32 @@
+"""The names a recipe may choose from, in a module that imports nothing heavy.
+
+``ampddp --help`` and recipe checks list these choices; keeping them here (not beside the torch code
+that implements each) lets the command line answer without importing torch. The implementing
+modules import their names from here, so each list exists once.
+"""
+
+from __future__ import annotations
+
+OPT_LEVEL_NAMES = ("O0", "O1", "O2", "O3", "O4", "O5")
+NATIVE_MODE_NAMES = ("native-fp16", "native-bf16")
+PRECISION_MODES = (*OPT_LEVEL_NAMES, *NATIVE_MODE_NAMES)
+IMPLS = ("builtin", "apex")
+
+STRATEGIES = ("ddp", "apex-ddp", "dp", "none")
+COMM_HOOKS = ("none", "fp16", "bf16")
+"""DDP communication hooks: none (all-reduce in the gradients' dtype) or compress to fp16 / bf16."""
+SYNC_BN_IMPLS = ("auto", "torch", "apex", "portable")
+SYNC_BN_CHOICES = ("off", *SYNC_BN_IMPLS)
+"""``distributed.sync_bn`` / ``prepare(sync_bn=...)``: off, or the implementation BatchNorm layers become."""
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+"""torch.compile's modes; ``trainer.compile: true`` means ``default``."""
+COMPILE_CHOICES: tuple[bool | str, ...] = (False, True, *COMPILE_MODES)
+DEFAULT_BACKEND = "inductor"
+
+AUTO_AUGMENTS = ("none", "trivial", "randaugment")
+CROPS = ("random-resized", "padded")
+"""Training crops: random-resized (ImageNet's RandomResizedCrop, eval at image_size / 0.875 then
+center crop) or padded (CIFAR's random crop of a zero-padded image, eval on the whole image)."""
+NORMALIZATIONS = ("imagenet", "computed")
+DECODE_DEVICES = ("cpu", "cuda")

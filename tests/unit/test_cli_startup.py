@@ -1,0 +1,44 @@
+"""``ampddp --help`` / ``--version`` and the recipe schema answer without importing torch (6-7 s of
+imports on a busy machine), and the light lists of choices agree with the torch code behind them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from ampddp import choices
+from ampddp.cli import main
+
+
+def test_help_version_and_the_recipe_schema_do_not_import_torch():
+    probe = (
+        "import sys, contextlib, io\n"
+        "from ampddp.cli import build_parser\n"
+        "from ampddp.recipe.reading import describe_keys\n"
+        "build_parser(); describe_keys()\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    try:\n"
+        "        build_parser().parse_args(['--version'])\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_version_names_the_installed_distribution(capsys):
+    try:
+        main(["--version"])
+    except SystemExit as stop:
+        assert stop.code == 0
+    assert capsys.readouterr().out.startswith("ampddp ")
+
+
+def test_the_light_choices_match_the_engines_and_wrappers():
+    from ampddp.precision.engine import NATIVE_MODES
+    from ampddp.precision.policy import OPT_LEVELS
+
+    assert tuple(OPT_LEVELS) == choices.OPT_LEVEL_NAMES
+    assert tuple(NATIVE_MODES) == choices.NATIVE_MODE_NAMES
