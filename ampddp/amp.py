@@ -38,7 +38,6 @@ from ampddp.precision.cast_context import OpCastContext, end_thread_casts, suspe
 from ampddp.precision.compile_support import run_eagerly_as_own_frame
 from ampddp.precision.engine import PrecisionEngine, check_models_and_optimizers
 from ampddp.precision.factory import build_engine
-from ampddp.precision.opt_level import OptLevelEngine
 from ampddp.precision.policy import check_opt_level
 from ampddp.precision.registry import (
     BFLOAT16,
@@ -101,9 +100,10 @@ class SetUp:
 
     def mark_optimizers(self) -> None:
         """apex's ``optimizer._amp_stash`` on each optimizer, as libraries test for it (see ampddp.amp_stash)."""
-        if isinstance(self.engine, OptLevelEngine) and self.engine.policy.enabled:
-            for optimizer in self.optimizers:
-                mark_optimizer(optimizer, self.engine.optimizer_grads(optimizer))
+        for optimizer in self.optimizers:
+            grads = self.engine.optimizer_grads(optimizer)
+            if grads is not None:
+                mark_optimizer(optimizer, grads)
 
     def install_hooks(self) -> None:
         """Casting outlives the forward until the loss is handed to ``scale_loss`` (see module doc).
@@ -245,7 +245,7 @@ class Amp:
                     "masters); pass each optimizer through initialize once, as apex required: build a new optimizer over "
                     "the model's parameters for a new set-up"
                 )
-        if isinstance(engine, OptLevelEngine) and engine.policy.enabled and engine.policy.uses_master_weights:
+        if engine.steps_fp32_masters:
             refuse_model_grad_reduction_with_masters(model_list)
         self.end_casts()
         for earlier in [s for s in self.setups if any(s.holds(obj) for obj in (*model_list, *optimizer_list))]:

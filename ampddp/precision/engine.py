@@ -17,6 +17,7 @@ from torch.optim import Optimizer
 
 from ampddp.errors import AmpUsageError
 from ampddp.precision.casting import first_non_fp32_param
+from ampddp.precision.master import OptimizerGrads
 from ampddp.precision.policy import PrecisionPolicy
 from ampddp.precision.state import PrecisionState
 
@@ -109,6 +110,15 @@ class PrecisionEngine(ABC):
     def compute_dtype(self) -> torch.dtype | None:
         """torch.float16 or torch.bfloat16 when some compute runs in it, None when all runs in fp32 (O0,
         disabled) — so callers can ask about precision without branching on mode names."""
+
+    @property
+    def steps_fp32_masters(self) -> bool:
+        """Whether the optimizers step fp32 copies of low-precision model params (O2/O5), not the params."""
+        return False
+
+    def optimizer_grads(self, optimizer: Optimizer) -> OptimizerGrads | None:
+        """This engine's masters and gradient bookkeeping for ``optimizer``, where it keeps them (opt levels)."""
+        return None
 
     @abstractmethod
     def precision_state(self) -> PrecisionState:

@@ -351,9 +351,13 @@ class OptLevelEngine(PrecisionEngine):
     def master_params(self, optimizer: Optimizer) -> Iterator[nn.Parameter]:
         return self._record(optimizer).master_params()
 
-    def optimizer_grads(self, optimizer: Optimizer) -> OptimizerGrads:
+    def optimizer_grads(self, optimizer: Optimizer) -> OptimizerGrads | None:
         """The masters and gradient bookkeeping of one optimizer of this set-up (read by apex's ``_amp_stash``)."""
-        return self._record(optimizer)
+        return self._record(optimizer) if self.policy.enabled else None
+
+    @property
+    def steps_fp32_masters(self) -> bool:
+        return self.policy.enabled and self.policy.uses_master_weights
 
     # ---- state --------------------------------------------------------------------------------
     def loss_scale(self, loss_id: int = 0) -> float:
