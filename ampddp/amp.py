@@ -32,7 +32,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from ampddp.amp_stash import mark_optimizer, unmark_optimizer
-from ampddp.distributed.rewrap import param_dtypes, refuse_model_grad_reduction_with_masters, rehook_wrappers_after_cast
+from ampddp.distributed.rewrap import Wrappers, wrappers_around
 from ampddp.errors import AmpUsageError, ConfigError
 from ampddp.precision.cast_context import OpCastContext, end_thread_casts, suspend_thread_casts
 from ampddp.precision.compile_support import run_eagerly_as_own_frame
@@ -59,6 +59,14 @@ def _as_list(value: Any, kind: type, name: str) -> tuple[list[Any], bool]:
     if isinstance(value, (list, tuple)):
         return list(value), True
     raise AmpUsageError(f"{name} must be a {kind.__name__} or a list of them, got {type(value).__name__}")
+
+
+def _shaped(models: list[nn.Module], models_were_list: bool, optimizers: list[Optimizer] | None, optimizers_were_list: bool) -> Any:
+    """``initialize``'s return value in the shapes it was given (apex: a model or a list; with optimizers, a pair)."""
+    out_models = models if models_were_list else models[0]
+    if optimizers is None:
+        return out_models
+    return out_models, (optimizers if optimizers_were_list else optimizers[0])
 
 
 @dataclass
@@ -177,13 +185,23 @@ class Amp:
         thread follow the op lists — modules and functions never given to ``initialize`` too — except while
         ``scale_loss`` (backward) and the optimizer step run. ``python -m ampddp.apex`` runs the program
         inside it; the library API keeps casting to the models' forwards and the loss after them."""
-        self._process_wide = True
+        self.set_process_wide_casts(True)
         try:
             yield
         finally:
-            self._process_wide = False
-            for setup in self.setups:
-                setup.process_wide = False
+            self.set_process_wide_casts(False)
+
+    def set_process_wide_casts(self, enabled: bool) -> None:
+        """Turn apex's scope (see ``process_wide_casts``) on or off for this instance's set-ups, from now on.
+
+        A process started under ``python -m ampddp.apex`` (a ``spawn`` worker) turns it on when it imports
+        ``apex``; it lasts as long as that process."""
+        self._process_wide = enabled
+        for setup in self.setups:
+            setup.process_wide = enabled
+        if enabled:
+            self._reopen_process_casts(self._newest)
+        else:
             end_thread_casts()
 
     def _reopen_process_casts(self, setup: SetUp | None) -> None:
@@ -233,7 +251,7 @@ class Amp:
         optimizer_list, optimizers_were_list = ([], False) if optimizers is None else _as_list(optimizers, Optimizer, "optimizers")
         request = (opt_level, impl, enabled, sorted(overrides.items()))
         if self._repeats_a_setup(model_list, optimizer_list, request):
-            return models if optimizers is None else (models, optimizers)
+            return _shaped(model_list, models_were_list, optimizer_list if optimizers is not None else None, optimizers_were_list)
         allow_low = self.allow_incoming_model_not_fp32
         options = {"allow_low_precision_models": True} if allow_low and impl == "builtin" else {}
         engine = build_engine(check_opt_level(opt_level), impl=impl, registry=self._registry, enabled=enabled, **options, **overrides)
@@ -245,15 +263,14 @@ class Amp:
                     "masters); pass each optimizer through initialize once, as apex required: build a new optimizer over "
                     "the model's parameters for a new set-up"
                 )
-        if engine.steps_fp32_masters:
-            refuse_model_grad_reduction_with_masters(model_list)
+        wrappers = wrappers_around(model_list) if engine.casts_model_params or engine.steps_fp32_masters else Wrappers()
+        wrappers.check(engine.casts_model_params, engine.steps_fp32_masters)
         self.end_casts()
         for earlier in [s for s in self.setups if any(s.holds(obj) for obj in (*model_list, *optimizer_list))]:
             earlier.teardown()
-        dtypes_before = param_dtypes(model_list)
         engine.setup(model_list, optimizer_list)
-        if param_dtypes(model_list) != dtypes_before:
-            rehook_wrappers_after_cast(model_list)
+        if engine.casts_model_params:
+            wrappers.rehook_after_cast()
         setup = SetUp(engine, model_list, optimizer_list, request, process_wide=self._process_wide)
         setup.install_hooks()
         setup.mark_optimizers()
@@ -262,10 +279,7 @@ class Amp:
         self._setups.append(weakref.ref(setup))
         self._newest = setup
         self._initialized_optimizers.update(optimizer_list)
-        out_models = model_list if models_were_list else model_list[0]
-        if optimizers is None:
-            return out_models
-        return out_models, (optimizer_list if optimizers_were_list else optimizer_list[0])
+        return _shaped(model_list, models_were_list, optimizer_list if optimizers is not None else None, optimizers_were_list)
 
     def _repeats_a_setup(self, models: list[nn.Module], optimizers: list[Optimizer], request: tuple[Any, ...]) -> bool:
         """True when exactly these objects were initialized with exactly this request: mmengine calls
@@ -342,9 +356,11 @@ class Amp:
         engine = setup.engine if setup is not None else self.engine
         end_thread_casts()
         options = {"delay_unscale": delay_unscale, "delay_overflow_check": delay_overflow_check}
-        with engine.scale_loss(loss, optimizer_list, loss_id=loss_id, **options) as scaled:
-            yield scaled
-        self._reopen_process_casts(setup or self._newest)
+        try:
+            with engine.scale_loss(loss, optimizer_list, loss_id=loss_id, **options) as scaled:
+                yield scaled
+        finally:
+            self._reopen_process_casts(setup or self._newest)
 
     def forward_context(self) -> AbstractContextManager[Any]:
         """The newest set-up's O1/O4 op-cast context, with device autocast: models from ``initialize``

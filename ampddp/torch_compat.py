@@ -17,6 +17,31 @@ class UnsupportedTorchError(RuntimeError):
     """This torch release lacks an internal API the requested feature needs; the message says what to do instead."""
 
 
+def ddp_rebuild_problem(wrapper: DistributedDataParallel) -> str | None:
+    """Why ``rebuild_ddp_reducer`` cannot rebuild ``wrapper`` faithfully on this torch, or None when it can."""
+    missing = [name for name in DDP_REBUILD_METHODS if not callable(getattr(wrapper, name, None))]
+    if missing:
+        return f"torch {torch.__version__} lacks DistributedDataParallel.{', '.join(missing)}"
+    if getattr(wrapper, "mixed_precision", None) is not None:
+        return "it was built with DDP's own mixed_precision"
+    if getattr(wrapper, "_delay_all_reduce_params", None):
+        return "it was built with delay_all_reduce_named_params"
+    if any(hasattr(param, "_in_backward_optimizers") for param in wrapper.module.parameters()):
+        return "an optimizer runs in its backward"
+    hook_name = _logged_comm_hook(wrapper)
+    if hook_name and not getattr(wrapper, "_comm_hooks", None):
+        return f"its built-in communication hook {hook_name} cannot be read back to register again"
+    return None
+
+
+def _logged_comm_hook(wrapper: DistributedDataParallel) -> str:
+    """The communication hook DDP's logger recorded (built-in hooks leave no other trace), or ''."""
+    try:
+        return str(wrapper._get_ddp_logging_data().get("comm_hook", "") or "")
+    except (AttributeError, RuntimeError):
+        return ""
+
+
 def rebuild_ddp_reducer(wrapper: DistributedDataParallel) -> None:
     """Build ``wrapper``'s gradient buckets and hooks anew for its module's current parameters.
 
@@ -25,12 +50,11 @@ def rebuild_ddp_reducer(wrapper: DistributedDataParallel) -> None:
     gradient is all-reduced. This repeats what torch does when it unpickles a wrapper, then re-registers
     the wrapper's communication hooks (apex's pre/post division, fp32 reduction).
     """
-    missing = [name for name in DDP_REBUILD_METHODS if not callable(getattr(wrapper, name, None))]
-    if missing or getattr(wrapper, "mixed_precision", None) is not None:
-        reason = f"lacks {', '.join(missing)}" if missing else "cannot rebuild a wrapper built with DDP's own mixed_precision"
+    problem = ddp_rebuild_problem(wrapper)
+    if problem is not None:
         raise UnsupportedTorchError(
-            f"torch {torch.__version__} {reason}, needed to re-hook a DistributedDataParallel built before the model's "
-            "parameters changed dtype; call amp.initialize / the precision set-up before wrapping the model in DDP"
+            f"cannot re-hook this DistributedDataParallel built before the model's parameters changed dtype ({problem}); "
+            "call amp.initialize / the precision set-up before wrapping the model in DDP"
         )
     comm_hooks = list(getattr(wrapper, "_comm_hooks", ()))
     parameters, expect_sparse = wrapper._build_params_for_reducer()

@@ -61,6 +61,8 @@ class ApexAliasFinder(importlib.abc.MetaPathFinder):
 
 SHIM_DIR = Path(__file__).with_name("_shim")
 """Put on PYTHONPATH by the runner: child processes find ``apex`` there, which aliases itself."""
+PROCESS_WIDE_ENV = "AMPDDP_APEX_PROCESS_WIDE"
+"""Set to 1 by the runner for the processes it starts: their ``apex.amp`` casts O1/O4 process-wide, as the runner's does."""
 
 
 def alias_apex() -> None:
@@ -81,3 +83,12 @@ def alias_apex_in_children() -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join([str(SHIM_DIR), *parts])
     if str(SHIM_DIR) not in sys.path:
         sys.path.append(str(SHIM_DIR))  # spawn children take the parent's sys.path over their own
+    os.environ[PROCESS_WIDE_ENV] = "1"
+
+
+def adopt_runner_scope() -> None:
+    """In a process the runner started (a ``spawn`` worker), cast O1/O4 process-wide as the runner's own process does."""
+    if os.environ.get(PROCESS_WIDE_ENV) == "1":
+        from ampddp.amp import default
+
+        default.set_process_wide_casts(True)

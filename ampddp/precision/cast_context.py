@@ -290,7 +290,7 @@ class _Opening:
             else:
                 torch._C._push_on_torch_function_stack(self.cast_mode)
             self.mode_pushed = True
-            if not with_autocast:
+            if not with_autocast and _suspension_depth() == 0:
                 self._rnn_inputs.install()
             for entry in self._swaps:
                 self._dispatchers.append((entry.module, entry.name, _install_dispatcher(entry.module, entry.name)))

@@ -112,6 +112,11 @@ class PrecisionEngine(ABC):
         disabled) — so callers can ask about precision without branching on mode names."""
 
     @property
+    def casts_model_params(self) -> bool:
+        """Whether ``setup`` changes the models' parameter dtypes in place (O2/O3/O5)."""
+        return False
+
+    @property
     def steps_fp32_masters(self) -> bool:
         """Whether the optimizers step fp32 copies of low-precision model params (O2/O5), not the params."""
         return False

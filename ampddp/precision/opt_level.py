@@ -343,10 +343,19 @@ class OptLevelEngine(PrecisionEngine):
             return
         for record in records:
             record.unscale_(scaler)
-        skip = _defer_overflow(records, scaler) if delay_overflow_check else self._update(loss_id, _overflowed(records, scaler), records)
+        skip = self._check_overflow(loss_id, records, delay_overflow_check)
         for record in records:
             record.found_inf, record.unscaled = None, False
             record.skip_pending = record.skip_pending or skip
+
+    def _check_overflow(self, loss_id: int, records: Sequence[OptimizerGrads], deferred: bool) -> bool:
+        """After ``scale_loss`` unscaled: update the scale now and say whether to skip, or (``deferred``) leave
+        the flags for the caller's ``update_scale``."""
+        scaler = self.scalers[loss_id]
+        if deferred:
+            return _defer_overflow(records, scaler)
+        scaler.deferred_found_inf = None  # this check covers those grads too (they accumulated into these)
+        return self._update(loss_id, _overflowed(records, scaler), records)
 
     def master_params(self, optimizer: Optimizer) -> Iterator[nn.Parameter]:
         return self._record(optimizer).master_params()
@@ -358,6 +367,10 @@ class OptLevelEngine(PrecisionEngine):
     @property
     def steps_fp32_masters(self) -> bool:
         return self.policy.enabled and self.policy.uses_master_weights
+
+    @property
+    def casts_model_params(self) -> bool:
+        return self.policy.enabled and self.policy.cast_model_type not in (None, torch.float32)
 
     # ---- state --------------------------------------------------------------------------------
     def loss_scale(self, loss_id: int = 0) -> float:

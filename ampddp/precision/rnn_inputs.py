@@ -7,6 +7,10 @@ enabled, and it does so in Python before any op runs, so the op lists never get 
 without autocast, a module forward pre-hook gives such an input its module's weight dtype; the RNN
 op, on the low-precision list, then runs in the low dtype as apex ran it, and the input's gradient
 comes back in the input's own dtype.
+
+torch's module hooks are process-wide, so there is one hook, present only while some live thread
+has the lists applied (counted per thread; a thread that ended with its count open stops counting),
+and it acts only on such threads.
 """
 
 from __future__ import annotations
@@ -19,31 +23,57 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils.hooks import RemovableHandle
 
+_LOCK = threading.Lock()
+_OPEN: dict[threading.Thread, int] = {}
+"""Live threads with the lists applied without autocast, and how many openings each has."""
+_HOOK: list[RemovableHandle] = []
+"""The one process-wide pre-hook, while ``_OPEN`` is not empty."""
+
+
+def _align(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    if not isinstance(module, nn.RNNBase) or not args or threading.current_thread() not in _OPEN:
+        return None
+    weight = next(module.parameters(), None)
+    data = args[0].data if isinstance(args[0], PackedSequence) else args[0]
+    if weight is None or not data.is_floating_point() or data.dtype == weight.dtype:
+        return None
+    if isinstance(args[0], PackedSequence):
+        return (args[0]._replace(data=data.to(weight.dtype)), *args[1:])
+    return (data.to(weight.dtype), *args[1:])
+
+
+def _sync_hook() -> None:
+    """Drop threads that ended; the hook exists exactly while some live thread needs it (under ``_LOCK``)."""
+    for thread in [t for t in _OPEN if not t.is_alive()]:
+        del _OPEN[thread]
+    if _OPEN and not _HOOK:
+        _HOOK.append(register_module_forward_pre_hook(_align))
+    elif not _OPEN and _HOOK:
+        _HOOK.pop().remove()
+
 
 class RnnInputAlignment:
-    """A process-wide module pre-hook, installed only while one thread's lists apply, acting on that thread."""
+    """One opening's share of the hook, on the thread that installs it."""
 
     def __init__(self) -> None:
-        self._handle: RemovableHandle | None = None
-        self._thread: int | None = None
+        self._thread: threading.Thread | None = None
 
     def install(self) -> None:
-        if self._handle is None:
-            self._thread = threading.get_ident()
-            self._handle = register_module_forward_pre_hook(self._align)
+        if self._thread is not None:
+            return
+        self._thread = threading.current_thread()
+        with _LOCK:
+            _OPEN[self._thread] = _OPEN.get(self._thread, 0) + 1
+            _sync_hook()
 
     def remove(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
-
-    def _align(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-        if not isinstance(module, nn.RNNBase) or threading.get_ident() != self._thread or not args:
-            return None
-        weight = next(module.parameters(), None)
-        data = args[0].data if isinstance(args[0], PackedSequence) else args[0]
-        if weight is None or not data.is_floating_point() or data.dtype == weight.dtype:
-            return None
-        if isinstance(args[0], PackedSequence):
-            return (args[0]._replace(data=data.to(weight.dtype)), *args[1:])
-        return (data.to(weight.dtype), *args[1:])
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        with _LOCK:
+            left = _OPEN.get(thread, 0) - 1
+            if left > 0:
+                _OPEN[thread] = left
+            else:
+                _OPEN.pop(thread, None)
+            _sync_hook()

@@ -153,6 +153,7 @@ class LossScaler:
         """
         self.loss_scale = state.loss_scale
         self.unskipped = state.unskipped
+        self.deferred_found_inf = None
         self.skipped_steps = state.skipped_steps or 0
         self.consecutive_skips = state.consecutive_skips or 0
         left = self.hysteresis if state.hysteresis_left is None else state.hysteresis_left

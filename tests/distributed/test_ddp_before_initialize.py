@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import make_batches, make_mlp
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ampddp.amp import Amp
@@ -27,14 +28,26 @@ def wrap(model, kind):
     return ApexDDP(model, delay_allreduce=True)
 
 
-def ddp_then_initialize_worker(env, opt_level, kind):
+class Holder(nn.Module):
+    """A task module around the network (DDP wraps the holder; initialize gets the network)."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def ddp_then_initialize_worker(env, opt_level, kind, given="module"):
     amp = Amp()
     model = make_mlp(seed=3, batchnorm=False)
-    ddp = wrap(model, kind)
+    ddp = wrap(Holder(model) if given == "inner" else model, kind)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    targets = {"module": ddp.module, "inner": model, "parts": list(model.children())}[given]
     for step, (x, y) in enumerate(make_batches(STEPS, batch=16, seed=5)):
         if step == 0:  # mmengine: initialize on the first iteration, inside the wrapped model's step
-            _, optimizer = amp.initialize(ddp.module, optimizer, opt_level=opt_level, verbosity=0, loss_scale=128.0)
+            _, optimizer = amp.initialize(targets, optimizer, opt_level=opt_level, verbosity=0, loss_scale=128.0)
         shard = slice(env.rank * 8, env.rank * 8 + 8)
         optimizer.zero_grad()
         loss = F.cross_entropy(ddp(x[shard]), y[shard])
@@ -69,3 +82,41 @@ def test_ddp_wrapped_before_initialize_keeps_ranks_identical_and_averaged(opt_le
     tolerance = {"O0": 1e-6, "O1": 5e-3}.get(opt_level, 2e-2)
     for got, want in zip(params0, reference):
         assert torch.allclose(got, want, atol=tolerance, rtol=tolerance), (opt_level, (got - want).abs().max())
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("given", ["inner", "parts"])
+def test_ddp_around_a_holder_or_initialize_of_the_parts_is_rehooked_too(given):
+    params0, params1 = launch_local(ddp_then_initialize_worker, 2, ("O2", "torch", given), timeout_s=60, job_timeout_s=240)
+    assert len(params0) == len(params1) > 0
+    assert all(torch.equal(a, b) for a, b in zip(params0, params1))
+    for got, want in zip(params0, whole_batch_reference()):
+        assert torch.allclose(got, want, atol=2e-2, rtol=2e-2)
+
+
+def unrebuildable_worker(env):
+    import torch.distributed as dist
+
+    from ampddp import AmpUsageError
+
+    amp = Amp()
+    model = make_mlp(seed=3, batchnorm=False)
+    ddp = DistributedDataParallel(model)
+    ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    try:
+        amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+        message = None
+    except AmpUsageError as error:
+        message = str(error)
+    untouched = all(p.dtype == torch.float32 for p in model.parameters()) and not hasattr(optimizer, "_amp_stash")
+    amp.initialize(model, optimizer, opt_level="O1", verbosity=0)  # nothing was half-done: another level still works
+    return message, untouched
+
+
+@pytest.mark.timeout(300)
+def test_a_wrapper_that_cannot_be_rehooked_is_refused_before_anything_changes():
+    (message, untouched), _ = launch_local(unrebuildable_worker, 2, timeout_s=60, job_timeout_s=240)
+    assert message is not None and "cannot be re-hooked" in message and "built-in communication hook" in message
+    assert "call amp.initialize before wrapping" in message
+    assert untouched

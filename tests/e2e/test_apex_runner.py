@@ -142,3 +142,34 @@ def test_processes_the_program_spawns_resolve_apex_too(tmp_path):
     assert f"FILE {script}" in done.stdout  # absolute, as python gives __main__.__file__
     assert "SPAWNED ampddp.apex ampddp.apex.amp_C" in done.stdout
     assert "SUBPROCESS ampddp.apex" in done.stdout
+
+
+SPAWNING_SCRIPT = """
+import torch, torch.multiprocessing as mp, torch.nn as nn
+from apex import amp
+
+def cast_of_a_layer_never_initialized():
+    return str(nn.Linear(2, 2)(torch.randn(1, 2)).dtype)
+
+def worker(rank, out):
+    model = nn.Linear(4, 4)
+    amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O1", verbosity=0)
+    open(out, "w").write(cast_of_a_layer_never_initialized())
+
+if __name__ == "__main__":
+    import sys
+    model = nn.Linear(4, 4)
+    amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O1", verbosity=0)
+    print(cast_of_a_layer_never_initialized())
+    mp.spawn(worker, args=(sys.argv[1],), nprocs=1)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_spawned_workers_cast_process_wide_as_the_runners_own_process(tmp_path):
+    script = tmp_path / "spawning.py"
+    script.write_text(SPAWNING_SCRIPT)
+    done = run(["-m", "ampddp.apex", str(script), str(tmp_path / "child.txt")], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["torch.float16"]
+    assert (tmp_path / "child.txt").read_text() == "torch.float16"

@@ -123,3 +123,14 @@ def test_disabled_amp_leaves_no_stash_as_apex_and_a_new_set_up_removes_the_old_o
     amp.initialize(model, second, opt_level="O1", verbosity=0)  # the model again: the first set-up is torn down
     assert not hasattr(first, "_amp_stash") and not hasattr(first, "_amp_lazy_init")
     assert hasattr(second, "_amp_stash")
+
+
+def test_a_repeated_initialize_returns_the_shapes_the_first_one_did():
+    amp = Amp()
+    model = make_mlp(batchnorm=False)
+    optimizer = sgd(model.parameters())
+    first = amp.initialize((model,), (optimizer,), opt_level="O1", verbosity=0)
+    again = amp.initialize((model,), (optimizer,), opt_level="O1", verbosity=0)
+    assert type(first[0]) is type(again[0]) is list and type(first[1]) is type(again[1]) is list
+    assert again[0][0] is model and again[1][0] is optimizer
+    assert amp.initialize(model, optimizer, opt_level="O1", verbosity=0) == (model, optimizer)

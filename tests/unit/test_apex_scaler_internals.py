@@ -104,3 +104,39 @@ def test_apex_c_flatten_and_unflatten_share_memory_and_refuse_mismatches():
         apex_C.unflatten(torch.zeros(10), tensors)
     with pytest.raises(AttributeError):
         apex_C.bogus  # noqa: B018
+
+
+def test_overflow_buf_is_always_a_flag_and_a_script_can_swap_its_own_in_and_back():
+    amp, state, model, optimizer = o2_setup()
+    scaler = state.loss_scalers[0]
+    own = scaler._overflow_buf
+    assert isinstance(own, torch.Tensor) and own.numel() == 1 and int(own) == 0
+    mine = torch.ones(1, dtype=torch.int)
+    scaler._overflow_buf = mine
+    assert scaler.update_scale() is True  # the script's flag decides
+    scaler._overflow_buf = own  # put back, as a careful script does
+    backward(amp, model, optimizer, factor=float("inf"), delay_overflow_check=True)
+    assert scaler.update_scale() is True  # with apex's own flag back, the deferred check decides again
+
+
+def test_a_normal_scale_loss_clears_flags_left_by_a_delayed_check():
+    amp, state, model, optimizer = o2_setup()
+    backward(amp, model, optimizer, factor=float("inf"), delay_overflow_check=True)
+    for param in optimizer._amp_stash.all_fp32_from_fp16_params:
+        param.grad = None
+    backward(amp, model, optimizer)  # no update_scale in between: this check covers the new grads
+    optimizer.step()
+    assert state.loss_scalers[0].update_scale() is False
+
+
+def test_scaler_views_are_freed_with_their_set_up():
+    import gc
+    import weakref
+
+    amp, state, model, optimizer = o2_setup()
+    scaler = amp.engine.scalers[0]
+    assert state.loss_scalers[0] is state.loss_scalers[0]
+    alive = weakref.ref(scaler)
+    del amp, state, model, optimizer, scaler
+    gc.collect()
+    assert alive() is None

@@ -82,3 +82,22 @@ def test_an_o0_model_next_to_a_process_wide_o1_one_runs_in_fp32():
         amp.initialize(exact, torch.optim.SGD(exact.parameters(), lr=0.1), opt_level="O0", verbosity=0)
         fast(torch.randn(2, 8))
         assert exact(torch.randn(2, 8)).dtype == torch.float32
+
+
+def test_an_error_inside_scale_loss_does_not_end_the_process_wide_scope():
+    amp = Amp()
+    with amp.process_wide_casts():
+        model = nn.Linear(8, 8)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+        try:
+            with amp.scale_loss(model(torch.randn(2, 8)).float().sum(), optimizer):
+                raise KeyError("user code failed")
+        except KeyError:
+            pass
+        assert mm() == torch.float16
+        amp.set_process_wide_casts(False)
+        assert mm() == torch.float32
+        amp.set_process_wide_casts(True)
+        assert mm() == torch.float16
+    assert mm() == torch.float32

@@ -141,3 +141,28 @@ def test_process_wide_casts_reach_an_rnn_never_given_to_initialize():
     assert gru(torch.randn(T, B, H))[0].dtype == torch.float32
     with pytest.raises(ValueError, match="does not match weight dtype"):  # torch's own check, once nothing casts
         gru(torch.randn(T, B, H, dtype=torch.float16))
+
+
+def test_the_rnn_hook_goes_when_a_thread_ends_with_its_lists_applied():
+    import threading
+
+    from torch.nn.modules import module as torch_module
+
+    before = len(torch_module._global_forward_pre_hooks)
+    amp = Amp()
+    model = nn.Linear(H, H)
+    amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O1", verbosity=0)
+
+    def forward_and_leave():
+        apex_amp.init(enabled=True)  # the lists stay applied on this thread: it ends without _deactivate
+        nn.GRU(H, H)(torch.randn(T, B, H, dtype=torch.float16))
+
+    thread = threading.Thread(target=forward_and_leave)
+    thread.start()
+    thread.join()
+    gru = nn.GRU(H, H)
+    with pytest.raises(ValueError, match="does not match weight dtype"):  # not this thread's lists: torch's check
+        gru(torch.randn(T, B, H, dtype=torch.float16))
+    model(torch.randn(2, H))  # a window opens and closes here: the dead thread's share is dropped
+    amp.end_casts()
+    assert len(torch_module._global_forward_pre_hooks) == before

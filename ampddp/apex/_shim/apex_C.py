@@ -3,7 +3,8 @@
 import sys
 
 import ampddp.apex.apex_C
-from ampddp.apex.aliasing import alias_apex
+from ampddp.apex.aliasing import adopt_runner_scope, alias_apex
 
 alias_apex()
+adopt_runner_scope()
 sys.modules[__name__] = ampddp.apex.apex_C

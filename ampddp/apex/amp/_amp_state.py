@@ -9,7 +9,6 @@ through to the newest set-up of ``ampddp.amp.default``, so nothing is copied or 
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,6 +30,7 @@ class ScalerView:
     def __init__(self, scaler: LossScaler) -> None:
         self._scaler = scaler
         self._flag: torch.Tensor | None = None
+        self._own_flag: torch.Tensor | None = None
 
     def loss_scale(self) -> float:
         return self._scaler.loss_scale
@@ -79,9 +79,13 @@ class ScalerView:
         self._scaler.growth_interval = value
 
     @property
-    def _overflow_buf(self) -> torch.Tensor | None:
-        """A flag tensor the caller's own kernels set on inf/nan (NVIDIA's BERT passes ``amp_C.multi_tensor_scale``'s);
-        ``update_scale`` reads it. Unset: the flags of ``scale_loss(..., delay_overflow_check=True)``."""
+    def _overflow_buf(self) -> torch.Tensor:
+        """apex's overflow flag (a one-element int tensor, always there). A script may put its own in its place
+        (NVIDIA's BERT passes the one its ``amp_C.multi_tensor_scale`` calls set) and put the old one back:
+        ``update_scale`` then reads the script's flag; with this view's own flag it reads the non-finite flags
+        of ``scale_loss(..., delay_overflow_check=True)``."""
+        if self._flag is None:
+            self._own_flag = self._flag = torch.zeros(1, dtype=torch.int)
         return self._flag
 
     @_overflow_buf.setter
@@ -92,7 +96,9 @@ class ScalerView:
 
     @property
     def _has_overflow(self) -> bool:
-        found = self._flag if self._flag is not None else self._scaler.deferred_found_inf
+        if self._flag is not None and self._flag is not self._own_flag:
+            return bool(self._flag.item())
+        found = self._scaler.deferred_found_inf
         return found is not None and bool(found.item())
 
     def clear_overflow_state(self) -> None:
@@ -112,15 +118,17 @@ class ScalerView:
         return self._scaler.update(overflow)
 
 
-_VIEWS: weakref.WeakKeyDictionary[LossScaler, ScalerView] = weakref.WeakKeyDictionary()
-"""The view of each live scaler, so that what a script sets on ``loss_scalers[0]`` (``_overflow_buf``, its own
-attributes) is there the next time it reads ``loss_scalers[0]``, as on apex's persistent scaler objects."""
+VIEW_ATTRIBUTE = "_apex_view"
 
 
 def view_of(scaler: LossScaler) -> ScalerView:
-    view = _VIEWS.get(scaler)
+    """The one view of ``scaler``, kept on it (and freed with it), so that what a script sets on
+    ``loss_scalers[0]`` (``_overflow_buf``, its own attributes) is there the next time it reads
+    ``loss_scalers[0]``, as on apex's persistent scaler objects."""
+    view = scaler.__dict__.get(VIEW_ATTRIBUTE)
     if view is None:
-        view = _VIEWS[scaler] = ScalerView(scaler)
+        view = ScalerView(scaler)
+        setattr(scaler, VIEW_ATTRIBUTE, view)
     return view
 
 

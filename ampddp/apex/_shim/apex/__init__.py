@@ -4,7 +4,8 @@ hook and puts ``ampddp.apex`` in this module's place, so ``import apex`` gives a
 import sys
 
 import ampddp.apex
-from ampddp.apex.aliasing import alias_apex
+from ampddp.apex.aliasing import adopt_runner_scope, alias_apex
 
 alias_apex()
+adopt_runner_scope()
 sys.modules[__name__] = ampddp.apex
