@@ -6,6 +6,7 @@ or dies makes ``launch_local`` raise an error naming that rank instead of hangin
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import signal
@@ -17,11 +18,15 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 
 from ampddp.distributed.env import DEFAULT_TIMEOUT_S, setup_distributed, shutdown_distributed
 from ampddp.errors import AmpUsageError, CheckpointError, ConfigError, NonFiniteGradientsError, PeerFailureError
 from ampddp.preemption import StopSignals, blocked_signals, parse_signals
+
+logger = logging.getLogger("ampddp.distributed")
+THREADS_ENV = "OMP_NUM_THREADS"
 
 
 class LaunchError(RuntimeError):
@@ -44,7 +49,26 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def _worker(fn: Callable[..., Any], rank: int, nprocs: int, init_method: str, options: dict, results: Any, args: tuple) -> None:
+def threads_per_process(nprocs: int) -> int | None:
+    """CPU threads for each of ``nprocs`` local processes: this process's cores split between them
+    (torch's default in every process would oversubscribe the cores several times over), or None
+    when the user set ``OMP_NUM_THREADS`` (theirs stands, as under torchrun)."""
+    if os.environ.get(THREADS_ENV):
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // nprocs)
+    if nprocs > 1:
+        message = "each of the %d processes uses %d CPU thread(s) (%d cores split between them; set %s to choose)"
+        logger.info(message, nprocs, threads, cores, THREADS_ENV)
+    return threads
+
+
+def _worker(
+    fn: Callable[..., Any], rank: int, nprocs: int, init_method: str, options: dict, results: Any, args: tuple, threads: int | None = None
+) -> None:
+    if threads is not None:
+        os.environ[THREADS_ENV] = str(threads)  # for what this worker starts (DataLoader workers, subprocesses)
+        torch.set_num_threads(threads)
     try:
         env = setup_distributed(rank=rank, world_size=nprocs, init_method=init_method, **options)
         # Plain pickle copies tensors into the message; torch's shared-memory handles would die with us.
@@ -86,8 +110,9 @@ def launch_local(
     results = context.SimpleQueue()
     init_method = f"tcp://{host}:{free_port(host)}"
     options = {"device": device, "backend": backend, "timeout_s": timeout_s}
+    threads = threads_per_process(nprocs)
     processes = [
-        context.Process(target=_worker, args=(fn, rank, nprocs, init_method, options, results, args), daemon=False)
+        context.Process(target=_worker, args=(fn, rank, nprocs, init_method, options, results, args, threads), daemon=False)
         for rank in range(nprocs)
     ]
     stop = forward_signals if isinstance(forward_signals, StopSignals) else None
