@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_leaves
 
 from ampddp.choices import COMPILE_CHOICES, COMPILE_MODES, DEFAULT_BACKEND
 from ampddp.errors import ConfigError, choice_error, closest
+from ampddp.torch_compat import compile_backends
 
 if TYPE_CHECKING:
     from ampddp.prepare import Prepared
@@ -34,9 +35,7 @@ logger = logging.getLogger("ampddp.compile")
 
 def _available_backends() -> tuple[list[str], list[str]]:
     """(every registered torch.compile backend, the ones torch lists by default) — imports dynamo."""
-    import torch._dynamo
-
-    return sorted(torch._dynamo.list_backends(exclude_tags=())), sorted(torch._dynamo.list_backends())
+    return compile_backends()
 
 
 @dataclass(frozen=True)
@@ -60,7 +59,7 @@ class ModelCompiler:
         if not isinstance(self.backend, str) or self.backend not in registered:
             raise ConfigError(
                 f"{self.where}compile_backend={self.backend!r} is not a torch.compile backend{closest(str(self.backend), registered)}; "
-                f"valid choices: {', '.join(listed)}, or one of torch._dynamo.list_backends(exclude_tags=()) such as aot_eager"
+                f"valid choices: {', '.join(listed)}, or another registered backend such as aot_eager"
             )
 
     @classmethod

@@ -6,6 +6,8 @@ line naming the torch version and what to do instead, rather than deep inside a 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
@@ -66,3 +68,79 @@ def rebuild_ddp_reducer(wrapper: DistributedDataParallel) -> None:
     wrapper._comm_hooks = []
     for hook, state in comm_hooks:
         wrapper.register_comm_hook(state, hook)
+
+
+# ---- the torch-function mode stack (cast_context.py) ---------------------------------------------
+
+
+def pop_function_mode() -> Any:
+    """Take the top mode off this thread's torch-function mode stack (``torch.overrides`` keeps no public pop)."""
+    return torch._C._pop_torch_function_stack()
+
+
+def push_function_mode(mode: Any) -> None:
+    """Put ``mode`` on top of this thread's torch-function mode stack without entering it as a context."""
+    torch._C._push_on_torch_function_stack(mode)
+
+
+def function_mode_depth() -> int:
+    """How many torch-function modes are on this thread's stack."""
+    return torch._C._len_torch_function_stack()
+
+
+# ---- the dispatcher (aten_casts.py) ---------------------------------------------------------------
+
+
+def dispatcher_op_names() -> frozenset[str]:
+    """Every op the dispatcher knows (``torch.ops.aten`` also lists TorchScript-only overloads)."""
+    return frozenset(torch._C._dispatch_get_all_op_names())
+
+
+def has_kernel_for_key(op_name: str, key: str) -> bool:
+    """Whether ``op_name`` has a kernel registered on dispatch key ``key`` (e.g. ``AutocastCPU``)."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op_name, key)
+
+
+def excluding_key(key: str) -> Any:
+    """A context that skips dispatch key ``key`` for the ops run inside it, as torch's own autocast kernels do."""
+    below = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+    return torch._C._ExcludeDispatchKeyGuard(below)
+
+
+# ---- dynamo (compile_support.py, compile_model.py) -------------------------------------------------
+
+
+def run_as_plain_python_under_compile(*functions: Any) -> None:
+    """Make dynamo run ``functions`` as plain Python when it meets them as frames of their own (it still
+    inlines them into a caller's graph). A torch without this per-code-object setting (before 2.7) has
+    them compiled as their own frames, which ``torch.compile`` of an O1/O4 model cannot do there."""
+    try:
+        from torch._dynamo.eval_frame import FrameAction, FrameExecStrategy, set_code_exec_strategy
+    except ImportError:
+        return
+    eager = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+    for function in functions:
+        set_code_exec_strategy(function.__code__, eager)
+
+
+def compile_backends() -> tuple[list[str], list[str]]:
+    """(every registered torch.compile backend, the ones listed by default)."""
+    import torch._dynamo
+
+    return sorted(torch._dynamo.list_backends(exclude_tags=())), sorted(torch._dynamo.list_backends())
+
+
+# ---- DataLoader workers (training/loading.py) -----------------------------------------------------
+
+
+def loader_worker_shutdown(iterator: Any) -> Any:
+    """The iterator's method that stops its worker processes, or None (a plain iterable, or a torch without it)."""
+    return getattr(iterator, "_shutdown_workers", None)
+
+
+def detach_persistent_workers(loader: Any) -> Any:
+    """Detach and return the iterator a ``persistent_workers`` DataLoader keeps (and its workers), or None."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None:
+        loader._iterator = None
+    return iterator

@@ -47,6 +47,7 @@ from ampddp.precision.cast_rules import (
     target_dtype,
 )
 from ampddp.precision.registry import Registration
+from ampddp.torch_compat import dispatcher_op_names, excluding_key, has_kernel_for_key
 
 TO_HOST = "to-host-fp32"
 """``Tensor.cpu()`` of a low-precision tensor on another device: fp32, as apex's list had it (apex cast
@@ -89,7 +90,7 @@ in fp32 (torch's CUDA list promotes it)."""
 @functools.lru_cache(maxsize=1)
 def _dispatcher_ops() -> frozenset[str]:
     """Ops the dispatcher knows (``torch.ops.aten`` also lists TorchScript-only ones such as ``atan2.int``)."""
-    return frozenset(torch._C._dispatch_get_all_op_names())
+    return dispatcher_op_names()
 
 
 def _overloads(name: str) -> list[Any]:
@@ -257,17 +258,15 @@ def _apply(
 
 def _kernel(overload: Any, key: str) -> Callable[..., Any]:
     """The shared kernel for ``overload`` on ``key``: the entered plan's kind, or torch's behaviour."""
-    below = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
     torch_kind = TORCH_KERNEL_REPLACED.get((key, overload.name()))
     name = overload._schema.name.removeprefix("aten::")
-    exclude = torch._C._ExcludeDispatchKeyGuard
     call = overload._op  # the op's C++ entry point: one Python frame less than calling the OpOverload
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         casts = entered_casts()
         kind = casts.kinds.get(overload) if casts is not None else None
         # Nested ops run below autocast, as inside torch's own autocast kernels.
-        with exclude(below):
+        with excluding_key(key):
             if kind is not None:
                 return _apply(kind, call, name, args, kwargs, casts.low, casts.cache)
             if torch_kind is not None:
@@ -318,7 +317,7 @@ class KernelRegistry:
         with self._lock:
             if (overload, key) in self._libraries:
                 return (key, overload.name()) in TORCH_KERNEL_REPLACED
-        return torch._C._dispatch_has_kernel_for_dispatch_key(overload.name(), key)
+        return has_kernel_for_key(overload.name(), key)
 
     def registered(self) -> int:
         """How many (op, key) kernels are registered now (releases queued so far carried out)."""

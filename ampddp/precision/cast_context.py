@@ -43,6 +43,7 @@ from ampddp.precision.compile_support import run_eagerly_as_own_frame
 from ampddp.precision.device_autocast import DeviceAutocast
 from ampddp.precision.registry import CAST_ATTRIBUTE, FP32, LOW, PROMOTE, Registration, tensors_in
 from ampddp.precision.rnn_inputs import RnnInputAlignment
+from ampddp.torch_compat import function_mode_depth, pop_function_mode, push_function_mode
 
 ORIGINAL_ATTRIBUTE = "__ampddp_original__"
 _SWAP_LOCK = threading.Lock()
@@ -149,13 +150,13 @@ def _remove_mode(mode: TorchFunctionMode) -> None:
     """Take ``mode`` off this thread's torch-function mode stack wherever it sits; modes pushed
     above it (by user code still inside their ``with``) stay, in their order."""
     above = []
-    while torch._C._len_torch_function_stack() > 0:
-        top = torch._C._pop_torch_function_stack()
+    while function_mode_depth() > 0:
+        top = pop_function_mode()
         if top is mode:
             break
         above.append(top)
     for other in reversed(above):
-        torch._C._push_on_torch_function_stack(other)
+        push_function_mode(other)
 
 
 def _copy_into(out: Any, result: Any) -> None:
@@ -235,14 +236,14 @@ def _push_below_others(mode: TorchFunctionMode) -> None:
     """Push a mode that outlives the user's ``with`` blocks underneath their modes, so that leaving
     one of those blocks (``with torch.device(...)`` pops whatever is on top) never pops it. It stays
     above the default-device mode of ``torch.set_default_device``, which must remain at the bottom."""
-    above = [torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())]
+    above = [pop_function_mode() for _ in range(function_mode_depth())]
     default_device = getattr(getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None), "device_context", None)
     below = [m for m in above[-1:] if default_device is not None and m is default_device]
     for other in below:
-        torch._C._push_on_torch_function_stack(other)
-    torch._C._push_on_torch_function_stack(mode)
+        push_function_mode(other)
+    push_function_mode(mode)
     for other in reversed(above[: len(above) - len(below)]):
-        torch._C._push_on_torch_function_stack(other)
+        push_function_mode(other)
 
 
 class _Opening:
@@ -288,7 +289,7 @@ class _Opening:
             if at_bottom:
                 _push_below_others(self.cast_mode)
             else:
-                torch._C._push_on_torch_function_stack(self.cast_mode)
+                push_function_mode(self.cast_mode)
             self.mode_pushed = True
             if not with_autocast and _suspension_depth() == 0:
                 self._rnn_inputs.install()

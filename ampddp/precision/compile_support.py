@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ampddp.torch_compat import run_as_plain_python_under_compile
+
 
 def run_eagerly_as_own_frame(*functions: Callable[..., Any]) -> None:
     """Dynamo runs these (and what they call) as plain Python when it meets them as frames of their
@@ -19,9 +21,4 @@ def run_eagerly_as_own_frame(*functions: Callable[..., Any]) -> None:
     to its recompile limit. The setting belongs to these functions' code objects (ampddp's own) and
     changes nothing outside ``torch.compile``; setting it again is a no-op.
     """
-    # Imported here, at the first set-up, rather than with ampddp: importing dynamo takes ~2 s.
-    from torch._dynamo.eval_frame import FrameAction, FrameExecStrategy, set_code_exec_strategy
-
-    eager = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
-    for function in functions:
-        set_code_exec_strategy(function.__code__, eager)
+    run_as_plain_python_under_compile(*functions)  # imports dynamo at the first set-up, not with ampddp (~2 s)

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from ampddp.distributed.data import ResumableSampler
 from ampddp.errors import ConfigError, spelled
 from ampddp.preemption import blocked_signals
+from ampddp.torch_compat import detach_persistent_workers, loader_worker_shutdown
 
 logger = logging.getLogger("ampddp.trainer")
 _MASK64 = (1 << 64) - 1
@@ -86,7 +87,7 @@ training process checkpoint, after which the loader shuts the worker down."""
 def start_worker(worker_id: int) -> None:
     """A loader worker's start: python's and numpy's generators seeded from the seed torch gave it,
     and the job's stop signals ignored (a worker killed by one would crash the run instead of letting
-    it write its checkpoint). They arrive blocked (``start_iterator``): ignored first, so that one
+    it write its checkpoint). They arrive blocked (``begin_pass``): ignored first, so that one
     sent since the fork is dropped, then unblocked, as they were in the parent."""
     seed = torch.initial_seed() % 2**32
     random.seed(seed)
@@ -97,7 +98,7 @@ def start_worker(worker_id: int) -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, WORKER_IGNORED_SIGNALS)
 
 
-def start_iterator(loader: DataLoader) -> Iterator[Any]:
+def begin_pass(loader: DataLoader) -> Iterator[Any]:
     """``iter(loader)`` with the job's stop signals blocked while it starts workers. A worker
     inherits the mask until ``start_worker`` ignores them, so a signal sent to the process group as
     it starts cannot kill it (and crash the run); this process gets its own once the mask is back.
@@ -128,11 +129,11 @@ def _start_method(loader: Any) -> str | None:
 
 
 def loader_pass(loader: Any) -> Iterator[Any]:
-    """One pass over ``loader`` (a DataLoader, or any iterable), started by ``start_iterator``.
+    """One pass over ``loader`` (a DataLoader, or any iterable), started by ``begin_pass``.
     Workers started for this pass only (not persistent: evaluation) are stopped when it ends, however
     it ends, as ``DataLoading.close`` stops the persistent ones. A worker's ConfigError (e.g. an
     unreadable image) comes out as its one line (``worker_error``)."""
-    iterator = start_iterator(loader)
+    iterator = begin_pass(loader)
     try:
         yield from iterator
     except ConfigError as error:
@@ -149,7 +150,7 @@ def stop_workers(iterator: Any) -> None:
     interpreter's exit (both send SIGTERM, and the exit then waits forever for a hung worker).
     """
     workers = list(getattr(iterator, "_workers", ()))
-    shutdown = getattr(iterator, "_shutdown_workers", None)
+    shutdown = loader_worker_shutdown(iterator)
     if shutdown is not None:
         shutdown()
     for worker in workers:
@@ -249,9 +250,7 @@ class DataLoading:
         """Stop the workers of every loader built here (persistent ones live until told), at the end
         of training (``stop_workers``)."""
         for loader in self._loaders:
-            iterator = getattr(loader, "_iterator", None)  # torch keeps a persistent loader's workers here
-            loader._iterator = None
-            stop_workers(iterator)
+            stop_workers(detach_persistent_workers(loader))
         self._loaders.clear()
 
 
