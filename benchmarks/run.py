@@ -32,6 +32,7 @@ import modes
 import op_cost
 import optimizer_step
 import overhead
+import startup
 import torch
 from harness import Budget
 
@@ -46,6 +47,7 @@ BENCHMARKS = {
     "compile": compile_modes.run,
     "op-cost": op_cost.run,
     "input": input_pipeline.run,
+    "startup": startup.run,
     "cuda-suite": cuda_suite.run,
 }
 CUDA_ONLY = ("cuda-suite",)  # run on CPU only when named with --only
