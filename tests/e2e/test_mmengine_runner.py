@@ -53,7 +53,7 @@ def test_a_runner_job_resumed_from_its_checkpoint_ends_as_the_uninterrupted_one(
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("opt_level", ["O1", "O2", "O5"])
+@pytest.mark.parametrize("opt_level", ["O1", "O2", "O4", "O5"])
 def test_two_processes_wrapped_before_initialize_stay_identical(tmp_path, opt_level):
     first, second = run_job(tmp_path, "two", opt_level, "--work-dir", str(tmp_path / "w"), nproc=2)
     assert first["params"] == second["params"] and first["masters"] == second["masters"]
@@ -62,9 +62,10 @@ def test_two_processes_wrapped_before_initialize_stay_identical(tmp_path, opt_le
 
 
 @pytest.mark.timeout(900)
-def test_two_processes_resume_to_the_uninterrupted_run(tmp_path):
-    straight = run_job(tmp_path, "straight", "O2", "--work-dir", str(tmp_path / "w1"), nproc=2)
-    run_job(tmp_path, "first", "O2", "--work-dir", str(tmp_path / "w2"), "--iters", "4", nproc=2)
-    resumed = run_job(tmp_path, "resumed", "O2", "--work-dir", str(tmp_path / "w2"), "--resume", nproc=2, env=RESUME_ENV)
+@pytest.mark.parametrize("opt_level", ["O1", "O2", "O4", "O5"])
+def test_two_processes_resume_to_the_uninterrupted_run(tmp_path, opt_level):
+    straight = run_job(tmp_path, "straight", opt_level, "--work-dir", str(tmp_path / "w1"), nproc=2)
+    run_job(tmp_path, "first", opt_level, "--work-dir", str(tmp_path / "w2"), "--iters", "4", nproc=2)
+    resumed = run_job(tmp_path, "resumed", opt_level, "--work-dir", str(tmp_path / "w2"), "--resume", nproc=2, env=RESUME_ENV)
     for a, b in zip(straight, resumed):
         assert b["params"] == a["params"] and b["masters"] == a["masters"] and b["losses"] == a["losses"][4:]
