@@ -6,14 +6,18 @@ with ``amp.Amp()`` to train independent set-ups in one process.
 
 Each ``initialize`` makes a set-up (engine, scalers, hooks) of its own; earlier set-ups keep
 training, as in apex's own tests, except one that holds a model or optimizer passed again, which is
-removed first. ``scale_loss`` and ``master_params`` go to the set-up holding the optimizer;
-``state_dict``/``load_state_dict`` and ``_amp_state`` describe the newest set-up, as apex's globals did.
+removed first; repeating the very same call on the same objects is a no-op (mmengine calls it until
+``optimizer._amp_stash`` appears). ``scale_loss`` and ``master_params`` go to the set-up holding the
+optimizer; ``state_dict``/``load_state_dict`` and ``_amp_state`` describe the newest set-up, as apex's
+globals did. A DDP wrapper built around the models before an opt level casts them is re-hooked.
 
-When O1/O4 casting applies (apex: process-wide from ``initialize``): inside the forward of a model
-given to ``initialize``, and after it returns on the same thread — the loss computed outside the
-model — until ``scale_loss`` is entered, an optimizer of the set-up steps, a model's next forward
-begins, or ``end_casts()``. After the forward only apex's op lists apply (no device autocast), as
-with apex's patched functions. The engine API (``build_engine``) keeps casting inside the forward.
+When O1/O4 casting applies: inside the forward of a model given to ``initialize``, and after it
+returns on the same thread — the loss computed outside the model — until ``scale_loss`` is entered,
+an optimizer of the set-up steps, a model's next forward begins, or ``end_casts()``. After the
+forward only apex's op lists apply (no device autocast), as with apex's patched functions. Inside
+``process_wide_casts()`` (``python -m ampddp.apex`` runs programs there) apex's own scope applies:
+every op on the initializing thread from ``initialize`` on, except in ``scale_loss`` and the step.
+The engine API (``build_engine``) keeps casting inside the forward.
 """
 
 from __future__ import annotations
