@@ -74,6 +74,14 @@ def _shaped(models: list[nn.Module], models_were_list: bool, optimizers: list[Op
 
 
 @dataclass
+class CastScope:
+    """apex's scope for O1/O4 casts (``python -m ampddp.apex``) when ``process_wide``: on the initializing
+    thread from ``initialize`` on, outside forwards too, except while ``scale_loss`` and the step run."""
+
+    process_wide: bool = False
+
+
+@dataclass
 class SetUp:
     """What one ``initialize`` made: the engine, the objects it holds, and the cast-window hooks.
 
@@ -91,9 +99,8 @@ class SetUp:
     """Marks the thread that called ``initialize``, the only one whose forwards open a cast window
     (a thread-local flag rather than ``threading.get_ident()``, which ``torch.compile`` cannot trace)."""
     live: bool = True
-    process_wide: bool = False
-    """apex's scope for O1/O4 casts (``python -m ampddp.apex``): on the initializing thread from ``initialize``
-    on, outside forwards too, except while ``scale_loss`` and the optimizer step run."""
+    scope: CastScope = field(default_factory=CastScope)
+    """Shared by all set-ups of one ``Amp``: whether casting is apex's process-wide scope."""
 
     def __post_init__(self) -> None:
         self.initializing_thread.marked = True
@@ -138,7 +145,7 @@ class SetUp:
                 end_thread_casts()
 
         def reopen_after_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-            if self.process_wide:
+            if self.scope.process_wide:
                 self.open_window_here()
 
         run_eagerly_as_own_frame(close_before_forward, open_after_forward, close_before_step, reopen_after_step)
@@ -181,7 +188,7 @@ class Amp:
         self._initialized_optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
         self.allow_incoming_model_not_fp32 = False
         """Accept models with fp16/bf16 params in ``initialize`` (apex's ``_amp_state`` flag of that name)."""
-        self._process_wide = False
+        self._scope = CastScope()
 
     @contextlib.contextmanager
     def process_wide_casts(self) -> Iterator[None]:
@@ -200,16 +207,14 @@ class Amp:
 
         A process started under ``python -m ampddp.apex`` (a ``spawn`` worker) turns it on when it imports
         ``apex``; it lasts as long as that process."""
-        self._process_wide = enabled
-        for setup in self.setups:
-            setup.process_wide = enabled
+        self._scope.process_wide = enabled
         if enabled:
             self._reopen_process_casts(self._newest)
         else:
             end_thread_casts()
 
     def _reopen_process_casts(self, setup: SetUp | None) -> None:
-        if self._process_wide and setup is not None and setup.live:
+        if self._scope.process_wide and setup is not None and setup.live:
             setup.open_window_here()
 
     @property
@@ -275,7 +280,7 @@ class Amp:
         engine.setup(model_list, optimizer_list)
         if engine.casts_model_params:
             wrappers.rehook_after_cast()
-        setup = SetUp(engine, model_list, optimizer_list, request, process_wide=self._process_wide)
+        setup = SetUp(engine, model_list, optimizer_list, request, scope=self._scope)
         setup.install_hooks()
         setup.mark_optimizers()
         self._reopen_process_casts(setup)

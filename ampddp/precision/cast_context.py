@@ -16,17 +16,13 @@ model; the ``amp`` facade opens and closes it (see ``ampddp/amp.py``).
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
-import types
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode, get_overridable_functions, handle_torch_function, has_torch_function
+from torch.overrides import TorchFunctionMode
 
-from ampddp.precision import op_lists
 from ampddp.precision.aten_casts import KERNELS, AtenCastPlan, EnteredPlan
 from ampddp.precision.cast_rules import (
     BANNED,
@@ -41,122 +37,18 @@ from ampddp.precision.cast_rules import (
 )
 from ampddp.precision.compile_support import run_eagerly_as_own_frame
 from ampddp.precision.device_autocast import DeviceAutocast
-from ampddp.precision.registry import CAST_ATTRIBUTE, FP32, LOW, PROMOTE, Registration, tensors_in
+from ampddp.precision.function_swaps import ORIGINAL_ATTRIBUTE, Dispatcher, install_dispatcher, release_dispatcher
+from ampddp.precision.mode_stack import push_below_others, remove_mode
+from ampddp.precision.op_table import OpTable
+from ampddp.precision.registry import CAST_ATTRIBUTE, FP32
 from ampddp.precision.rnn_inputs import RnnInputAlignment
-from ampddp.torch_compat import function_mode_depth, pop_function_mode, push_function_mode
+from ampddp.torch_compat import push_function_mode
 
-ORIGINAL_ATTRIBUTE = "__ampddp_original__"
-_SWAP_LOCK = threading.Lock()
-"""Guards installing/removing dispatchers in user modules, which any thread's context may do."""
 _WINDOW = threading.local()
 """This thread's open window, if any: ``(context, opened)``. One per thread, like apex's single set
 of patches: a window, or any context being entered, closes the window open before it."""
 _SUSPENDED = threading.local()
 """How many ``suspend_thread_casts`` blocks this thread is inside."""
-NAMESPACES = (torch, F, torch.Tensor)
-
-
-@functools.lru_cache(maxsize=1)
-def _overridable() -> frozenset[Any]:
-    return frozenset(fn for fns in get_overridable_functions().values() for fn in fns)
-
-
-def _lookup(names: tuple[str, ...] | list[str]) -> list[Any]:
-    found = []
-    for name in names:
-        for namespace in NAMESPACES:
-            fn = getattr(namespace, name, None)
-            if fn is not None and not isinstance(fn, types.ModuleType):
-                found.append(fn)
-    return found
-
-
-@dataclass(frozen=True)
-class OpTable:
-    """Function -> cast kind, plus registrations that need a scoped swap in their module."""
-
-    kinds: dict[Any, str]
-    swaps: tuple[Registration, ...]
-    banned_messages: dict[Any, str]
-    registrations: tuple[Registration, ...] = ()
-
-
-def build_op_table(registrations: tuple[Registration, ...]) -> OpTable:
-    """Built-in lists first, user registrations on top (so a registration can lift a ban)."""
-    kinds: dict[Any, str] = {}
-    for names, kind in ((op_lists.PROMOTE_OPS, PROMOTE), (op_lists.FP32_OPS, FP32), (op_lists.LOW_PRECISION_OPS, LOW)):
-        kinds.update(dict.fromkeys(_lookup(names), kind))
-    for name in op_lists.FP32_OPS:
-        in_place = None if name.startswith("__") else getattr(torch.Tensor, f"{name}_", None)
-        if in_place is not None:
-            kinds[in_place] = INPLACE_FP32
-    banned_messages: dict[Any, str] = {}
-    for name, message in op_lists.BANNED_OPS.items():
-        for fn in _lookup([name]):
-            kinds[fn] = BANNED
-            banned_messages[fn] = message
-    swaps = []
-    for entry in registrations:
-        fn = getattr(entry.module, entry.name)
-        fn = getattr(fn, ORIGINAL_ATTRIBUTE, fn)
-        if fn in _overridable():
-            kinds[fn] = entry.kind
-            if entry.module in (torch, F):
-                tensor_method = getattr(torch.Tensor, entry.name, None)
-                if tensor_method is not None:
-                    kinds[tensor_method] = entry.kind
-        else:
-            kinds[fn] = entry.kind
-            swaps.append(entry)
-    return OpTable(kinds, tuple(swaps), banned_messages, tuple(registrations))
-
-
-class _Dispatcher:
-    """Stands in for a registered function torch cannot intercept, while any context needs it.
-
-    It routes calls through ``handle_torch_function`` so the active context's mode casts them by
-    the original function's kind; shared by all contexts (counted), removed when the last exits.
-    """
-
-    def __init__(self, original: Any) -> None:
-        functools.update_wrapper(self, original)
-        setattr(self, ORIGINAL_ATTRIBUTE, original)
-        self.users = 0
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        relevant = tensors_in(args, kwargs)
-        if relevant and has_torch_function(relevant):
-            return handle_torch_function(self, relevant, *args, **kwargs)
-        return getattr(self, ORIGINAL_ATTRIBUTE)(*args, **kwargs)
-
-
-def _install_dispatcher(module: Any, name: str) -> _Dispatcher:
-    with _SWAP_LOCK:
-        current = getattr(module, name)
-        dispatcher = current if isinstance(current, _Dispatcher) else _Dispatcher(current)
-        dispatcher.users += 1
-        setattr(module, name, dispatcher)
-    return dispatcher
-
-
-def _release_dispatcher(module: Any, name: str, dispatcher: _Dispatcher) -> None:
-    with _SWAP_LOCK:
-        dispatcher.users -= 1
-        if dispatcher.users == 0 and getattr(module, name) is dispatcher:
-            setattr(module, name, getattr(dispatcher, ORIGINAL_ATTRIBUTE))
-
-
-def _remove_mode(mode: TorchFunctionMode) -> None:
-    """Take ``mode`` off this thread's torch-function mode stack wherever it sits; modes pushed
-    above it (by user code still inside their ``with``) stay, in their order."""
-    above = []
-    while function_mode_depth() > 0:
-        top = pop_function_mode()
-        if top is mode:
-            break
-        above.append(top)
-    for other in reversed(above):
-        push_function_mode(other)
 
 
 def _copy_into(out: Any, result: Any) -> None:
@@ -232,20 +124,6 @@ def _suspension_depth() -> int:
     return getattr(_SUSPENDED, "depth", 0)
 
 
-def _push_below_others(mode: TorchFunctionMode) -> None:
-    """Push a mode that outlives the user's ``with`` blocks underneath their modes, so that leaving
-    one of those blocks (``with torch.device(...)`` pops whatever is on top) never pops it. It stays
-    above the default-device mode of ``torch.set_default_device``, which must remain at the bottom."""
-    above = [pop_function_mode() for _ in range(function_mode_depth())]
-    default_device = getattr(getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None), "device_context", None)
-    below = [m for m in above[-1:] if default_device is not None and m is default_device]
-    for other in below:
-        push_function_mode(other)
-    push_function_mode(mode)
-    for other in reversed(above[: len(above) - len(below)]):
-        push_function_mode(other)
-
-
 class _Opening:
     """One way one context is applied on one thread (entered, window or held): made once, reopened.
 
@@ -267,7 +145,7 @@ class _Opening:
         self._plan_open = False
         self._with_autocast = False
         self._suspension: Any = None
-        self._dispatchers: list[tuple[Any, str, _Dispatcher]] = []
+        self._dispatchers: list[tuple[Any, str, Dispatcher]] = []
         self._rnn_inputs = RnnInputAlignment()
 
     def open(self, with_autocast: bool, at_bottom: bool) -> None:
@@ -287,14 +165,14 @@ class _Opening:
                 self._suspension = self.cast_mode.suspended()
                 self._suspension.__enter__()
             if at_bottom:
-                _push_below_others(self.cast_mode)
+                push_below_others(self.cast_mode)
             else:
                 push_function_mode(self.cast_mode)
             self.mode_pushed = True
             if not with_autocast and _suspension_depth() == 0:
                 self._rnn_inputs.install()
             for entry in self._swaps:
-                self._dispatchers.append((entry.module, entry.name, _install_dispatcher(entry.module, entry.name)))
+                self._dispatchers.append((entry.module, entry.name, install_dispatcher(entry.module, entry.name)))
         except BaseException:
             self.close()
             raise
@@ -303,13 +181,13 @@ class _Opening:
         self._rnn_inputs.remove()
         dispatchers, self._dispatchers = self._dispatchers, []
         for module, name, dispatcher in reversed(dispatchers):
-            _release_dispatcher(module, name, dispatcher)
+            release_dispatcher(module, name, dispatcher)
         if self._plan_open:
             self._plan_open = False
             self._plan.close()
         if self.mode_pushed:
             self.mode_pushed = False
-            _remove_mode(self.cast_mode)
+            remove_mode(self.cast_mode)
         suspension, self._suspension = self._suspension, None
         if suspension is not None:
             suspension.__exit__(None, None, None)

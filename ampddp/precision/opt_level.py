@@ -23,13 +23,14 @@ from torch.utils.hooks import RemovableHandle
 from ampddp.diagnostics import overflow_origin
 from ampddp.errors import AmpUsageError, ConfigError, NonFiniteGradientsError
 from ampddp.precision.buffer_guard import BufferGuard
-from ampddp.precision.cast_context import OpCastContext, build_op_table
+from ampddp.precision.cast_context import OpCastContext
 from ampddp.precision.casting import convert_model, device_types
 from ampddp.precision.compile_support import run_eagerly_as_own_frame
 from ampddp.precision.engine import PrecisionEngine, check_models_and_optimizers, policy_compute_dtype
 from ampddp.precision.master import OptimizerGrads
 from ampddp.precision.master_sync import active_ddp_group, reconcile_masters
 from ampddp.precision.model_hooks import ForwardHooks, install_fp32_state_hooks
+from ampddp.precision.op_table import build_op_table
 from ampddp.precision.policy import PrecisionPolicy
 from ampddp.precision.registry import OpRegistry
 from ampddp.precision.scaler import LossScaler

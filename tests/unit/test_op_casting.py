@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ampddp import OpRegistry, build_engine, float_function, half_function, promote_function
-from ampddp.precision.cast_context import OpCastContext, build_op_table
+from ampddp.precision.cast_context import OpCastContext
+from ampddp.precision.op_table import build_op_table
 from ampddp.precision.registry import bfloat16_function
 
 LEVELS = {"O1": torch.float16, "O4": torch.bfloat16}
