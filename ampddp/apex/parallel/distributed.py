@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -22,6 +23,7 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from ampddp.apex._names import unknown_name
+from ampddp.distributed.hook_callbacks import HookCallbacks
 from ampddp.errors import ConfigError
 
 __all__ = ["DistributedDataParallel", "Reducer", "flat_dist_call"]
@@ -117,6 +119,7 @@ class _HookState:
         self.retain = retain
         self.prof = prof
         self.buffers: dict[int, torch.Tensor] = {}
+        self.callbacks = HookCallbacks()
 
 
 # No annotations on purpose: torch checks `bucket`'s annotation by identity, and this module's
@@ -143,7 +146,7 @@ def _apex_allreduce_hook(state, bucket):
             buffer.copy_(reduced)
         return buffer
 
-    return future.then(finish)
+    return state.callbacks.then(future, finish)
 
 
 def _refuse(name: str, value: Any, why: str, instead: str) -> ConfigError:
@@ -286,6 +289,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             self.retain_allreduce_buffers, self.prof,
         )  # fmt: skip
         self.register_comm_hook(self._hook_state, _apex_allreduce_hook)
+        # Python calls this at exit too: a script ending right after backward must not abort there.
+        weakref.finalize(self, self._hook_state.callbacks.settle)
 
     @property
     def world_size(self) -> float:
