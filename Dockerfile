@@ -2,8 +2,12 @@
 #   docker build -t ampddp .                                   # ampddp only
 #   docker build -t ampddp:apex --build-arg WITH_APEX=1 .       # plus apex 25.04 (apex.amp, apex DDP)
 #   docker run --gpus all --rm ampddp                          # trains the quickstart recipe
-# The base image already has PyTorch and torchvision built for CUDA; pip keeps them.
-FROM nvcr.io/nvidia/pytorch:25.04-py3
+# The base image already has PyTorch and torchvision built for CUDA; pip keeps them. NGC 25.12 holds
+# torch 2.10.0a0 (CUDA 13.1, Python 3.12), the oldest torch ampddp supports; 25.04 (torch 2.7) is refused.
+# For a reproducible build pin it by digest (docker buildx imagetools inspect nvcr.io/nvidia/pytorch:25.12-py3):
+#   docker build --build-arg BASE_IMAGE=nvcr.io/nvidia/pytorch:25.12-py3@sha256:<digest> -t ampddp .
+ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.12-py3
+FROM ${BASE_IMAGE}
 
 ARG WITH_APEX=0
 ARG APEX_TAG=25.04

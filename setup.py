@@ -17,7 +17,9 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["ampddp", "ampddp.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.4", "torchvision", "numpy", "scikit-learn", "PyYAML", "tqdm", "xxhash>=3.0"],
+    # torch: the oldest release CI proves (ampddp.torch_compat.MIN_TORCH refuses older ones at import);
+    # no upper cap, so a new torch installs at once: CI also runs the newest on the registry.
+    install_requires=["torch>=2.10", "torchvision>=0.25", "numpy", "scikit-learn", "PyYAML", "tqdm", "xxhash>=3.0"],
     extras_require={
         "plots": PLOTS,
         "tensorboard": ["tensorboard"],

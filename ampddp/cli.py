@@ -12,11 +12,11 @@ import json
 import os
 import sys
 
-from ampddp.errors import AmpUsageError, CheckpointError, ConfigError, NonFiniteGradientsError, PeerFailureError
+from ampddp.errors import AmpUsageError, CheckpointError, ConfigError, NonFiniteGradientsError, PeerFailureError, UnsupportedTorchError
 from ampddp.preemption import EXIT_PREEMPTED, EarlySignals
 
 EXIT_USAGE = 2
-"""A bad recipe, setting, path or checkpoint: refused before anything was written."""
+"""A bad recipe, setting, path or checkpoint, or a torch older than ampddp supports: refused before anything was written."""
 EXIT_NONFINITE = 3
 """Training stopped because the loss or gradients stayed non-finite (NonFiniteGradientsError)."""
 EXIT_PEER_FAILURE = 4
@@ -104,7 +104,7 @@ def _silence_stdout() -> None:
 def _run(args: argparse.Namespace, early: EarlySignals) -> int:
     try:
         return args.handler(args, early)
-    except (CheckpointError, ConfigError, AmpUsageError) as error:
+    except (CheckpointError, ConfigError, AmpUsageError, UnsupportedTorchError) as error:
         print(f"ampddp {args.command}: error: {_one_line(error)}", file=sys.stderr)
         return EXIT_USAGE
     except NonFiniteGradientsError as error:

@@ -26,6 +26,11 @@ class PeerFailureError(RuntimeError):
     """A collective failed because another rank died or stopped responding."""
 
 
+class UnsupportedTorchError(RuntimeError):
+    """The installed torch is older than ampddp supports, or lacks an internal API a feature needs;
+    the message names the version needed and what to do instead."""
+
+
 class NonFiniteGradientsError(RuntimeError):
     """Gradients stay non-finite however far the loss scale backs off: training cannot progress."""
 

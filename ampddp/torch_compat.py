@@ -6,17 +6,42 @@ line naming the torch version and what to do instead, rather than deep inside a 
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from ampddp.errors import UnsupportedTorchError
+
+MIN_TORCH = (2, 10)
+"""The oldest torch release ampddp supports (setup.py says the same); CI runs it and the newest."""
+
+
+def torch_release(version: str) -> tuple[int, int]:
+    """(major, minor) of a torch version string; pre-releases and local builds count as their release
+    (NGC's ``2.10.0a0+b4e4ee8`` is 2.10)."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None:
+        raise UnsupportedTorchError(f"cannot read the torch version {version!r}; ampddp needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]}")
+    return int(found.group(1)), int(found.group(2))
+
+
+def require_supported_torch(version: str | None = None) -> None:
+    """Refuse, in one line naming the version needed, a torch older than :data:`MIN_TORCH`.
+
+    Run when this module is imported, which every part of ampddp that uses torch does, so an old
+    cluster image fails at start rather than inside a training step."""
+    version = str(torch.__version__) if version is None else version
+    if torch_release(version) < MIN_TORCH:
+        needed = f"{MIN_TORCH[0]}.{MIN_TORCH[1]}"
+        raise UnsupportedTorchError(f"ampddp needs torch >= {needed}, this environment has torch {version}: pip install 'torch>={needed}'")
+
+
+require_supported_torch()
+
 DDP_REBUILD_METHODS = ("_build_params_for_reducer", "_build_debug_param_to_name_mapping", "_ddp_init_helper")
 """What torch's own ``DistributedDataParallel.__setstate__`` calls to build a reducer for an existing wrapper."""
-
-
-class UnsupportedTorchError(RuntimeError):
-    """This torch release lacks an internal API the requested feature needs; the message says what to do instead."""
 
 
 def ddp_rebuild_problem(wrapper: DistributedDataParallel) -> str | None:
@@ -68,6 +93,38 @@ def rebuild_ddp_reducer(wrapper: DistributedDataParallel) -> None:
     wrapper._comm_hooks = []
     for hook, state in comm_hooks:
         wrapper.register_comm_hook(state, hook)
+
+
+# ---- device autocast in a form dynamo records (device_autocast.py) -------------------------------
+
+
+AUTOCAST_CACHE_SAFE = torch_release(str(torch.__version__)) >= (2, 11)
+"""torch 2.10's autocast cache hands a weight cast made under ``no_grad`` to a later use with grad
+enabled in the same region, so that use gets no ``grad_fn`` and the weight silently loses that part of
+its gradient. There ampddp's autocast regions do not cache (each op casts the weights it uses)."""
+
+
+def enter_autocast(device_type: str, dtype: torch.dtype | None, enabled: bool) -> Any:
+    """Enter device autocast as ``torch.autocast`` does, through the function dynamo records as a
+    graph node even when the matching exit runs in another function."""
+    return torch.amp._enter_autocast(device_type, dtype, enabled, None if AUTOCAST_CACHE_SAFE else False)
+
+
+def exit_autocast(mode: Any) -> None:
+    """Leave what :func:`enter_autocast` entered."""
+    torch.amp._exit_autocast(mode)
+
+
+SPLIT_AUTOCAST_IN_GRAPHS = torch_release(str(torch.__version__)) >= (2, 14)
+"""Whether dynamo records an autocast entered in one function and left in another (a model's forward
+hooks) as graph nodes. Before 2.14 it either changes the real autocast state while tracing or hands
+AOTAutograd a graph that leaves autocast entered; there dynamo runs both calls as plain Python
+(``torch.compiler.disable``), and traces what runs between them under the autocast they set (measured:
+still one graph for a compiled training step on 2.12 and 2.13)."""
+
+if not SPLIT_AUTOCAST_IN_GRAPHS:
+    enter_autocast = torch.compiler.disable(enter_autocast)
+    exit_autocast = torch.compiler.disable(exit_autocast)
 
 
 # ---- the torch-function mode stack (cast_context.py) ---------------------------------------------

@@ -1,5 +1,6 @@
 """Data-parallel training: process-group environment, wrapping, SyncBN, sharding and launching."""
 
+import ampddp.torch_compat  # noqa: F401  (first: it refuses a torch older than ampddp supports)
 from ampddp.choices import COMM_HOOKS, STRATEGIES
 from ampddp.distributed.data import (
     EvalShardSampler,

@@ -1,5 +1,6 @@
 """The precision engine: opt-level policies, loss scaling, master weights and op casting."""
 
+import ampddp.torch_compat  # noqa: F401  (first: it refuses a torch older than ampddp supports)
 from ampddp.choices import PRECISION_MODES
 from ampddp.precision.engine import NATIVE_MODES, PrecisionEngine
 from ampddp.precision.factory import build_engine

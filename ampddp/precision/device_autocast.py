@@ -6,13 +6,15 @@ from typing import Any
 
 import torch
 
+from ampddp.torch_compat import enter_autocast, exit_autocast
+
 
 class DeviceAutocast:
     """``torch.autocast`` on each of ``device_types``, entered and exited together.
 
     Why not an ``ExitStack`` of ``torch.autocast`` objects: dynamo then inlines autocast's own
     ``__enter__``, cannot trace it (``setattr`` on an autocast object) and fails on the exit with
-    ``NotImplementedError: AutocastModeVariable()``. ``torch.amp._enter_autocast`` is the form dynamo
+    ``NotImplementedError: AutocastModeVariable()``. ``torch_compat.enter_autocast`` is the form dynamo
     records as graph nodes, even when the enter and the exit run in different functions (a model's
     forward pre-hook and forward hook). Eager behaviour is that of ``torch.autocast``. Enter an
     instance once at a time.
@@ -25,10 +27,10 @@ class DeviceAutocast:
         self._entered: list[Any] = []
 
     def __enter__(self) -> DeviceAutocast:
-        self._entered = [torch.amp._enter_autocast(device_type, self._dtype, self._enabled, None) for device_type in self._device_types]
+        self._entered = [enter_autocast(device_type, self._dtype, self._enabled) for device_type in self._device_types]
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
         entered, self._entered = self._entered, []
         for mode in reversed(entered):
-            torch.amp._exit_autocast(mode)
+            exit_autocast(mode)

@@ -65,6 +65,7 @@ def single_process_first_grads(mode):
     return [p.grad for p in engine.master_params(optimizer)]
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("mode", MODES)
 def test_ddp_gradient_equals_the_global_batch_gradient_and_ranks_stay_identical(mode):
     results = launch_local(ddp_worker, 2, (mode,), device="cpu", timeout_s=60)

@@ -59,6 +59,7 @@ def test_without_the_runner_the_script_has_no_apex(tmp_path):
     assert done.returncode != 0 and "NameError" in done.stderr  # its apex path is switched off: apex is not installed
 
 
+@pytest.mark.smoke
 @pytest.mark.timeout(400)
 def test_torchrun_two_processes_run_the_script_and_agree(tmp_path):
     args = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "ampddp.apex", str(JOB)]

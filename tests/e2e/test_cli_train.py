@@ -133,6 +133,7 @@ def test_each_recipe_runs_end_to_end(tmp_path, recipe):
     check_run_dir(tmp_path / "run")
 
 
+@pytest.mark.smoke
 def test_two_processes_via_nproc_per_node_with_sync_bn(tmp_path):
     recipe = ROOT / "recipes" / "resnet18-O2-ddp-syncbn.yaml"
     command = [
@@ -150,6 +151,7 @@ def test_two_processes_via_nproc_per_node_with_sync_bn(tmp_path):
     assert check_run_dir(tmp_path)["world_size"] == 2
 
 
+@pytest.mark.smoke
 def test_the_same_command_under_torchrun(tmp_path):
     recipe = ROOT / "recipes" / "quickstart.yaml"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),

@@ -25,6 +25,7 @@ def two_process_worker(env, root, modes):
     return True
 
 
+@pytest.mark.smoke
 def test_resume_is_bit_exact_in_two_processes(tmp_path):
     launch_local(two_process_worker, 2, (str(tmp_path), list(PRECISION_MODES)), device="cpu", timeout_s=300)
     for mode in PRECISION_MODES:

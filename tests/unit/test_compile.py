@@ -21,6 +21,11 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import ampddp
 from ampddp import amp
+from ampddp.torch_compat import torch_release
+
+FACADE_HOOKS_INLINE = torch_release(torch.__version__) >= (2, 12)
+"""Before torch 2.12 dynamo breaks a compiled step's graph once at the facade's hooks, and fails
+building guards when it inlines them into an nn.Sequential's graph (see the README's version table)."""
 
 OPT_LEVELS = ("O0", "O1", "O2", "O3", "O4", "O5")
 MODES = (*OPT_LEVELS, "native-fp16", "native-bf16")
@@ -160,7 +165,11 @@ def test_mlp_trains_compiled_as_in_eager(api, mode, how):
     compiled, compiled_dtype = run.train(batches, how, backend=counter)
     # (a): the training graph, compiled once for all steps, and the no_grad one that checks the dtype.
     # (b): one graph for all steps, also where a buffer guard (dynamic loss scaling) is inlined.
-    assert counter.frame_count == (2 if how == "model" else 1)
+    expected = 2 if how == "model" else 1
+    if api == "amp" and how == "step" and not FACADE_HOOKS_INLINE:
+        assert counter.frame_count in (expected, expected + 1)  # one break at the facade's hooks
+    else:
+        assert counter.frame_count == expected
     assert compiled_dtype == eager_dtype
     assert_same_losses(eager, compiled, mode)
 
@@ -171,6 +180,8 @@ def test_mlp_trains_compiled_as_in_eager(api, mode, how):
 def test_sequential_model_casts_inside_its_graph(api, mode):
     """``nn.Sequential`` is compiled with its hooks inlined: the context is entered, and the facade's
     post-forward window opened, inside the graph."""
+    if api == "amp" and not FACADE_HOOKS_INLINE:
+        pytest.skip(f"needs torch >= 2.12: torch {torch.__version__}'s dynamo fails building guards for the facade's inlined hooks")
     batches = make_batches("sequential", 3)
     eager, _ = Run("sequential", mode, api).train(batches, "eager")
     counter = CompileCounterWithBackend("aot_eager")
