@@ -2,7 +2,7 @@
 
 Only light modules are imported at the top: ``main`` catches the stop signals before torch loads, and
 ``--help`` / ``--version`` answer without importing torch at all (the choices they list live in
-``ampddp.choices``).
+``ampddp.choices``), and so does ``train`` of a run that has already finished (``ampddp.finished_run``).
 """
 
 from __future__ import annotations
@@ -37,15 +37,21 @@ def _inspect(args: argparse.Namespace, early: EarlySignals) -> int:
 def _train(args: argparse.Namespace, early: EarlySignals) -> int:
     import logging
 
-    from ampddp.distributed.env import detect_env
+    from ampddp.finished_run import finished_run_summary
     from ampddp.recipe.reading import load_config
-    from ampddp.run import launch
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     config = load_config(args.recipe, args.overrides)
     early.release(keep=config.trainer.stop_signals)  # the others act as if never caught
-    summary = launch(config, early=early)
-    if detect_env(device="cpu").is_main:  # under a launcher every rank returns it; one prints
+    summary = finished_run_summary(config)  # a finished run answers before torch is imported
+    prints = True
+    if summary is None:
+        from ampddp.distributed.env import detect_env
+        from ampddp.run import launch
+
+        summary = launch(config, early=early)
+        prints = detect_env(device="cpu").is_main  # under a launcher every rank returns it; one prints
+    if prints:
         print(json.dumps(summary, indent=2))
     return EXIT_PREEMPTED if summary.get("preempted") else 0
 

@@ -10,10 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from ampddp.distributed.env import DistEnv
+from ampddp.run_files import METRICS_FILE, SUMMARY_FILE, read_summary
 
-METRICS_FILE = "metrics.jsonl"
-SUMMARY_FILE = "summary.json"
-PLOT_FILES = ("loss.png", "eval_accuracy.png", "loss_scale.png")
 PLOTS_SKIPPED = "plots skipped: matplotlib is not installed (pip install 'ampddp[plots]')"
 
 logger = logging.getLogger("ampddp.observe")
@@ -144,11 +142,7 @@ class RunObserver:
         for stream in (self._bar, self._writer, self._metrics):
             if stream is not None:
                 stream.close()
-        try:
-            summary = json.loads((self.run_dir / SUMMARY_FILE).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return {}
-        return summary if isinstance(summary, dict) else {}
+        return read_summary(self.run_dir)
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 from harness import Budget, Row, side_by_side
 
-from ampddp.checkpoint.files import CHECKSUM, hash_open_file, load_safely, save_atomic
+from ampddp.checkpoint.files import load_safely, save_atomic
+from ampddp.checkpoint.manifest import CHECKSUM, hash_open_file
 
 
 def _disk_bandwidth(folder: Path, size: int) -> float:

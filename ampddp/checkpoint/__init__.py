@@ -1,16 +1,36 @@
-"""Atomic, safe-to-load checkpoints with exact resume (layout and key names: ``keys``)."""
+"""Atomic, safe-to-load checkpoints with exact resume (layout and key names: ``keys``).
 
-from ampddp.checkpoint.files import load_safely, save_atomic
-from ampddp.checkpoint.restore import check_model_state, initial_weights, restore_precision
-from ampddp.checkpoint.store import CheckpointRef, CheckpointStore, find_checkpoint
+The public names load on first use, so that ``keys`` and ``manifest`` (torch-free) can be imported
+without torch: ``ampddp train`` reads a finished run's manifest before it imports torch.
+"""
 
-__all__ = [
-    "CheckpointRef",
-    "CheckpointStore",
-    "check_model_state",
-    "find_checkpoint",
-    "initial_weights",
-    "load_safely",
-    "restore_precision",
-    "save_atomic",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_HOMES = {
+    "CheckpointRef": "ampddp.checkpoint.store",
+    "CheckpointStore": "ampddp.checkpoint.store",
+    "check_model_state": "ampddp.checkpoint.restore",
+    "find_checkpoint": "ampddp.checkpoint.store",
+    "initial_weights": "ampddp.checkpoint.restore",
+    "load_safely": "ampddp.checkpoint.files",
+    "restore_precision": "ampddp.checkpoint.restore",
+    "save_atomic": "ampddp.checkpoint.files",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module when the name is first used (PEP 562)."""
+    if name not in _HOMES:
+        raise AttributeError(f"module 'ampddp.checkpoint' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -13,92 +13,17 @@ from __future__ import annotations
 
 import contextlib
 import io
-import mmap
 import os
 import pickle
 import zipfile
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
 
+from ampddp.checkpoint.manifest import FileDigest, new_hasher, verify_file
 from ampddp.errors import CheckpointError
-
-CHECKSUM = "xxh3_128"
-"""The checksum of every checkpoint file: XXH3-128 runs at memory speed (~10 GiB/s on one core, vs
-~0.6 for blake2b and ~1.1 for SHA-256 with CPU SHA extensions), so hashing costs a save or load
-only a few percent. It detects corruption, not tampering (the weights-only loader handles that)."""
-
-
-def new_hasher() -> Any:
-    """A fresh XXH3-128 hasher (``update(bytes-like)``, ``hexdigest()``)."""
-    try:
-        import xxhash
-    except ImportError:  # a dependency in setup.py; only a broken install lacks it
-        raise CheckpointError("checkpoint checksums need the xxhash package, which is missing: pip install xxhash") from None
-    return xxhash.xxh3_128()
-
-
-@dataclass(frozen=True)
-class FileDigest:
-    """Size in bytes and checksum of one checkpoint file, as recorded in ``COMPLETE``."""
-
-    size: int
-    checksum: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {"size": self.size, CHECKSUM: self.checksum}
-
-    @classmethod
-    def from_json(cls, entry: Any, where: str) -> FileDigest:
-        if not isinstance(entry, dict) or not isinstance(entry.get("size"), int) or not isinstance(entry.get(CHECKSUM), str):
-            raise CheckpointError(f"{where}: malformed manifest entry {entry!r}; expected {{'size': int, '{CHECKSUM}': hex}}")
-        return cls(entry["size"], entry[CHECKSUM])
-
-
-def hash_open_file(handle: BinaryIO, size: int) -> str:
-    """Checksum of the first ``size`` bytes of an open file: one pass over a read-only mapping (no copy)."""
-    hasher = new_hasher()
-    if size > 0:
-        try:
-            mapping = mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_READ)
-        except (OSError, ValueError):
-            mapping = None
-        if mapping is not None:
-            with mapping:
-                hasher.update(mapping)
-        else:  # file systems or platforms without mmap
-            handle.seek(0)
-            while chunk := handle.read(16 * 2**20):
-                hasher.update(chunk)
-    return hasher.hexdigest()
-
-
-def verify_file(path: Path, expected: FileDigest) -> None:
-    """Raise ``CheckpointError`` naming ``path`` unless it has ``expected``'s size and checksum."""
-    path = Path(path)
-    try:
-        with open(path, "rb") as handle:
-            _verify_open_file(path, handle, expected)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing ({expected.size} bytes listed in {path.parent.name}/COMPLETE)") from None
-    except OSError as error:
-        raise CheckpointError(f"{path}: cannot read checkpoint file ({error.strerror or error})") from None
-
-
-def _verify_open_file(path: Path, handle: BinaryIO, expected: FileDigest) -> None:
-    size = os.fstat(handle.fileno()).st_size
-    if size != expected.size:
-        raise CheckpointError(
-            f"{path}: size mismatch: {size} bytes on disk, {expected.size} recorded in COMPLETE (the file is truncated or was replaced)"
-        )
-    actual = hash_open_file(handle, size)
-    if actual != expected.checksum:
-        raise CheckpointError(
-            f"{path}: checksum mismatch: {CHECKSUM} {actual} on disk, {expected.checksum} recorded in COMPLETE (the file is corrupted)"
-        )
 
 
 def fsync_directory(directory: Path) -> None:

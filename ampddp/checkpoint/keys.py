@@ -8,8 +8,10 @@ A checkpoint is a directory ``<run_dir>/checkpoints/step-<N>/`` holding
 - ``rank-<r>.pt`` (written by rank r): ``RNG`` (python, numpy, torch CPU and CUDA generator states);
 - ``COMPLETE`` (JSON, written last by rank 0): only a directory with it is a checkpoint. It is the
   manifest: ``{"step", "world_size", "time", "checksum": "xxh3_128", "files": {name: {"size": bytes,
-  "xxh3_128": hex}}}``, every file of every rank; markers written before checksums list the names
-  only (``"files": [name, ...]``) and load unverified.
+  "xxh3_128": hex}}, "run": {"progress", "config_sha256", "ampddp"}}``, every file of every rank;
+  markers written before checksums list the names only (``"files": [name, ...]``) and load
+  unverified; ``run`` (the run's progress, a digest of its settings and the ampddp version) is
+  absent from markers written before it.
 
 The newest step folder with ``COMPLETE`` is the latest checkpoint; ``<run_dir>/abandoned/`` receives
 the step folders newer than a checkpoint resumed explicitly (``resume_from``) and bad ones

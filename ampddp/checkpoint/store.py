@@ -24,51 +24,13 @@ from typing import Any
 import torch.distributed as dist
 
 from ampddp.checkpoint import keys
-from ampddp.checkpoint.files import CHECKSUM, FileDigest, fsync_directory, load_safely, save_atomic, verify_file, write_bytes_atomic
+from ampddp.checkpoint.files import fsync_directory, load_safely, save_atomic, write_bytes_atomic
+from ampddp.checkpoint.manifest import CHECKSUM, Manifest, complete_folders, read_manifest, step_of, verify_folder
 from ampddp.distributed.data import broadcast_from_main, sum_across_ranks
 from ampddp.distributed.env import DistEnv
 from ampddp.errors import CheckpointError, ConfigError
 
 logger = logging.getLogger("ampddp.checkpoint")
-UNVERIFIED = "not verified (written before checksums)"
-VERIFIED = "verified"
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """The content of a ``COMPLETE`` marker.
-
-    ``digests`` maps each file name to its size and checksum; ``None`` for a marker written before
-    checksums (its ``files`` were a list of names), which can be checked for presence only.
-    """
-
-    step: int | None
-    world_size: int | None
-    names: tuple[str, ...]
-    digests: dict[str, FileDigest] | None
-
-    @property
-    def verifiable(self) -> bool:
-        return self.digests is not None
-
-
-def read_manifest(folder: Path) -> Manifest:
-    """Parse ``folder/COMPLETE``; a missing or malformed marker is a ``CheckpointError`` naming it."""
-    marker = Path(folder) / keys.COMPLETE_FILE
-    try:
-        content = json.loads(marker.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{folder}: incomplete checkpoint (no {keys.COMPLETE_FILE} marker: the save was interrupted)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"{marker}: unreadable completion marker ({str(error).splitlines()[0][:120]})") from None
-    files = content.get("files") if isinstance(content, dict) else None
-    world_size = content.get("world_size")
-    if not isinstance(files, (dict, list)) or not (world_size is None or isinstance(world_size, int)):
-        raise CheckpointError(f"{marker}: malformed completion marker: expected JSON with 'files' and 'world_size'")
-    if isinstance(files, list):  # written before checksums: names only
-        return Manifest(content.get("step"), world_size, tuple(str(name) for name in files), None)
-    digests = {str(name): FileDigest.from_json(entry, f"{marker} ({name})") for name, entry in files.items()}
-    return Manifest(content.get("step"), world_size, tuple(digests), digests)
 
 
 @dataclass(frozen=True)
@@ -89,23 +51,8 @@ class CheckpointRef:
         return read_manifest(self.path)
 
     def verify(self, manifest: Manifest | None = None) -> str:
-        """Check every file of the checkpoint against its manifest; returns ``VERIFIED`` or
-        ``UNVERIFIED`` (an old marker: files present, no checksums to compare). Anything wrong —
-        a file missing, truncated or corrupted, a rank file absent — is a ``CheckpointError`` naming
-        the file and what is wrong."""
-        manifest = manifest or self.manifest()
-        marker = self.path / keys.COMPLETE_FILE
-        required = [keys.SHARED_FILE] + [keys.RANK_FILE.format(rank=r) for r in range(manifest.world_size or 0)]
-        for name in required:
-            if name not in manifest.names:
-                raise CheckpointError(f"{marker}: incomplete checkpoint: {name} is not listed (saved by {manifest.world_size} rank(s))")
-        missing = sorted((n for n in manifest.names if not (self.path / n).is_file()), key=lambda n: (n != keys.SHARED_FILE, n))
-        if missing:
-            others = f"; also missing: {', '.join(missing[1:])}" if len(missing) > 1 else ""
-            raise CheckpointError(f"{self.path / missing[0]}: missing (listed in {keys.COMPLETE_FILE}){others}")
-        for name, digest in (manifest.digests or {}).items():
-            verify_file(self.path / name, digest)
-        return VERIFIED if manifest.verifiable else UNVERIFIED
+        """Check every file of the checkpoint against its manifest (see ``manifest.verify_folder``)."""
+        return verify_folder(self.path, manifest or self.manifest())
 
     def looks_whole(self) -> bool:
         """Cheap check (no hashing): the marker parses and every listed file is there with its size."""
@@ -131,14 +78,6 @@ class CheckpointRef:
         return load_safely(path, expected=manifest.digests[name])
 
 
-def _step_of(folder: Path) -> int | None:
-    name = folder.name
-    if not name.startswith(keys.STEP_DIR_PREFIX):
-        return None
-    digits = name[len(keys.STEP_DIR_PREFIX) :]
-    return int(digits) if digits.isdigit() else None
-
-
 class CheckpointStore:
     """Checkpoints of one run under ``<run_dir>/checkpoints``."""
 
@@ -150,14 +89,7 @@ class CheckpointStore:
 
     def complete(self) -> list[CheckpointRef]:
         """Every complete checkpoint, oldest first."""
-        if not self.root.is_dir():
-            return []
-        found = []
-        for folder in self.root.iterdir():
-            step = _step_of(folder)
-            if step is not None and (folder / keys.COMPLETE_FILE).is_file():
-                found.append(CheckpointRef(folder, step))
-        return sorted(found, key=lambda ref: ref.step)
+        return [CheckpointRef(folder, step) for step, folder in complete_folders(self.root)]
 
     def latest(self) -> CheckpointRef | None:
         """The newest complete checkpoint: decided by the completion markers alone, which are
@@ -165,8 +97,11 @@ class CheckpointStore:
         complete = self.complete()
         return complete[-1] if complete else None
 
-    def save(self, step: int, shared: dict[str, Any], rank_state: dict[str, Any], env: DistEnv) -> CheckpointRef:
-        """Write one checkpoint collectively (every rank calls this with its own ``rank_state``).
+    def save(
+        self, step: int, shared: dict[str, Any], rank_state: dict[str, Any], env: DistEnv, run: dict[str, Any] | None = None
+    ) -> CheckpointRef:
+        """Write one checkpoint collectively (every rank calls this with its own ``rank_state``);
+        ``run``: plain facts about the run recorded in the manifest (see ``Manifest.run``).
 
         Rank 0 decides whether the step already has a complete checkpoint, and after each phase all
         ranks agree on whether every write succeeded, so a failure on one rank raises
@@ -183,7 +118,7 @@ class CheckpointStore:
         self._run_everywhere(lambda: digests.update(self._write_parts(ref, shared, rank_state, env)), folder, env)
         every_rank = _gather_everywhere(digests, env)
         files = {name: entry for part in every_rank for name, entry in part.items()}
-        self._run_everywhere(lambda: self._finish(folder, step, env, files) if env.is_main else None, folder, env)
+        self._run_everywhere(lambda: self._finish(folder, step, env, files, run) if env.is_main else None, folder, env)
         return ref
 
     def _existing_is_good(self, ref: CheckpointRef) -> bool:
@@ -220,9 +155,11 @@ class CheckpointStore:
             reason = f": {error}" if error is not None else ""
             raise CheckpointError(f"{folder}: checkpoint not written: {failed} rank(s) failed to write their part{reason}") from error
 
-    def _finish(self, folder: Path, step: int, env: DistEnv, files: dict[str, dict[str, Any]]) -> None:
-        marker = {"step": step, "world_size": env.world_size, "time": time.time(), "checksum": CHECKSUM}
+    def _finish(self, folder: Path, step: int, env: DistEnv, files: dict[str, dict[str, Any]], run: dict[str, Any] | None) -> None:
+        marker: dict[str, Any] = {"step": step, "world_size": env.world_size, "time": time.time(), "checksum": CHECKSUM}
         marker["files"] = dict(sorted(files.items()))  # every rank's digests of what it wrote
+        if run is not None:
+            marker["run"] = run
         write_bytes_atomic(folder / keys.COMPLETE_FILE, json.dumps(marker, indent=1).encode())
         self._prune(keep=folder)
 
@@ -243,12 +180,12 @@ class CheckpointStore:
         verify and were skipped on resume: they stay untouched until a newer good one exists. The
         ``keep_last`` count only counts folders whose files are all there with their sizes.
         """
-        kept = _step_of(keep)
+        kept = step_of(keep)
         older = [ref for ref in self.complete() if kept is None or ref.step <= kept]
         whole = [ref for ref in older if ref.path == keep or ref.looks_whole()]
         survivors = {ref.path for ref in whole[-self.keep_last :]} if self.keep_last else {ref.path for ref in older}
         doomed = [ref.path for ref in older if ref.path not in survivors]
-        doomed += [folder for folder in self.root.iterdir() if _step_of(folder) is not None and not (folder / keys.COMPLETE_FILE).is_file()]
+        doomed += [folder for folder in self.root.iterdir() if step_of(folder) is not None and not (folder / keys.COMPLETE_FILE).is_file()]
         for folder in doomed:
             if folder != keep:
                 shutil.rmtree(folder, ignore_errors=True)
@@ -317,7 +254,7 @@ class CheckpointStore:
         """Every step folder, complete or not, oldest first."""
         if not self.root.is_dir():
             return []
-        return sorted((f for f in self.root.iterdir() if f.is_dir() and _step_of(f) is not None), key=lambda f: _step_of(f) or 0)
+        return sorted((f for f in self.root.iterdir() if f.is_dir() and step_of(f) is not None), key=lambda f: step_of(f) or 0)
 
 
 def plan_resume(store: CheckpointStore | None, resume: str | Path) -> dict[str, Any]:
@@ -343,7 +280,7 @@ def _plan(store: CheckpointStore | None, resume: str | Path) -> dict[str, Any]:
     elif resume not in ("auto", "never"):
         path = Path(resume)
         folder = path.parent if path.is_file() else path
-        if _step_of(folder) is not None:
+        if step_of(folder) is not None:
             ref = find_checkpoint(folder)
             ref.verify()
         else:
@@ -358,7 +295,7 @@ def _plan(store: CheckpointStore | None, resume: str | Path) -> dict[str, Any]:
     if store is None or resume == "auto":
         return {"start": str(ref.path) if ref is not None else None, "warnings": warnings}
     start = ref.step if ref is not None else 0
-    newer = [folder for folder in store.step_folders() if (_step_of(folder) or 0) > start]
+    newer = [folder for folder in store.step_folders() if (step_of(folder) or 0) > start]
     if newer and ref is not None and ref.path.resolve().parent == store.root.resolve():
         moved = store.move_aside(newer)
         line = f"resuming from step {start}: moved the newer checkpoint folders aside: " + ", ".join(
@@ -367,7 +304,7 @@ def _plan(store: CheckpointStore | None, resume: str | Path) -> dict[str, Any]:
         logger.warning(line)
         warnings.append(line)
     elif any((folder / keys.COMPLETE_FILE).is_file() for folder in newer):
-        newest = max(_step_of(folder) or 0 for folder in newer)
+        newest = max(step_of(folder) or 0 for folder in newer)
         raise ConfigError(
             f"run_dir {store.root.parent} already holds checkpoints up to step {newest}, newer than where this run "
             f"starts (step {start}); use checkpoint resume 'auto' to continue it, resume_from one of its own checkpoints "
@@ -392,7 +329,7 @@ def find_checkpoint(location: str | Path) -> CheckpointRef:
         path = path.parent
     if not path.exists():
         raise CheckpointError(f"{location}: no such checkpoint or run directory")
-    step = _step_of(path)
+    step = step_of(path)
     if step is not None:
         if not (path / keys.COMPLETE_FILE).is_file():
             raise CheckpointError(f"{path}: incomplete checkpoint (no {keys.COMPLETE_FILE} marker: the save was interrupted)")

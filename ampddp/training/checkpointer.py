@@ -23,6 +23,7 @@ from torch.optim import Optimizer
 from ampddp.checkpoint import keys
 from ampddp.checkpoint.changes import check_resume_settings
 from ampddp.checkpoint.finite import refuse_non_finite
+from ampddp.checkpoint.manifest import config_digest
 from ampddp.checkpoint.restore import check_model_state, check_optimizer_state, check_sampler_state, restore_precision
 from ampddp.checkpoint.rng import capture_rng, derive_rng, restore_rng
 from ampddp.checkpoint.schedule_plan import SchedulePlan, plan_schedule
@@ -119,7 +120,8 @@ class Checkpointer:
         step = self.state.progress.global_step
         shared = self.state_dict()
         refuse_non_finite(shared, step, self.saved_step)
-        ref = self.store.save(step, shared, {keys.RNG: capture_rng()}, self.env)
+        run = {"progress": shared[keys.PROGRESS], "config_sha256": config_digest(self.config), "ampddp": shared[keys.VERSIONS]["ampddp"]}
+        ref = self.store.save(step, shared, {keys.RNG: capture_rng()}, self.env, run=run)
         self.saved_step = step
         return ref
 

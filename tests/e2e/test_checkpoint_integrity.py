@@ -16,7 +16,7 @@ import xxhash
 from resume_helpers import assert_identical, final_state, make_trainer, state_of, tree_snapshot
 
 from ampddp.checkpoint import CheckpointStore, find_checkpoint, keys
-from ampddp.checkpoint.store import UNVERIFIED, VERIFIED
+from ampddp.checkpoint.manifest import UNVERIFIED, VERIFIED
 from ampddp.cli import main
 from ampddp.errors import CheckpointError
 

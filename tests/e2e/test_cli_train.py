@@ -14,8 +14,9 @@ from ampddp import PRECISION_MODES
 from ampddp.checkpoint.store import CheckpointStore
 from ampddp.cli import main
 from ampddp.distributed import free_port
-from ampddp.observe import PLOT_FILES, read_metrics
+from ampddp.observe import read_metrics
 from ampddp.recipe.reading import load_config
+from ampddp.run_files import PLOT_FILES
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
