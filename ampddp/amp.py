@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager
@@ -40,7 +41,7 @@ from ampddp.distributed.rewrap import Wrappers, wrappers_around
 from ampddp.errors import AmpUsageError, ConfigError
 from ampddp.precision.cast_context import OpCastContext, end_thread_casts, suspend_thread_casts
 from ampddp.precision.compile_support import run_eagerly_as_own_frame
-from ampddp.precision.engine import PrecisionEngine, check_models_and_optimizers
+from ampddp.precision.engine import PrecisionEngine, check_loss, check_models_and_optimizers
 from ampddp.precision.factory import build_engine
 from ampddp.precision.policy import check_opt_level
 from ampddp.precision.registry import (
@@ -264,7 +265,6 @@ class Amp:
         allow_low = self.allow_incoming_model_not_fp32
         options = {"allow_low_precision_models": True} if allow_low and impl == "builtin" else {}
         engine = build_engine(check_opt_level(opt_level), impl=impl, registry=self._registry, enabled=enabled, **options, **overrides)
-        check_models_and_optimizers(model_list, optimizer_list, allow_low)
         for index, optimizer in enumerate(optimizer_list):
             if optimizer in self._initialized_optimizers:
                 raise AmpUsageError(
@@ -272,6 +272,7 @@ class Amp:
                     "masters); pass each optimizer through initialize once, as apex required: build a new optimizer over "
                     "the model's parameters for a new set-up"
                 )
+        check_models_and_optimizers(model_list, optimizer_list, allow_low)
         wrappers = wrappers_around(model_list) if engine.casts_model_params or engine.steps_fp32_masters else Wrappers()
         wrappers.check(engine.casts_model_params, engine.steps_fp32_masters)
         self.end_casts()
@@ -360,6 +361,7 @@ class Amp:
         apex compatibility and unused, as in apex. ``delay_overflow_check=True``: unscale only; the
         caller updates the scale (and skips) with ``_amp_state.loss_scalers[loss_id].update_scale()``.
         """
+        check_loss(loss, "amp.scale_loss")
         optimizer_list, _ = _as_list(optimizers, Optimizer, "optimizers")
         setup = self._setup_for(optimizer_list)
         engine = setup.engine if setup is not None else self.engine
@@ -405,6 +407,15 @@ class Amp:
                 f"amp state holds {held} but this amp has {count} (num_losses={count}): expected exactly "
                 f"loss_scaler0..loss_scaler{count - 1}"
             )
+        unscaled = all(own.dynamic is False and own.loss_scale == 1.0 for own in engine.precision_state().scalers)
+        scaled = [saved.loss_scale for saved in state.scalers if saved.loss_scale != 1.0]
+        if unscaled and scaled:  # as a checkpoint resumed in such a mode drops it (precision.state.convert)
+            warnings.warn(
+                f"amp.load_state_dict: dropping loss scale {scaled[0]:g} of the loaded state: {engine.mode} does not scale "
+                "the loss (the state was saved by a scaled opt level such as O1/O2)",
+                stacklevel=2,
+            )
+            return
         engine.load_precision_state(state)
 
 

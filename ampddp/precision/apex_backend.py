@@ -19,7 +19,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ampddp.errors import ConfigError
-from ampddp.precision.engine import PrecisionEngine, policy_compute_dtype
+from ampddp.precision.engine import PrecisionEngine, check_loss, policy_compute_dtype
 from ampddp.precision.policy import OPT_LEVELS
 from ampddp.precision.registry import OpRegistry
 from ampddp.precision.state import PrecisionState
@@ -89,6 +89,7 @@ class ApexEngine(PrecisionEngine):
         delay_overflow_check: bool = False,
     ) -> Iterator[torch.Tensor]:
         """apex's own scale_loss; a drop in its scale on exit means it will skip the next step."""
+        check_loss(loss, "scale_loss")
         before = self.loss_scale(loss_id)
         options = {"delay_overflow_check": True} if delay_overflow_check else {}
         with self._amp.scale_loss(loss, optimizers, loss_id=loss_id, delay_unscale=delay_unscale, **options) as scaled:

@@ -48,12 +48,29 @@ def check_models_and_optimizers(
                 "(was this model already initialized with O2/O3/O5, or .half()-ed by hand?)"
             )
     seen: set[int] = set()
+    model_params = {id(param) for model in models for param in model.parameters()}
     for index, optimizer in enumerate(optimizers):
         if not isinstance(optimizer, Optimizer):
             raise AmpUsageError(f"optimizers[{index}] is a {type(optimizer).__name__}, not a torch.optim.Optimizer")
         if id(optimizer) in seen:
             raise AmpUsageError(f"optimizers[{index}] was passed twice; pass each optimizer once")
         seen.add(id(optimizer))
+        stepped = [param for group in optimizer.param_groups for param in group["params"]]
+        if models and not any(id(param) in model_params for param in stepped):
+            raise AmpUsageError(
+                f"optimizers[{index}] steps none of the models' parameters ({len(stepped)} parameter(s) of something else): "
+                "the models would never train. Build it from model.parameters() of a model passed here, "
+                "or pass the module it trains as one of the models too"
+            )
+
+
+def check_loss(loss: Any, api: str) -> None:
+    """Refuse anything but a loss tensor before it reaches ``.float()`` / ``.backward()``."""
+    if not isinstance(loss, torch.Tensor):
+        raise AmpUsageError(
+            f"{api} needs the loss as a torch.Tensor from the forward pass, got {type(loss).__name__} {loss!r}; "
+            "pass the loss itself, not loss.item() or a number"
+        )
 
 
 def policy_compute_dtype(policy: PrecisionPolicy) -> torch.dtype | None:

@@ -16,7 +16,7 @@ from ampddp.errors import AmpUsageError, ConfigError, closest
 from ampddp.precision.buffer_guard import BufferGuard
 from ampddp.precision.casting import device_types
 from ampddp.precision.device_autocast import DeviceAutocast
-from ampddp.precision.engine import PrecisionEngine, check_models_and_optimizers
+from ampddp.precision.engine import PrecisionEngine, check_loss, check_models_and_optimizers
 from ampddp.precision.policy import DYNAMIC, parse_setting
 from ampddp.precision.state import PrecisionState, ScalerState
 
@@ -79,6 +79,7 @@ class NativeAmpEngine(PrecisionEngine):
         return DeviceAutocast(self._device_types, self.dtype, self.enabled)
 
     def backward(self, loss: torch.Tensor, loss_id: int = 0) -> None:
+        check_loss(loss, "engine.backward")
         if loss_id != 0:
             raise ConfigError(f"loss_id={loss_id!r} is not valid for {self.mode}: native AMP has one scaler (loss_id 0)")
         self.scaler.scale(loss).backward()

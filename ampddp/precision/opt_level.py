@@ -26,7 +26,7 @@ from ampddp.precision.buffer_guard import BufferGuard
 from ampddp.precision.cast_context import OpCastContext
 from ampddp.precision.casting import convert_model, device_types
 from ampddp.precision.compile_support import run_eagerly_as_own_frame
-from ampddp.precision.engine import PrecisionEngine, check_models_and_optimizers, policy_compute_dtype
+from ampddp.precision.engine import PrecisionEngine, check_loss, check_models_and_optimizers, policy_compute_dtype
 from ampddp.precision.master import OptimizerGrads
 from ampddp.precision.master_sync import active_ddp_group, reconcile_masters
 from ampddp.precision.model_hooks import ForwardHooks, install_fp32_state_hooks
@@ -217,6 +217,7 @@ class OptLevelEngine(PrecisionEngine):
         return not scaler.dynamic and scaler.loss_scale == 1.0 and not self.policy.uses_master_weights
 
     def backward(self, loss: torch.Tensor, loss_id: int = 0) -> None:
+        check_loss(loss, "engine.backward")
         scaler = self.scaler_for(loss_id)
         if any(record.unscaled for record in self._records.values()):
             raise AmpUsageError(
@@ -319,6 +320,7 @@ class OptLevelEngine(PrecisionEngine):
         NVIDIA's BERT does): unscale, but leave the scale update and the skip decision to the caller's
         ``update_scale()`` on apex's scaler view; the non-finite flags wait in ``scaler.deferred_found_inf``.
         """
+        check_loss(loss, "scale_loss")
         scaler = self.scaler_for(loss_id)
         if not self.policy.enabled:
             yield loss

@@ -29,7 +29,8 @@ def test_initialize_returns_the_shapes_it_was_given():
     amp = Amp()
     model = make_mlp()
     assert amp.initialize(model, opt_level="O0", verbosity=0) is model
-    model, optimizer = amp.initialize(make_mlp(), sgd(make_mlp()), opt_level="O1", verbosity=0)
+    model = make_mlp()
+    model, optimizer = amp.initialize(model, sgd(model), opt_level="O1", verbosity=0)
     assert isinstance(model, nn.Module) and isinstance(optimizer, torch.optim.SGD)
     models = [make_mlp(), make_mlp(seed=1)]
     out_models, out_optimizers = amp.initialize(models, [sgd(models[0]), sgd(models[1])], opt_level="O2", verbosity=0)

@@ -26,6 +26,7 @@ LAYERS = [
             "ampddp.run_lock",
             "ampddp.torch_compat",
             "ampddp.choices",
+            "ampddp.run_files",
         ),
     ),
     ("precision", ("ampddp.precision", "ampddp.diagnostics")),
@@ -35,7 +36,17 @@ LAYERS = [
     ("training", ("ampddp.training", "ampddp.trainer")),
     (
         "application",
-        ("ampddp.config", "ampddp.recipe", "ampddp.run", "ampddp.cli", "ampddp.__main__", "ampddp.amp", "ampddp.amp_stash", "ampddp.apex"),
+        (
+            "ampddp.config",
+            "ampddp.recipe",
+            "ampddp.run",
+            "ampddp.finished_run",
+            "ampddp.cli",
+            "ampddp.__main__",
+            "ampddp.amp",
+            "ampddp.amp_stash",
+            "ampddp.apex",
+        ),
     ),
 ]
 PACKAGE = Path(ampddp.__file__).parent
