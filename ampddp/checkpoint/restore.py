@@ -44,8 +44,18 @@ def check_model_state(state: Any, module: nn.Module, where: str) -> None:
         raise CheckpointError(f"{where}: checkpoint is for a different model — " + "; ".join(problems))
 
 
+PARAM_SHAPED_STATE = frozenset(
+    {"momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "exp_inf", "square_avg", "acc_delta", "grad_avg", "sum", "prev"}
+    | {"step_size", "ax", "master_param"}
+)
+"""Per-parameter optimizer state that torch's optimizers (and apex's fused ones) keep in the
+parameter's shape; other entries (steps, factored moments) and 0-dim values (NovoGrad's per-tensor
+norm) are not compared."""
+
+
 def check_optimizer_state(state: Any, optimizer: Any, where: str) -> None:
-    """The saved optimizer must have the same parameter groups and sizes as the live one."""
+    """The saved optimizer must have the same parameter groups and sizes as the live one, and its
+    per-parameter state the shapes of the live parameters (else step 1 dies inside the optimizer)."""
     groups = state.get("param_groups") if isinstance(state, dict) else None
     if not isinstance(groups, list) or "state" not in state:
         raise CheckpointError(f"{where}: optimizer state is not a torch optimizer state dict")
@@ -55,6 +65,16 @@ def check_optimizer_state(state: Any, optimizer: Any, where: str) -> None:
         raise CheckpointError(
             f"{where}: optimizer has parameter groups of sizes {live}, the checkpoint {saved}: a different model or optimizer set-up"
         )
+    per_param = state["state"] if isinstance(state["state"], dict) else {}
+    for group_index, (group, live_group) in enumerate(zip(groups, optimizer.param_groups)):
+        for position, (index, param) in enumerate(zip(group.get("params", []), live_group["params"])):
+            entries = per_param.get(index)
+            for name, value in entries.items() if isinstance(entries, dict) else ():
+                if name in PARAM_SHAPED_STATE and isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
+                    raise CheckpointError(
+                        f"{where}: optimizer state {name!r} of parameter {position} in group {group_index} has shape "
+                        f"{tuple(value.shape)}, the live parameter {tuple(param.shape)}: the optimizer state of another model"
+                    )
 
 
 def check_sampler_state(saved: Any, live: dict[str, Any], where: str) -> None:
