@@ -118,24 +118,57 @@ class Manifest:
         return self.digests is not None
 
 
+MAX_MANIFEST_BYTES = 64 * 2**20
+"""The largest ``COMPLETE`` read: a manifest lists two short entries per rank (~130 bytes each), so
+this allows some 250,000 ranks, and a planted multi-GiB marker is refused rather than read whole."""
+
+
 def read_manifest(folder: Path) -> Manifest:
-    """Parse ``folder/COMPLETE``; a missing or malformed marker is a ``CheckpointError`` naming it."""
+    """Parse ``folder/COMPLETE``; a missing, oversized or malformed marker is a ``CheckpointError``
+    naming it. Every name it lists must be a plain file name of ``folder``: a manifest that points
+    elsewhere (``../x``, ``/etc/passwd``) is refused before any file is read, so checking it can
+    neither read outside the checkpoint nor reveal the checksum of another file."""
     marker = Path(folder) / keys.COMPLETE_FILE
     try:
-        content = json.loads(marker.read_text(encoding="utf-8"))
+        with open(marker, "rb") as handle:
+            data = handle.read(MAX_MANIFEST_BYTES + 1)
+        if len(data) > MAX_MANIFEST_BYTES:
+            limit = MAX_MANIFEST_BYTES // 2**20
+            raise CheckpointError(f"{marker}: completion marker larger than {limit} MiB, far beyond any manifest: not one ampddp wrote")
+        content = json.loads(data.decode("utf-8"))
     except FileNotFoundError:
         raise CheckpointError(f"{folder}: incomplete checkpoint (no {keys.COMPLETE_FILE} marker: the save was interrupted)") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise CheckpointError(f"{marker}: unreadable completion marker ({str(error).splitlines()[0][:120]})") from None
     files = content.get("files") if isinstance(content, dict) else None
     world_size = content.get("world_size")
-    if not isinstance(files, (dict, list)) or not (world_size is None or isinstance(world_size, int)):
-        raise CheckpointError(f"{marker}: malformed completion marker: expected JSON with 'files' and 'world_size'")
+    if not isinstance(files, (dict, list)) or not (world_size is None or (isinstance(world_size, int) and world_size >= 1)):
+        raise CheckpointError(f"{marker}: malformed completion marker: expected JSON with 'files' and 'world_size' (an integer >= 1)")
+    names = tuple(files)
+    for name in names:
+        if not _is_plain_file_name(name):
+            raise CheckpointError(
+                f"{marker}: lists {str(name)[:120]!r}, which is not a file name of this checkpoint folder "
+                "(names may not hold path separators or be '.', '..' or empty); refused without reading it"
+            )
+    if world_size is not None and world_size > len(names):
+        raise CheckpointError(f"{marker}: declares {world_size} ranks but lists {len(names)} files: incomplete or not written by ampddp")
     if isinstance(files, list):  # written before checksums: names only
-        return Manifest(content.get("step"), world_size, tuple(str(name) for name in files), None)
-    digests = {str(name): FileDigest.from_json(entry, f"{marker} ({name})") for name, entry in files.items()}
+        return Manifest(content.get("step"), world_size, names, None)
+    digests = {name: FileDigest.from_json(entry, f"{marker} ({name})") for name, entry in files.items()}
     run = content.get("run")
-    return Manifest(content.get("step"), world_size, tuple(digests), digests, run if isinstance(run, dict) else None)
+    return Manifest(content.get("step"), world_size, names, digests, run if isinstance(run, dict) else None)
+
+
+def _is_plain_file_name(name: object) -> bool:
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and "\0" not in name
+        and Path(name).name == name
+    )
 
 
 def verify_folder(folder: Path, manifest: Manifest) -> str:
