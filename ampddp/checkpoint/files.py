@@ -110,6 +110,25 @@ def save_atomic(obj: Any, path: Path) -> FileDigest:
     return FileDigest(writers[0].size, writers[0].hasher.hexdigest())
 
 
+def refuse_inflating_entries(path: Path) -> None:
+    """Refuse a zip-format file whose entries would inflate beyond the file: torch.save stores every
+    entry uncompressed, so a compressed entry, or one declaring more bytes than the whole file holds,
+    is a decompression bomb (a 1 MiB file declaring 1 GiB), never a checkpoint."""
+    size = path.stat().st_size
+    try:
+        with zipfile.ZipFile(path) as archive:
+            entries = archive.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return  # not a zip (torch's legacy format, or garbage): torch.load's own error names it
+    for entry in entries:
+        if entry.compress_type != zipfile.ZIP_STORED or entry.file_size > size:
+            raise CheckpointError(
+                f"{path}: entry {entry.filename[:80]!r} declares {entry.file_size} bytes in a {size}-byte file"
+                f"{' (compressed)' if entry.compress_type != zipfile.ZIP_STORED else ''}; torch.save never compresses: "
+                "refused unread (a decompression bomb, not a checkpoint)"
+            )
+
+
 def load_safely(path: Path, map_location: Any = "cpu", expected: FileDigest | None = None) -> dict[str, Any]:
     """Load a checkpoint file with ``weights_only=True``; raise CheckpointError naming what is wrong.
 
@@ -121,6 +140,7 @@ def load_safely(path: Path, map_location: Any = "cpu", expected: FileDigest | No
         raise CheckpointError(f"{path}: no such checkpoint file")
     if expected is not None:
         verify_file(path, expected)
+    refuse_inflating_entries(path)
     try:
         state = torch.load(path, map_location=map_location, weights_only=True, mmap=expected is not None)
     except pickle.UnpicklingError as error:

@@ -18,7 +18,6 @@ from torch.utils.data import Dataset
 
 from ampddp.checkpoint import keys
 from ampddp.checkpoint.changes import check_resume_settings
-from ampddp.checkpoint.files import load_safely
 from ampddp.checkpoint.restore import check_model_state, check_optimizer_state, check_sampler_state, initial_weights, restore_precision
 from ampddp.checkpoint.schedule_plan import plan_schedule
 from ampddp.checkpoint.store import CheckpointRef, CheckpointStore, find_checkpoint
@@ -185,20 +184,16 @@ def _entry_error(where: str, shared: dict[str, Any], key: str, expected: str) ->
     return CheckpointError(f"{where}: not a complete ampddp checkpoint: its {key!r} entry is {found}, expected {expected}")
 
 
-def _peek(path: Path) -> dict[str, Any]:
-    """A checkpoint file's structure without reading its tensor data (memory-mapped); a file that
-    does not load that way goes through ``load_safely``, whose error names what is wrong."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # any failure: load_safely raises the CheckpointError that explains it
-        state = None
-    return state if isinstance(state, dict) else load_safely(path)
+def _peek(ref: CheckpointRef, name: str = keys.SHARED_FILE) -> dict[str, Any]:
+    """One file of a checkpoint, verified against its manifest and memory-mapped (its tensor data is
+    not read), as the trainer will load it; a CheckpointError names what is wrong."""
+    return ref.load_file(name)
 
 
 def _check_resumable(ref: CheckpointRef, config: RunConfig, model: nn.Module, engine: PrecisionEngine, rank: int) -> None:
     """Everything ``Trainer.load_checkpoint`` will read, read and checked now, against throwaway copies."""
     where = str(ref.shared_file)
-    shared = _peek(ref.shared_file)
+    shared = _peek(ref)
     if shared.get(keys.FORMAT) != keys.FORMAT_VERSION:
         CheckpointStore.load_shared(ref)  # raises the unsupported-format error
     for key in (keys.MODEL, keys.OPTIMIZER, keys.PRECISION, keys.PROGRESS, keys.SAMPLER):
@@ -222,7 +217,7 @@ def _check_resumable(ref: CheckpointRef, config: RunConfig, model: nn.Module, en
     except (TypeError, ValueError) as error:
         raise CheckpointError(f"{where}: its {keys.PROGRESS!r} entry is malformed ({error})") from None
     rank_file = ref.rank_file(rank)
-    if rank_file.is_file() and not isinstance(_peek(rank_file).get(keys.RNG), dict):
+    if rank_file.is_file() and not isinstance(_peek(ref, rank_file.name).get(keys.RNG), dict):
         raise CheckpointError(f"{rank_file}: not a complete ampddp checkpoint: no {keys.RNG!r} state")
 
 
@@ -389,7 +384,7 @@ def _resume_candidate(config: RunConfig) -> tuple[CheckpointRef, dict[str, Any]]
         return None
     for ref in candidates:
         try:
-            return ref, _peek(ref.shared_file)
+            return ref, _peek(ref)
         except CheckpointError:
             continue
     return None
