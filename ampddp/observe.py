@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ampddp.distributed.env import DistEnv
-from ampddp.run_files import METRICS_FILE, SUMMARY_FILE, read_summary
+from ampddp.run_files import METRICS_FILE, SUMMARY_FILE, open_for_append, read_summary, replace_file
 
 PLOTS_SKIPPED = "plots skipped: matplotlib is not installed (pip install 'ampddp[plots]')"
 
@@ -51,7 +52,7 @@ class RunObserver:
     def _write(self, record: dict[str, Any]) -> None:
         if self._metrics is None:  # opened at the first record: a run refused before it writes nothing
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._metrics = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+            self._metrics = open_for_append(self.run_dir / METRICS_FILE)  # closed in close()
         self._metrics.write(json.dumps(record) + "\n")
         self._metrics.flush()
         if self._writer is not None:
@@ -132,7 +133,7 @@ class RunObserver:
             self._writer.close()
         if self._metrics is not None:
             self._metrics.close()
-        (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+        replace_file(self.run_dir / SUMMARY_FILE, json.dumps(summary, indent=2).encode())
         plot_metrics(self.run_dir)
         return summary
 
@@ -211,6 +212,8 @@ def plot_metrics(run_dir: str | Path) -> list[Path]:
         axes.set_title(title)
         figure.tight_layout()
         path = Path(run_dir) / name
-        figure.savefig(path, dpi=100)
+        image = io.BytesIO()
+        figure.savefig(image, format="png", dpi=100)
+        replace_file(path, image.getvalue())
         outputs.append(path)
     return outputs

@@ -1,14 +1,23 @@
-"""The files a run writes in its run dir besides checkpoints, and reading its summary back.
+"""The files a run writes in its run dir besides checkpoints: their names, how they are written, and
+reading the summary back.
 
-Torch-free: a start of a finished run reads the summary before torch is imported
-(``ampddp.finished_run``).
+Nothing is written through a symbolic link found in a run dir: a link planted where the lock, the
+metrics, the summary or a plot belongs could make the run overwrite or append to any file its user
+can write. Appended files are opened with ``O_NOFOLLOW``; whole files are written to a fresh
+temporary name (``O_EXCL``) and renamed over the old one, which replaces a link rather than following
+it. Torch-free: a start of a finished run reads the summary before torch is imported.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import secrets
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
+
+from ampddp.errors import ConfigError
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -22,3 +31,49 @@ def read_summary(run_dir: str | Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return summary if isinstance(summary, dict) else {}
+
+
+def open_no_follow(path: Path, flags: int) -> int:
+    """``os.open(path, flags)`` that refuses, in one line, a symbolic link at ``path``."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise ConfigError(
+                f"{path} is a symbolic link; ampddp does not write through links in a run dir (it could write outside it): "
+                "remove the link, or use another trainer.run_dir"
+            ) from None
+        raise
+
+
+def open_for_append(path: Path) -> TextIO:
+    """``path`` opened for appending text (created if missing), refusing a symbolic link."""
+    return os.fdopen(open_no_follow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a", encoding="utf-8")
+
+
+def create_temporary(path: Path) -> tuple[int, Path]:
+    """A new file beside ``path`` under a fresh random name, opened for writing: created with
+    ``O_EXCL`` (a link planted there is never followed) and the usual mode (0o666 less the umask,
+    as ``open`` gives, unlike ``tempfile``'s 0o600)."""
+    path = Path(path)
+    while True:
+        temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(6)}")
+        try:
+            return os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666), temporary
+        except FileExistsError:
+            continue
+
+
+def replace_file(path: Path, data: bytes) -> None:
+    """Write ``data`` as ``path`` whole: a fresh temporary file in the same folder, fsynced, renamed
+    over ``path`` (a link there is replaced, never followed; a crash leaves the old file)."""
+    fd, temporary = create_temporary(path)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise

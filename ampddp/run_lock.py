@@ -19,6 +19,7 @@ from pathlib import Path
 from types import TracebackType
 
 from ampddp.errors import ConfigError
+from ampddp.run_files import open_no_follow
 
 try:
     import fcntl
@@ -69,7 +70,7 @@ class RunDirLock:
             logger.warning("no fcntl on this platform: %s is not locked; do not start two runs on it", self.run_dir)
             return self
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = open_no_follow(self.path, os.O_RDWR | os.O_CREAT)
         except OSError as error:
             raise ConfigError(
                 f"trainer.run_dir={self.run_dir}: cannot open its lock file {self.path} ({error.strerror or error}); "

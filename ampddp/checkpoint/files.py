@@ -24,6 +24,7 @@ import torch
 
 from ampddp.checkpoint.manifest import FileDigest, new_hasher, verify_file
 from ampddp.errors import CheckpointError
+from ampddp.run_files import create_temporary
 
 
 def fsync_directory(directory: Path) -> None:
@@ -47,9 +48,12 @@ def write_bytes_atomic(path: Path, data: bytes) -> FileDigest:
 
 
 def _write_atomic(path: Path, write: Callable[[BinaryIO], Any]) -> None:
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:  # a fresh name (O_EXCL): a link planted at a predictable temporary name is never followed
+        fd, temporary = create_temporary(path)
+    except OSError as error:
+        raise CheckpointError(f"{path}: cannot write checkpoint file ({error.strerror or error})") from error
     try:
-        with open(temporary, "wb") as handle:
+        with os.fdopen(fd, "wb") as handle:
             write(handle)
             handle.flush()
             os.fsync(handle.fileno())
