@@ -12,7 +12,15 @@ import json
 import os
 import sys
 
-from ampddp.errors import AmpUsageError, CheckpointError, ConfigError, NonFiniteGradientsError, PeerFailureError, UnsupportedTorchError
+from ampddp.errors import (
+    AmpUsageError,
+    CheckpointError,
+    ConfigError,
+    NonFiniteGradientsError,
+    PeerFailureError,
+    RunIOError,
+    UnsupportedTorchError,
+)
 from ampddp.preemption import EXIT_PREEMPTED, EarlySignals
 
 EXIT_USAGE = 2
@@ -21,6 +29,9 @@ EXIT_NONFINITE = 3
 """Training stopped because the loss or gradients stayed non-finite (NonFiniteGradientsError)."""
 EXIT_PEER_FAILURE = 4
 """Another rank died or stopped responding (PeerFailureError); the same command resumes the run."""
+EXIT_IO = 5
+"""Writing the run's files failed (disk full, I/O error, read-only file system): retryable. Nothing
+acknowledged is lost; the same command resumes from the newest complete checkpoint once fixed."""
 EXIT_BROKEN_PIPE = 141
 """stdout was closed early (``ampddp inspect RUN | head``): 128 + SIGPIPE, as a shell tool reports it."""
 
@@ -110,6 +121,13 @@ def _silence_stdout() -> None:
 def _run(args: argparse.Namespace, early: EarlySignals) -> int:
     try:
         return args.handler(args, early)
+    except RunIOError as error:  # before CheckpointError: a checkpoint that could not be written is this kind
+        print(
+            f"ampddp {args.command}: error: {_one_line(error)}; fix the file system or free space, then the same command "
+            "resumes from the newest complete checkpoint",
+            file=sys.stderr,
+        )
+        return EXIT_IO
     except (CheckpointError, ConfigError, AmpUsageError, UnsupportedTorchError) as error:
         print(f"ampddp {args.command}: error: {_one_line(error)}", file=sys.stderr)
         return EXIT_USAGE
@@ -126,7 +144,7 @@ def _run(args: argparse.Namespace, early: EarlySignals) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; its exit status: 0, EXIT_USAGE, EXIT_NONFINITE, EXIT_PEER_FAILURE,
+    """Run one command; its exit status: 0, EXIT_USAGE, EXIT_NONFINITE, EXIT_PEER_FAILURE, EXIT_IO,
     EXIT_PREEMPTED or EXIT_BROKEN_PIPE.
 
     Stop signals are held from the first line, before torch and the recipe load: ``train`` hands

@@ -22,6 +22,16 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or read; the message names the file and what is wrong."""
 
 
+class RunIOError(RuntimeError):
+    """Writing a run's files failed (disk full, I/O error, file system gone read-only). Retryable:
+    everything acknowledged is on disk, and the same command resumes from the newest complete
+    checkpoint once the file system is fixed."""
+
+
+class CheckpointWriteError(CheckpointError, RunIOError):
+    """A checkpoint could not be written (the previous complete one is untouched)."""
+
+
 class PeerFailureError(RuntimeError):
     """A collective failed because another rank died or stopped responding."""
 

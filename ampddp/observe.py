@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ampddp.distributed.env import DistEnv
-from ampddp.run_files import METRICS_FILE, SUMMARY_FILE, open_for_append, read_summary, replace_file
+from ampddp.run_files import METRICS_FILE, SUMMARY_FILE, drop_torn_tail, open_for_append, read_summary, replace_file, run_file_errors
 
 PLOTS_SKIPPED = "plots skipped: matplotlib is not installed (pip install 'ampddp[plots]')"
 
@@ -50,11 +50,14 @@ class RunObserver:
             self._writer = SummaryWriter(str(self.run_dir / "tensorboard"))
 
     def _write(self, record: dict[str, Any]) -> None:
-        if self._metrics is None:  # opened at the first record: a run refused before it writes nothing
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._metrics = open_for_append(self.run_dir / METRICS_FILE)  # closed in close()
-        self._metrics.write(json.dumps(record) + "\n")
-        self._metrics.flush()
+        path = self.run_dir / METRICS_FILE
+        with run_file_errors(path):
+            if self._metrics is None:  # opened at the first record: a run refused before it writes nothing
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                drop_torn_tail(path)
+                self._metrics = open_for_append(path)  # closed in close()
+            self._metrics.write(json.dumps(record) + "\n")  # one write per record, then flushed
+            self._metrics.flush()
         if self._writer is not None:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key not in ("step", "epoch"):
@@ -133,7 +136,8 @@ class RunObserver:
             self._writer.close()
         if self._metrics is not None:
             self._metrics.close()
-        replace_file(self.run_dir / SUMMARY_FILE, json.dumps(summary, indent=2).encode())
+        with run_file_errors(self.run_dir / SUMMARY_FILE):
+            replace_file(self.run_dir / SUMMARY_FILE, json.dumps(summary, indent=2).encode())
         plot_metrics(self.run_dir)
         return summary
 
@@ -157,10 +161,17 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     history: list[dict[str, Any]] = []
-    for line in path.read_text().splitlines():
+    for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
         if not line.strip():
             continue
-        record = json.loads(line)
+        try:
+            record = json.loads(line)
+        except ValueError:  # a record torn by a crash or a full disk: everything before it stands
+            logger.warning("%s: line %d is not a whole record (torn by a crash or a full disk); skipped", path, number)
+            continue
+        if not isinstance(record, dict) or "step" not in record:
+            logger.warning("%s: line %d is not a metrics record; skipped", path, number)
+            continue
         if record.get("kind") == "start":
             history = [kept for kept in history if kept.get("kind") == "start" or kept["step"] <= record["step"]]
         history.append(record)
@@ -214,6 +225,7 @@ def plot_metrics(run_dir: str | Path) -> list[Path]:
         path = Path(run_dir) / name
         image = io.BytesIO()
         figure.savefig(image, format="png", dpi=100)
-        replace_file(path, image.getvalue())
+        with run_file_errors(path):
+            replace_file(path, image.getvalue())
         outputs.append(path)
     return outputs

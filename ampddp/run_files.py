@@ -10,14 +10,19 @@ it. Torch-free: a start of a finished run reads the summary before torch is impo
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
+import logging
 import os
 import secrets
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-from ampddp.errors import ConfigError
+from ampddp.errors import ConfigError, RunIOError
+
+logger = logging.getLogger("ampddp.observe")
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -77,3 +82,43 @@ def replace_file(path: Path, data: bytes) -> None:
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def run_file_errors(path: Path) -> Iterator[None]:
+    """An ``OSError`` while writing ``path`` (disk full, I/O error, read-only) as a one-line ``RunIOError``."""
+    try:
+        yield
+    except OSError as error:
+        raise RunIOError(f"{path}: cannot write ({error.strerror or error})") from error
+
+
+def drop_torn_tail(path: Path) -> None:
+    """Cut an append-only log back to its last whole line: a record torn by a crash or a full disk
+    is dropped (with a warning) before new records follow it, as a database treats a torn log tail."""
+    try:
+        fd = open_no_follow(path, os.O_RDWR)
+    except FileNotFoundError:
+        return
+    with os.fdopen(fd, "r+b") as handle:
+        size = handle.seek(0, os.SEEK_END)
+        if size == 0:
+            return
+        handle.seek(size - 1)
+        if handle.read(1) == b"\n":
+            return
+        keep, block = 0, 64 * 1024
+        position = size
+        while position > 0:  # find the last newline, reading backwards
+            start = max(0, position - block)
+            handle.seek(start)
+            chunk = handle.read(position - start)
+            found = chunk.rfind(b"\n")
+            if found >= 0:
+                keep = start + found + 1
+                break
+            position = start
+        handle.truncate(keep)
+        handle.flush()
+        os.fsync(handle.fileno())
+    logger.warning("%s: dropped a torn last record (%d bytes) left by a crash or a full disk", path, size - keep)

@@ -23,7 +23,7 @@ from typing import Any, BinaryIO
 import torch
 
 from ampddp.checkpoint.manifest import FileDigest, new_hasher, verify_file
-from ampddp.errors import CheckpointError
+from ampddp.errors import CheckpointError, CheckpointWriteError
 from ampddp.run_files import create_temporary
 
 
@@ -51,7 +51,7 @@ def _write_atomic(path: Path, write: Callable[[BinaryIO], Any]) -> None:
     try:  # a fresh name (O_EXCL): a link planted at a predictable temporary name is never followed
         fd, temporary = create_temporary(path)
     except OSError as error:
-        raise CheckpointError(f"{path}: cannot write checkpoint file ({error.strerror or error})") from error
+        raise CheckpointWriteError(f"{path}: cannot write checkpoint file ({error.strerror or error})") from error
     try:
         with os.fdopen(fd, "wb") as handle:
             write(handle)
@@ -60,7 +60,7 @@ def _write_atomic(path: Path, write: Callable[[BinaryIO], Any]) -> None:
         os.replace(temporary, path)
     except OSError as error:
         temporary.unlink(missing_ok=True)
-        raise CheckpointError(f"{path}: cannot write checkpoint file ({error.strerror or error})") from error
+        raise CheckpointWriteError(f"{path}: cannot write checkpoint file ({error.strerror or error})") from error
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise

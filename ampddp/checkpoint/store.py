@@ -28,7 +28,7 @@ from ampddp.checkpoint.files import fsync_directory, load_safely, save_atomic, w
 from ampddp.checkpoint.manifest import CHECKSUM, Manifest, complete_folders, read_manifest, step_of, verify_folder
 from ampddp.distributed.data import broadcast_from_main, sum_across_ranks
 from ampddp.distributed.env import DistEnv
-from ampddp.errors import CheckpointError, ConfigError
+from ampddp.errors import CheckpointError, CheckpointWriteError, ConfigError
 
 logger = logging.getLogger("ampddp.checkpoint")
 
@@ -153,7 +153,7 @@ class CheckpointStore:
             if isinstance(error, CheckpointError):
                 raise error
             reason = f": {error}" if error is not None else ""
-            raise CheckpointError(f"{folder}: checkpoint not written: {failed} rank(s) failed to write their part{reason}") from error
+            raise CheckpointWriteError(f"{folder}: checkpoint not written: {failed} rank(s) failed to write their part{reason}") from error
 
     def _finish(self, folder: Path, step: int, env: DistEnv, files: dict[str, dict[str, Any]], run: dict[str, Any] | None) -> None:
         marker: dict[str, Any] = {"step": step, "world_size": env.world_size, "time": time.time(), "checksum": CHECKSUM}
@@ -170,7 +170,7 @@ class CheckpointStore:
                 shutil.rmtree(folder)
             folder.mkdir()
         except OSError as error:
-            raise CheckpointError(f"{folder}: cannot create checkpoint folder ({error.strerror or error})") from error
+            raise CheckpointWriteError(f"{folder}: cannot create checkpoint folder ({error.strerror or error})") from error
         fsync_directory(self.root)
 
     def _prune(self, keep: Path) -> None:
@@ -205,7 +205,7 @@ class CheckpointStore:
                 os.replace(folder, target)
                 moved.append(target)
         except OSError as error:
-            raise CheckpointError(f"{target_root}: cannot move checkpoints aside ({error.strerror or error})") from error
+            raise CheckpointWriteError(f"{target_root}: cannot move checkpoints aside ({error.strerror or error})") from error
         fsync_directory(target_root)
         fsync_directory(self.root)
         return moved
