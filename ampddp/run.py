@@ -37,6 +37,7 @@ from ampddp.recipe.factories import (
     scheduler_factory,
     steps_per_epoch,
 )
+from ampddp.recipe.rank_agreement import check_ranks_agree
 from ampddp.run_lock import RunDirLock
 from ampddp.trainer import Trainer
 
@@ -139,6 +140,7 @@ def _joined_and_locked(config: RunConfig) -> Iterator[DistEnv]:
                 raise refusal
             if refused is not None:
                 raise ConfigError(f"rank 0 could not take the run_dir lock, so rank {env.rank} stops too: {refused}")
+            check_ranks_agree(config, env)
             yield env
         finally:
             shutdown_distributed()

@@ -21,12 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from ampddp.checkpoint import keys
 from ampddp.checkpoint.files import fsync_directory, load_safely, save_atomic, write_bytes_atomic
 from ampddp.checkpoint.manifest import CHECKSUM, Manifest, complete_folders, read_manifest, step_of, verify_folder
-from ampddp.distributed.data import broadcast_from_main, sum_across_ranks
+from ampddp.distributed.data import broadcast_from_main, gather_objects, sum_across_ranks
 from ampddp.distributed.env import DistEnv
 from ampddp.errors import CheckpointError, CheckpointWriteError, ConfigError
 
@@ -116,7 +114,7 @@ class CheckpointStore:
         digests: dict[str, dict[str, Any]] = {}
         self._run_everywhere(lambda: self._prepare_folder(folder) if env.is_main else None, folder, env)
         self._run_everywhere(lambda: digests.update(self._write_parts(ref, shared, rank_state, env)), folder, env)
-        every_rank = _gather_everywhere(digests, env)
+        every_rank = gather_objects(digests, env)
         files = {name: entry for part in every_rank for name, entry in part.items()}
         self._run_everywhere(lambda: self._finish(folder, step, env, files, run) if env.is_main else None, folder, env)
         return ref
@@ -311,15 +309,6 @@ def _plan(store: CheckpointStore | None, resume: str | Path) -> dict[str, Any]:
             f"(newer ones are moved to {keys.ABANDONED_DIR}/), or a new run_dir"
         )
     return {"start": str(ref.path) if ref is not None else None, "warnings": warnings}
-
-
-def _gather_everywhere(value: Any, env: DistEnv) -> list[Any]:
-    """Every rank's ``value`` on every rank, in rank order (``[value]`` in a single process)."""
-    if not env.distributed or not (dist.is_available() and dist.is_initialized()):
-        return [value]
-    gathered: list[Any] = [None] * env.world_size
-    dist.all_gather_object(gathered, value)
-    return gathered
 
 
 def find_checkpoint(location: str | Path) -> CheckpointRef:

@@ -133,6 +133,15 @@ def broadcast_from_main(value: Any, env: DistEnv) -> Any:
     return holder[0]
 
 
+def gather_objects(value: Any, env: DistEnv) -> list[Any]:
+    """Every rank's ``value`` (picklable) on every rank, in rank order (``[value]`` in a single process)."""
+    if not env.distributed or not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    gathered: list[Any] = [None] * env.world_size
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
 def barrier(group: Any = None) -> None:
     """Wait for every rank (no-op in a single process)."""
     if dist.is_available() and dist.is_initialized():
