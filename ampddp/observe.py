@@ -11,7 +11,16 @@ from pathlib import Path
 from typing import Any
 
 from ampddp.distributed.env import DistEnv
-from ampddp.run_files import METRICS_FILE, SUMMARY_FILE, drop_torn_tail, open_for_append, read_summary, replace_file, run_file_errors
+from ampddp.run_files import (
+    METRICS_FILE,
+    SUMMARY_FILE,
+    RunDirIdentity,
+    drop_torn_tail,
+    open_for_append,
+    read_summary,
+    replace_file,
+    run_file_errors,
+)
 
 PLOTS_SKIPPED = "plots skipped: matplotlib is not installed (pip install 'ampddp[plots]')"
 
@@ -36,6 +45,7 @@ class RunObserver:
         self._lines = progress == "lines" or (progress == "auto" and not sys.stderr.isatty())
         self._writer = None
         self._metrics: Any = None
+        self._identity = RunDirIdentity(self.run_dir)
         if not self.active:
             return
         if progress in ("bar", "auto") and not self._lines:
@@ -52,8 +62,8 @@ class RunObserver:
     def _write(self, record: dict[str, Any]) -> None:
         path = self.run_dir / METRICS_FILE
         with run_file_errors(path):
-            if self._metrics is None:  # opened at the first record: a run refused before it writes nothing
-                self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._identity.check()  # the first record makes the run dir (a run refused before writes nothing)
+            if self._metrics is None:
                 drop_torn_tail(path)
                 self._metrics = open_for_append(path)  # closed in close()
             self._metrics.write(json.dumps(record) + "\n")  # one write per record, then flushed
@@ -127,6 +137,7 @@ class RunObserver:
         }
         if not self.active:
             return summary
+        self._identity.check()
         # The best evaluation of the whole run, including those before a resume.
         accuracies = [r["accuracy"] for r in read_metrics(self.run_dir) if r.get("kind") == "eval" and r.get("accuracy") is not None]
         summary["best_eval_accuracy"] = max(accuracies, default=self.best_accuracy)

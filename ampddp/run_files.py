@@ -38,6 +38,40 @@ def read_summary(run_dir: str | Path) -> dict[str, Any]:
     return summary if isinstance(summary, dict) else {}
 
 
+class RunDirIdentity:
+    """The run dir a run started in (its device and inode), to notice it being moved or removed.
+
+    Writing by path after that would silently recreate an empty run dir and split the run in two:
+    early steps, metrics and lock in the moved folder, later checkpoints and the summary in a new one
+    without a lock, where a second writer could start. The first ``check`` records the folder
+    (creating it if it does not exist yet); every later one raises ``RunIOError`` if the path now
+    names another folder or none.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
+        self.path = Path(run_dir)
+        self._identity: tuple[int, int] | None = None
+
+    def check(self) -> None:
+        if self._identity is None:
+            self.path.mkdir(parents=True, exist_ok=True)
+            found = self.path.stat()
+            self._identity = (found.st_dev, found.st_ino)
+            return
+        try:
+            found = self.path.stat()
+        except FileNotFoundError:
+            raise RunIOError(
+                f"{self.path}: the run dir was removed during the run; stopping rather than recreating it empty "
+                "(its files, if it was moved, are where it was moved to: resume there)"
+            ) from None
+        if (found.st_dev, found.st_ino) != self._identity:
+            raise RunIOError(
+                f"{self.path}: the run dir was moved or replaced during the run; stopping rather than writing into "
+                "another folder (resume from the folder it was moved to)"
+            )
+
+
 def open_no_follow(path: Path, flags: int) -> int:
     """``os.open(path, flags)`` that refuses, in one line, a symbolic link at ``path``."""
     try:

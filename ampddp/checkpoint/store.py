@@ -26,7 +26,8 @@ from ampddp.checkpoint.files import fsync_directory, load_safely, save_atomic, w
 from ampddp.checkpoint.manifest import CHECKSUM, Manifest, complete_folders, read_manifest, step_of, verify_folder
 from ampddp.distributed.data import broadcast_from_main, gather_objects, sum_across_ranks
 from ampddp.distributed.env import DistEnv
-from ampddp.errors import CheckpointError, CheckpointWriteError, ConfigError
+from ampddp.errors import CheckpointError, CheckpointWriteError, ConfigError, RunIOError
+from ampddp.run_files import RunDirIdentity
 
 logger = logging.getLogger("ampddp.checkpoint")
 
@@ -83,6 +84,7 @@ class CheckpointStore:
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ConfigError(f"checkpoint.keep_last={keep_last!r} is not valid; it must be an integer >= 1 or None (keep all)")
         self.root = Path(run_dir) / keys.CHECKPOINTS_DIR
+        self._run_dir = RunDirIdentity(run_dir)
         self.keep_last = keep_last
 
     def complete(self) -> list[CheckpointRef]:
@@ -112,6 +114,7 @@ class CheckpointStore:
             # A step is written once: replacing a complete checkpoint in place could lose it to a crash.
             return ref
         digests: dict[str, dict[str, Any]] = {}
+        self._run_everywhere(self._run_dir.check, folder, env)  # moved or removed mid-run: stop, never recreate it
         self._run_everywhere(lambda: self._prepare_folder(folder) if env.is_main else None, folder, env)
         self._run_everywhere(lambda: digests.update(self._write_parts(ref, shared, rank_state, env)), folder, env)
         every_rank = gather_objects(digests, env)
@@ -148,7 +151,7 @@ class CheckpointStore:
         if failed:
             if env.is_main:
                 shutil.rmtree(folder, ignore_errors=True)
-            if isinstance(error, CheckpointError):
+            if isinstance(error, (CheckpointError, RunIOError)):
                 raise error
             reason = f": {error}" if error is not None else ""
             raise CheckpointWriteError(f"{folder}: checkpoint not written: {failed} rank(s) failed to write their part{reason}") from error
