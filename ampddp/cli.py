@@ -16,6 +16,7 @@ from ampddp.errors import (
     AmpUsageError,
     CheckpointError,
     ConfigError,
+    DataError,
     NonFiniteGradientsError,
     PeerFailureError,
     RunIOError,
@@ -24,7 +25,8 @@ from ampddp.errors import (
 from ampddp.preemption import EXIT_PREEMPTED, EarlySignals
 
 EXIT_USAGE = 2
-"""A bad recipe, setting, path or checkpoint, or a torch older than ampddp supports: refused before anything was written."""
+"""A bad recipe, setting, path or checkpoint, or a torch older than ampddp supports (refused before anything was
+written), or a sample of the data that cannot be used (named; checkpoints already written stay)."""
 EXIT_NONFINITE = 3
 """Training stopped because the loss or gradients stayed non-finite (NonFiniteGradientsError)."""
 EXIT_PEER_FAILURE = 4
@@ -128,7 +130,7 @@ def _run(args: argparse.Namespace, early: EarlySignals) -> int:
             file=sys.stderr,
         )
         return EXIT_IO
-    except (CheckpointError, ConfigError, AmpUsageError, UnsupportedTorchError) as error:
+    except (CheckpointError, ConfigError, AmpUsageError, UnsupportedTorchError, DataError) as error:
         print(f"ampddp {args.command}: error: {_one_line(error)}", file=sys.stderr)
         return EXIT_USAGE
     except NonFiniteGradientsError as error:

@@ -22,6 +22,20 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or read; the message names the file and what is wrong."""
 
 
+class DataError(ValueError):
+    """A sample of the data cannot be used (its loading raised, or its label is outside the model's
+    classes); the message names the sample and the original error.
+
+    Raised in a DataLoader worker, it comes back wrapped in the worker's traceback; only the last
+    line, this error's own message, is kept, so the report stays one line."""
+
+    def __init__(self, message: str) -> None:
+        lines = [line for line in str(message).splitlines() if line.strip()]
+        own = f"{type(self).__module__}.{type(self).__qualname__}: "
+        last = lines[-1] if lines else str(message)
+        super().__init__(last[len(own) :] if last.startswith(own) else str(message))
+
+
 class RunIOError(RuntimeError):
     """Writing a run's files failed (disk full, I/O error, file system gone read-only). Retryable:
     everything acknowledged is on disk, and the same command resumes from the newest complete

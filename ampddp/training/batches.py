@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ampddp.errors import DataError
+
 LossFn = Callable[[Any, Any], torch.Tensor]
 """``loss_fn(outputs, batch)`` -> the mean loss of the batch (a scalar tensor)."""
 MetricsFn = Callable[[Any, Any], Mapping[str, Any]]
@@ -106,13 +108,41 @@ def logits_of(outputs: Any) -> torch.Tensor:
     raise TypeError(f"cannot find class scores in the model's {type(outputs).__name__} outputs: expected a tensor or a 'logits' entry")
 
 
+IGNORE_INDEX = -100
+"""``F.cross_entropy``'s default label for "no target here"."""
+
+
 def cross_entropy(outputs: Any, batch: Any) -> torch.Tensor:
     """The default loss: the model's own ``loss`` when it returns one (Hugging Face style), else
     cross-entropy of the logits (in fp32) against the batch's targets."""
     own = outputs.get("loss") if isinstance(outputs, Mapping) else getattr(outputs, "loss", None)
     if isinstance(own, torch.Tensor):
         return own.float()
-    return F.cross_entropy(logits_of(outputs).float(), targets_of(batch))
+    logits, targets = logits_of(outputs).float(), targets_of(batch)
+    try:
+        return F.cross_entropy(logits, targets)
+    except (IndexError, RuntimeError) as error:
+        bad = _label_outside(logits, targets)
+        if bad is None:
+            raise
+        raise DataError(bad) from error
+
+
+def _label_outside(logits: torch.Tensor, targets: torch.Tensor) -> str | None:
+    """Which label of the batch is outside the model's classes, in words (None: none is). Checked only
+    after the loss failed, so a good step pays nothing (the check needs the values on the host)."""
+    if targets.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) or logits.dim() < 2:
+        return None
+    classes = logits.shape[1]
+    outside = ((targets < 0) & (targets != IGNORE_INDEX)) | (targets >= classes)
+    if not bool(outside.any()):
+        return None
+    position = int(outside.flatten().nonzero()[0])
+    label = int(targets.flatten()[position])
+    return (
+        f"label {label} at position {position} of the batch is outside the model's {classes} classes "
+        f"(valid: 0..{classes - 1}, or {IGNORE_INDEX} to ignore); fix the dataset's labels or the model's number of classes"
+    )
 
 
 def accuracy(outputs: Any, batch: Any) -> dict[str, torch.Tensor]:

@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ampddp.distributed.data import ResumableSampler
-from ampddp.errors import ConfigError, spelled
+from ampddp.errors import ConfigError, DataError, spelled
 from ampddp.preemption import blocked_signals
 from ampddp.torch_compat import detach_persistent_workers, loader_worker_shutdown
 
@@ -60,9 +60,33 @@ class SeededSamples(Dataset):
         saved = generator.get_state()
         generator.manual_seed(sample_seed(self.seed, epoch, index))
         try:
-            return self.dataset[index]
+            return load_sample(self.dataset, index, f"training sample {index} (epoch {epoch})")
         finally:
             generator.set_state(saved)
+
+
+class NamedSamples(Dataset):
+    """``dataset`` whose loading errors name the sample (evaluation's view; training's is ``SeededSamples``)."""
+
+    def __init__(self, dataset: Dataset, role: str) -> None:
+        self.dataset, self.role = dataset, role
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> Any:
+        return load_sample(self.dataset, index, f"{self.role} sample {index}")
+
+
+def load_sample(dataset: Dataset, index: int, what: str) -> Any:
+    """``dataset[index]``; an error raised there becomes a one-line ``DataError`` naming the sample."""
+    try:
+        return dataset[index]
+    except (ConfigError, DataError):
+        raise  # ampddp's own datasets already name the file and what is wrong with it
+    except Exception as error:
+        reason = " ".join(str(error).split())[:300] or "no message"
+        raise DataError(f"{what} cannot be loaded: {type(error).__name__}: {reason}; fix or remove that sample") from error
 
 
 class KeyedSampler(Sampler[tuple[int, int]]):
@@ -236,7 +260,7 @@ class DataLoading:
         sample = dataset[0] if len(dataset) and self._pin_asked() else None  # type: ignore[arg-type]
         options = {**self._options(sample), "persistent_workers": False}
         generator = torch.Generator().manual_seed(self.worker_seed)
-        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, generator=generator, **options)
+        return DataLoader(NamedSamples(dataset, "evaluation"), batch_size=batch_size, sampler=sampler, generator=generator, **options)
 
     def _pin_asked(self) -> bool:
         """Whether the default would pin (then one sample is looked at first)."""

@@ -1,0 +1,47 @@
+"""Bad data is reported as the data's fault, in one line naming the sample: a dataset whose
+``__getitem__`` raises (with and without loader workers), and a label outside the model's classes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from resume_helpers import NoisyDigits, make_trainer
+
+from ampddp.errors import DataError
+from ampddp.training.loading import LoaderSettings
+
+
+class BrokenAt(NoisyDigits):
+    def __init__(self, broken: int) -> None:
+        super().__init__()
+        self.broken = broken
+
+    def __getitem__(self, index: int):
+        if index == self.broken:
+            raise OSError("image file is truncated (12 bytes not processed)")
+        return super().__getitem__(index)
+
+
+class LabelledOutside(NoisyDigits):
+    def __getitem__(self, index: int):
+        x, y = super().__getitem__(index)
+        return x, torch.tensor(12) if index == 7 else y
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_sample_that_fails_to_load_is_named_in_one_line(tmp_path, workers):
+    trainer = make_trainer(tmp_path, "O0", max_steps=20, loading=LoaderSettings(num_workers=workers))
+    trainer.train_set = BrokenAt(37)
+    with pytest.raises(DataError) as failed:
+        trainer.fit()
+    message = str(failed.value)
+    assert "\n" not in message and "Traceback" not in message
+    assert message.startswith("training sample 37 (epoch 0) cannot be loaded: OSError: image file is truncated")
+
+
+def test_a_label_outside_the_models_classes_is_named(tmp_path):
+    trainer = make_trainer(tmp_path, "O0", max_steps=20)
+    trainer.train_set = LabelledOutside()
+    with pytest.raises(DataError, match=r"label 12 at position \d+ of the batch is outside the model's 4 classes \(valid: 0\.\.3"):
+        trainer.fit()
