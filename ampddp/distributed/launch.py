@@ -149,7 +149,8 @@ def _worker_error(rank: int, nprocs: int, pickled: bytes | None, trace: str) -> 
     status in the CLI), with the rank in front; anything else is a LaunchError with the traceback."""
     if pickled is not None:
         error = pickle.loads(pickled)
-        copy = type(error)(f"rank {rank} of {nprocs}: {error}")
+        where = f"rank {rank} of {nprocs}"
+        copy = type(error)(str(error) if str(error).startswith(f"{where}:") else f"{where}: {error}")  # said once
         copy.__cause__ = LaunchError(trace)
         return copy
     return LaunchError(f"rank {rank} of {nprocs} failed:\n{trace}")

@@ -33,3 +33,15 @@ def test_the_users_omp_num_threads_stands(monkeypatch):
     assert threads_per_process(2) is None
     results = launch_local(threads_worker, 2, timeout_s=60, job_timeout_s=150)
     assert results == [(1, "1")] * 2
+
+
+def test_a_worker_error_that_already_names_its_rank_is_not_prefixed_twice():
+    import pickle
+
+    from ampddp.distributed.launch import _worker_error
+    from ampddp.errors import PeerFailureError
+
+    named = _worker_error(0, 2, pickle.dumps(PeerFailureError("rank 0 of 2: a collective failed")), "trace")
+    plain = _worker_error(1, 2, pickle.dumps(PeerFailureError("a collective failed")), "trace")
+    assert isinstance(named, PeerFailureError) and str(named) == "rank 0 of 2: a collective failed"
+    assert str(plain) == "rank 1 of 2: a collective failed"
