@@ -56,6 +56,8 @@ def finished_run_summary(config: RunConfig, environ: dict[str, str] | None = Non
         except CheckpointError:
             return None
         summary = read_summary(run_dir)
+    if summary.get("steps") != progress.global_step:
+        return None  # its summary was not written whole: the full start rebuilds it (and the plots)
     logger.info("already complete at step %d (epoch %d): nothing to train (%s verified)", progress.global_step, progress.epoch, folder)
     return {**summary, "already_complete": True, "preempted": None}
 

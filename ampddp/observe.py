@@ -121,8 +121,9 @@ class RunObserver:
         elif self._lines:
             print(message, flush=True)
 
-    def close(self, progress: dict[str, Any]) -> dict[str, Any]:
-        """Write summary.json and the plots; returns the summary."""
+    def close(self, progress: dict[str, Any], *, timed: bool = True) -> dict[str, Any]:
+        """Write summary.json and the plots; returns the summary. ``timed=False``: this process did
+        not run the training, so the wall and data-wait times are unknown (None)."""
         summary = {
             "final_eval_accuracy": self.last_eval.get("accuracy"),
             "best_eval_accuracy": self.best_accuracy,
@@ -131,8 +132,8 @@ class RunObserver:
             "epochs": progress["epoch"],
             "skipped_steps": progress["skipped_steps"],
             "samples_seen": progress["samples_seen"],
-            "wall_time_s": time.perf_counter() - self.start,
-            "data_wait_s": self.data_wait_s,
+            "wall_time_s": time.perf_counter() - self.start if timed else None,
+            "data_wait_s": self.data_wait_s if timed else None,
             "world_size": self.env.world_size,
         }
         if not self.active:
@@ -152,13 +153,27 @@ class RunObserver:
         plot_metrics(self.run_dir)
         return summary
 
-    def close_unchanged(self) -> dict[str, Any]:
-        """Close without writing anything; returns the summary the finished run wrote (empty when
-        there is none): what a re-run of a complete run reports instead of overwriting it."""
-        for stream in (self._bar, self._writer, self._metrics):
-            if stream is not None:
-                stream.close()
-        return read_summary(self.run_dir)
+    def close_unchanged(self, progress: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Close without writing anything; returns the summary the finished run wrote: what a re-run
+        of a complete run reports instead of overwriting it.
+
+        Given the finished run's ``progress``, a summary that is missing or stops short of it (a crash
+        or a full disk while the run wrote its last files, after its final checkpoint) is rebuilt from
+        metrics.jsonl, with the plots, and a warning."""
+        summary = read_summary(self.run_dir)
+        if not self.active or progress is None or summary.get("steps") == progress["global_step"]:
+            for stream in (self._bar, self._writer, self._metrics):
+                if stream is not None:
+                    stream.close()
+            return summary
+        evaluations = [record for record in read_metrics(self.run_dir) if record.get("kind") == "eval"]
+        if evaluations:
+            self.last_eval = {key: value for key, value in evaluations[-1].items() if key not in ("kind", "step", "epoch")}
+        logger.warning(
+            "%s: missing or stale for this finished run (a crash or a full disk while it was written); rebuilt from %s",
+            self.run_dir / SUMMARY_FILE, METRICS_FILE,
+        )  # fmt: skip
+        return self.close(progress, timed=False)
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:

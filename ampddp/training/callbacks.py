@@ -96,4 +96,4 @@ class ObserverCallback(Callback):
         return self.observer.close(progress.state_dict())
 
     def on_already_complete(self, progress: Progress) -> dict[str, Any]:
-        return self.observer.close_unchanged()
+        return self.observer.close_unchanged(progress.state_dict())

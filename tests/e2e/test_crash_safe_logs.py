@@ -5,6 +5,7 @@ and its own, retryable exit code, and the same command then finishes the run."""
 from __future__ import annotations
 
 import errno
+import importlib.util
 import json
 import logging
 import os
@@ -60,3 +61,24 @@ def test_a_disk_full_while_writing_is_one_line_with_the_retryable_code_and_the_s
     monkeypatch.setattr(os, "replace", real_replace)
     assert train(run_dir, 2) == 0
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 2
+
+
+def test_a_finished_run_whose_summary_was_lost_gets_it_rebuilt_by_the_same_command(tmp_path, capsys, caplog):
+    run_dir = tmp_path / "run"
+    assert train(run_dir, 2) == 0
+    written = json.loads((run_dir / "summary.json").read_text())
+    (run_dir / "summary.json").unlink()  # what a full disk after the final checkpoint left
+    for plot in run_dir.glob("*.png"):
+        plot.unlink()
+    capsys.readouterr()
+    with caplog.at_level(logging.WARNING):
+        assert train(run_dir, 2) == 0
+    assert "rebuilt from metrics.jsonl" in caplog.text
+    rebuilt = json.loads((run_dir / "summary.json").read_text())
+    same = ("final_eval_accuracy", "best_eval_accuracy", "final_eval_loss", "steps", "epochs", "samples_seen", "world_size")
+    assert {key: rebuilt[key] for key in same} == {key: written[key] for key in same}
+    assert rebuilt["wall_time_s"] is None  # not measured by the process that rebuilt it
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["already_complete"] is True and printed["steps"] == 2
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert list(run_dir.glob("*.png"))  # the plots are drawn again
