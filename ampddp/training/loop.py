@@ -266,7 +266,7 @@ class TrainingLoop:
         batch = self.batches.to_device(batch, self.run.env.device)
         module = self.run.module
         forward = lambda: self.batches.forward(module, batch)  # noqa: E731 - re-run by the diagnosis
-        return self.guard.diagnose(module, forward, self.engine.forward_context(), self.engine.last_overflow)
+        return self.guard.diagnose(module, forward, self.engine.forward_context(), self.engine.last_overflow, batch)
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

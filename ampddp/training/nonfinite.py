@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
+import torch
 from torch import nn
 
 from ampddp.diagnostics import first_non_finite_module
@@ -26,8 +27,14 @@ class NonFiniteGuard:
         self._first_where = ""
 
     @staticmethod
-    def diagnose(module: nn.Module, forward: Callable[[], Any], context: AbstractContextManager[Any], last_overflow: str | None) -> str:
-        """The first module whose output in ``forward()`` is non-finite, else where gradients overflowed."""
+    def diagnose(
+        module: nn.Module, forward: Callable[[], Any], context: AbstractContextManager[Any], last_overflow: str | None, batch: Any = None
+    ) -> str:
+        """The batch's own inf/NaN inputs (the data's fault), else the first module whose output in
+        ``forward()`` is non-finite, else where gradients overflowed."""
+        bad_inputs = non_finite_inputs(batch)
+        if bad_inputs is not None:
+            return bad_inputs
         culprit = first_non_finite_module(module, forward, context)
         if culprit is not None:
             return f"the forward pass of module '{culprit}' produced inf/NaN"
@@ -49,3 +56,28 @@ class NonFiniteGuard:
                 "training stopped instead of continuing with a broken model. Check that module's inputs and weights, the loss, "
                 "and the learning rate."
             )
+
+
+def non_finite_inputs(batch: Any) -> str | None:
+    """Which samples of ``batch`` hold inf/NaN in a floating input, in words; None when none does.
+    Looked at only after a non-finite loss, so a good step pays nothing."""
+    rows: set[int] = set()
+
+    def note(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            if value.is_floating_point() and value.dim() > 0 and not bool(torch.isfinite(value).all()):
+                bad = ~torch.isfinite(value.reshape(value.shape[0], -1)).all(dim=1)
+                rows.update(int(row) for row in bad.nonzero().flatten().tolist())
+        elif isinstance(value, Mapping):
+            for item in value.values():
+                note(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                note(item)
+
+    note(batch)
+    if not rows:
+        return None
+    shown = sorted(rows)
+    listed = ", ".join(map(str, shown[:8])) + (", ..." if len(shown) > 8 else "")
+    return f"the input batch itself holds inf/NaN (batch position(s) {listed}): the data's fault, not the model's; check those samples"

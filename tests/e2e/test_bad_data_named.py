@@ -7,7 +7,7 @@ import pytest
 import torch
 from resume_helpers import NoisyDigits, make_trainer
 
-from ampddp.errors import DataError
+from ampddp.errors import DataError, NonFiniteGradientsError
 from ampddp.training.loading import LoaderSettings
 
 
@@ -44,4 +44,18 @@ def test_a_label_outside_the_models_classes_is_named(tmp_path):
     trainer = make_trainer(tmp_path, "O0", max_steps=20)
     trainer.train_set = LabelledOutside()
     with pytest.raises(DataError, match=r"label 12 at position \d+ of the batch is outside the model's 4 classes \(valid: 0\.\.3"):
+        trainer.fit()
+
+
+class NaNAt(NoisyDigits):
+    def __getitem__(self, index: int):
+        x, y = super().__getitem__(index)
+        return (torch.full_like(x, float("nan")) if index == 7 else x), y
+
+
+def test_a_non_finite_input_is_blamed_on_the_data_not_the_model(tmp_path):
+    trainer = make_trainer(tmp_path, "O0", max_steps=20, max_nonfinite_losses=1, grad_accum_steps=1)
+    trainer.train_set = NaNAt()
+    blamed = r"first: the input batch itself holds inf/NaN \(batch position\(s\) \d+\): the data's fault"
+    with pytest.raises(NonFiniteGradientsError, match=blamed):
         trainer.fit()
