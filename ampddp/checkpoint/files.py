@@ -82,12 +82,17 @@ class _WritebackAsYouGo(io.RawIOBase):
         self._hint = getattr(os, "posix_fadvise", None)
         self._start = self._pending = self.size = 0
         self.hasher = new_hasher()
+        self.error: OSError | None = None
 
     def writable(self) -> bool:
         return True
 
     def write(self, data: Any) -> int:
-        written = self._handle.write(data)
+        try:
+            written = self._handle.write(data)
+        except OSError as error:
+            self.error = error  # torch's writer reports it as "unexpected pos"; save_atomic re-raises this
+            raise
         view = memoryview(data).cast("B")
         self.hasher.update(view if written == len(view) else view[:written])
         self.size += written
@@ -108,7 +113,12 @@ def save_atomic(obj: Any, path: Path) -> FileDigest:
 
     def write(handle: BinaryIO) -> None:
         writers.append(_WritebackAsYouGo(handle))
-        torch.save(obj, writers[0])
+        try:
+            torch.save(obj, writers[0])
+        except RuntimeError:
+            if writers[0].error is not None:  # the file system's own error (disk full), not torch's wording of it
+                raise writers[0].error from None
+            raise
 
     _write_atomic(Path(path), write)
     return FileDigest(writers[0].size, writers[0].hasher.hexdigest())
