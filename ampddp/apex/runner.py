@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ampddp import amp
 from ampddp.apex.aliasing import alias_apex, alias_apex_in_children
+from ampddp.distributed.hook_callbacks import let_worker_threads_finish
 
 USAGE = "usage: python -m ampddp.apex [--local-rank N] SCRIPT [ARGS...]  |  python -m ampddp.apex [--local-rank N] -m MODULE [ARGS...]"
 LOCAL_RANK_FLAGS = ("--local-rank", "--local_rank")
@@ -84,13 +85,22 @@ def run(program: Program) -> None:
         os.environ.setdefault("LOCAL_RANK", program.local_rank)
         args.insert(0, f"{local_rank_flag(_source_of(program))}={program.local_rank}")
     sys.argv = [program.target, *args]
-    with amp.default.process_wide_casts():
-        if program.is_module:
-            runpy.run_module(program.target, run_name="__main__", alter_sys=True)
-            return
-        script = Path(program.target).resolve()  # __main__.__file__ is absolute, as python gives it since 3.9
-        sys.path[0] = str(script.parent)
-        runpy.run_path(str(script), run_name="__main__")
+    try:
+        with amp.default.process_wide_casts():
+            if program.is_module:
+                runpy.run_module(program.target, run_name="__main__", alter_sys=True)
+                return
+            script = Path(program.target).resolve()  # __main__.__file__ is absolute, as python gives it since 3.9
+            sys.path[0] = str(script.parent)
+            runpy.run_path(str(script), run_name="__main__")
+    finally:
+        if _used_a_process_group():
+            let_worker_threads_finish()
+
+
+def _used_a_process_group() -> bool:
+    distributed = sys.modules.get("torch.distributed")
+    return distributed is not None and (os.environ.get("WORLD_SIZE", "1") not in ("", "0", "1") or distributed.is_initialized())
 
 
 def main(argv: list[str]) -> int:

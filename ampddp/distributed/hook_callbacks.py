@@ -64,3 +64,20 @@ class HookCallbacks:
         while self._ran and time.monotonic() < deadline:
             time.sleep(_POLL_S)
         return not self._ran
+
+
+EXIT_GRACE_S = 0.2
+
+
+def let_worker_threads_finish(grace_s: float = EXIT_GRACE_S) -> None:
+    """Give up the GIL for ``grace_s`` before the interpreter finalizes, in a process that used a
+    process group.
+
+    The same abort has a second source that cannot be tracked like a hook's callbacks: a gloo worker
+    thread dropping the last reference to a finished collective's tensors (DDP's own buckets among
+    them) also takes the GIL, and a script that exits right after its last backward can start
+    finalization first (seen once in an mmengine job under the runner). A thread already waiting for
+    the GIL takes it as soon as it is free, so a short grace removes the window in practice; the
+    process-exit path of ``python -m ampddp.apex`` calls this, as apex's scripts end abruptly.
+    """
+    time.sleep(grace_s)

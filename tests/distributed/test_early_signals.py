@@ -102,14 +102,25 @@ def test_spawned_workers_get_the_signal_the_parent_received_before_they_existed(
     assert not [pid for pid in workers if alive(pid)], "orphaned worker processes"
 
 
+SIGNAL_WHILE_READING = """
+import os, signal, sys
+import ampddp.recipe.reading as reading
+read = reading.load_config
+def read_after_a_sigterm(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGTERM)  # arrives while ampddp holds it, before the recipe is known
+    return read(*args, **kwargs)
+reading.load_config = read_after_a_sigterm
+from ampddp.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 @pytest.mark.timeout(300)
 def test_a_signal_the_recipe_does_not_stop_on_acts_as_if_never_caught(tmp_path):
     run_dir = tmp_path / "run"
-    started = time.monotonic()
-    process = subprocess.Popen(
-        train_command(run_dir, *STEPS, "trainer.stop_signals=[SIGUSR2]"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
-    signal_after(process, started, 0.3, signal.SIGTERM)
+    command = train_command(run_dir, *STEPS, "trainer.stop_signals=[SIGUSR2]")
+    command = [command[0], "-c", SIGNAL_WHILE_READING, *command[3:]]  # python -m ampddp ARGS -> python -c PROGRAM ARGS
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     _, errors = process.communicate(timeout=240)
     assert process.returncode == -signal.SIGTERM, errors[-2000:]
     with pytest.raises(CheckpointError):
