@@ -169,12 +169,9 @@ def excluding_key(key: str) -> Any:
 
 def run_as_plain_python_under_compile(*functions: Any) -> None:
     """Make dynamo run ``functions`` as plain Python when it meets them as frames of their own (it still
-    inlines them into a caller's graph). A torch without this per-code-object setting (before 2.7) has
-    them compiled as their own frames, which ``torch.compile`` of an O1/O4 model cannot do there."""
-    try:
-        from torch._dynamo.eval_frame import FrameAction, FrameExecStrategy, set_code_exec_strategy
-    except ImportError:
-        return
+    inlines them into a caller's graph): a per-code-object setting every supported torch has."""
+    from torch._dynamo.eval_frame import FrameAction, FrameExecStrategy, set_code_exec_strategy
+
     eager = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
     for function in functions:
         set_code_exec_strategy(function.__code__, eager)

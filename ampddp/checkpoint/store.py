@@ -114,8 +114,7 @@ class CheckpointStore:
             # A step is written once: replacing a complete checkpoint in place could lose it to a crash.
             return ref
         digests: dict[str, dict[str, Any]] = {}
-        self._run_everywhere(self._run_dir.check, folder, env)  # moved or removed mid-run: stop, never recreate it
-        self._run_everywhere(lambda: self._prepare_folder(folder) if env.is_main else None, folder, env)
+        self._run_everywhere(lambda: self._prepare_folder(folder) if env.is_main else self._run_dir.check(), folder, env)
         self._run_everywhere(lambda: digests.update(self._write_parts(ref, shared, rank_state, env)), folder, env)
         every_rank = gather_objects(digests, env)
         files = {name: entry for part in every_rank for name, entry in part.items()}
@@ -165,6 +164,7 @@ class CheckpointStore:
         self._prune(keep=folder)
 
     def _prepare_folder(self, folder: Path) -> None:
+        self._run_dir.check()  # moved or removed mid-run: stop, never recreate it
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             if folder.exists():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -13,6 +13,7 @@ from torch import nn
 
 from ampddp.diagnostics import first_non_finite_module
 from ampddp.errors import NonFiniteGradientsError
+from ampddp.precision.casting import map_tensors
 
 logger = logging.getLogger("ampddp.trainer")
 
@@ -63,19 +64,13 @@ def non_finite_inputs(batch: Any) -> str | None:
     Looked at only after a non-finite loss, so a good step pays nothing."""
     rows: set[int] = set()
 
-    def note(value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            if value.is_floating_point() and value.dim() > 0 and not bool(torch.isfinite(value).all()):
-                bad = ~torch.isfinite(value.reshape(value.shape[0], -1)).all(dim=1)
-                rows.update(int(row) for row in bad.nonzero().flatten().tolist())
-        elif isinstance(value, Mapping):
-            for item in value.values():
-                note(item)
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                note(item)
+    def note(value: torch.Tensor) -> torch.Tensor:
+        if value.is_floating_point() and value.dim() > 0 and not bool(torch.isfinite(value).all()):
+            bad = ~torch.isfinite(value.reshape(value.shape[0], -1)).all(dim=1)
+            rows.update(int(row) for row in bad.nonzero().flatten().tolist())
+        return value
 
-    note(batch)
+    map_tensors(batch, note)
     if not rows:
         return None
     shown = sorted(rows)

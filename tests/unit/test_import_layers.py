@@ -44,6 +44,7 @@ LAYERS = [
             "ampddp.cli",
             "ampddp.__main__",
             "ampddp.amp",
+            "ampddp.amp_setup",
             "ampddp.amp_stash",
             "ampddp.apex",
         ),
