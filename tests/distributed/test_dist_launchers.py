@@ -7,11 +7,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from ampddp.distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "examples" / "train_digits.py")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+# Each job trains for seconds alone; a loaded machine is several times slower, and the subprocess limits
+# (180 s) must fire before pytest's so that a stuck job reports what it printed.
+pytestmark = pytest.mark.timeout(300)
 
 
 def final_accuracy(output: str) -> tuple[float, int]:
@@ -40,7 +46,12 @@ def test_two_nodes_on_localhost():
         )
         for rank in (0, 1)
     ]
-    outputs = [node.communicate(timeout=180)[0] for node in nodes]
+    try:
+        outputs = [node.communicate(timeout=180)[0] for node in nodes]
+    except subprocess.TimeoutExpired:
+        for node in nodes:
+            node.kill()
+        pytest.fail("two-node job still running after 180 s:\n" + "\n---\n".join(node.communicate()[0] for node in nodes))
     assert [node.returncode for node in nodes] == [0, 0], outputs
     assert "rank 0/2 (local 0, node 0/2) via torchrun" in outputs[0]
     accuracy, seen = final_accuracy(outputs[0])
