@@ -7,7 +7,7 @@ the message alone, without reading ampddp's source.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 
 class ConfigError(ValueError):
@@ -34,6 +34,30 @@ class DataError(ValueError):
         own = f"{type(self).__module__}.{type(self).__qualname__}: "
         last = lines[-1] if lines else str(message)
         super().__init__(last[len(own) :] if last.startswith(own) else str(message))
+
+
+class BadSamplesError(DataError):
+    """Samples of a batch hold bad values (a label outside the model's classes), found where only
+    their rows in the batch are known. ``describe(samples)`` is the message for the samples named in
+    words; whoever knows which dataset samples the batch holds (the training loop, the evaluator)
+    raises ``named(...)`` instead, so the user is told the dataset indices to look at."""
+
+    def __init__(self, describe: Callable[[str], str], rows: Sequence[int]) -> None:
+        self.describe, self.rows = describe, tuple(rows)
+        super().__init__(describe(f"batch position(s) {listed(self.rows)}"))
+
+    def __reduce__(self) -> tuple[type[DataError], tuple[str]]:
+        return DataError, (str(self),)  # the message travels; the describer stays where it was made
+
+    def named(self, samples: str) -> DataError:
+        """The same report with ``samples`` (e.g. "training sample(s) 37 (epoch 0)") naming the rows."""
+        return DataError(self.describe(samples))
+
+
+def listed(numbers: Iterable[int], limit: int = 8) -> str:
+    """``numbers`` sorted, comma-separated, the first ``limit`` shown: for naming samples in one line."""
+    shown = sorted(numbers)
+    return ", ".join(map(str, shown[:limit])) + (", ..." if len(shown) > limit else "")
 
 
 class RunIOError(RuntimeError):

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ampddp.errors import DataError
+from ampddp.errors import BadSamplesError, listed
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 """``loss_fn(outputs, batch)`` -> the mean loss of the batch (a scalar tensor)."""
@@ -122,26 +122,29 @@ def cross_entropy(outputs: Any, batch: Any) -> torch.Tensor:
     try:
         return F.cross_entropy(logits, targets)
     except (IndexError, RuntimeError) as error:
-        bad = _label_outside(logits, targets)
+        bad = _labels_outside(logits, targets)
         if bad is None:
             raise
-        raise DataError(bad) from error
+        raise bad from error
 
 
-def _label_outside(logits: torch.Tensor, targets: torch.Tensor) -> str | None:
-    """Which label of the batch is outside the model's classes, in words (None: none is). Checked only
+def _labels_outside(logits: torch.Tensor, targets: torch.Tensor) -> BadSamplesError | None:
+    """The batch's samples whose labels are outside the model's classes (None: none is). Checked only
     after the loss failed, so a good step pays nothing (the check needs the values on the host)."""
-    if targets.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) or logits.dim() < 2:
+    if targets.is_floating_point() or logits.dim() < 2 or targets.dim() == 0:
         return None
     classes = logits.shape[1]
     outside = ((targets < 0) & (targets != IGNORE_INDEX)) | (targets >= classes)
     if not bool(outside.any()):
         return None
-    position = int(outside.flatten().nonzero()[0])
-    label = int(targets.flatten()[position])
-    return (
-        f"label {label} at position {position} of the batch is outside the model's {classes} classes "
-        f"(valid: 0..{classes - 1}, or {IGNORE_INDEX} to ignore); fix the dataset's labels or the model's number of classes"
+    rows = outside.reshape(outside.shape[0], -1).any(dim=1).nonzero().flatten().tolist()
+    labels = listed(set(targets[outside].tolist()), limit=4)
+    return BadSamplesError(
+        lambda samples: (
+            f"label(s) {labels} of {samples} fall outside the model's {classes} classes "
+            f"(valid: 0..{classes - 1}, or {IGNORE_INDEX} to ignore); fix the dataset's labels or the model's number of classes"
+        ),
+        rows,
     )
 
 

@@ -9,14 +9,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ampddp.checkpoint.rng import capture_rng, restore_rng
 from ampddp.distributed.data import eval_sampler, sum_across_ranks
 from ampddp.distributed.env import DistEnv
-from ampddp.errors import ConfigError
+from ampddp.errors import BadSamplesError, ConfigError, listed
 from ampddp.training.batches import BatchAdapter, LossFn, MetricsFn
-from ampddp.training.loading import DataLoading, LoaderSettings, loader_pass
+from ampddp.training.loading import DataLoading, LoaderSettings, batch_sample_indices, loader_pass
 
 RESERVED_NAMES = ("loss", "samples", "kind", "step", "epoch")
 """Names an evaluation record already uses: a metric may not take them."""
@@ -36,6 +36,7 @@ class Evaluator:
         self.loss_fn, self.metrics, self.batches = loss_fn, metrics, batches
         self.loading = loading or DataLoading(LoaderSettings(), env.device, seed=0)
         self._loader: DataLoader | None = None
+        self._sampler: Sampler[int] | None = None
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, forward_context: Callable[[], AbstractContextManager[Any]]) -> dict[str, float]:
@@ -55,16 +56,21 @@ class Evaluator:
 
     def _sums(self, model: nn.Module, forward_context: Callable[[], AbstractContextManager[Any]]) -> tuple[dict[str, float], float]:
         if self._loader is None:  # built once; its workers (if any) start and stop with each evaluation
-            self._loader = self.loading.eval_loader(self.eval_set, eval_sampler(self.eval_set, self.env), self.batch_size)
+            self._sampler = eval_sampler(self.eval_set, self.env)
+            self._loader = self.loading.eval_loader(self.eval_set, self._sampler, self.batch_size)
         sums: dict[str, float] = {}
         seen = 0.0
         with closing(loader_pass(self._loader)) as batches:  # a failing batch stops the workers here and now
-            for batch in batches:
+            for number, batch in enumerate(batches):
                 batch = self.batches.to_device(batch, self.env.device)
                 count = self.batches.count(batch)
                 with forward_context():
                     outputs = self.batches.forward(model, batch)
-                    values = {"loss": self.loss_fn(outputs, batch).detach().double() * count}
+                    try:
+                        values = {"loss": self.loss_fn(outputs, batch).detach().double() * count}
+                    except BadSamplesError as error:
+                        indices = batch_sample_indices(self._sampler, self.batch_size, number, error.rows)
+                        raise error.named(f"evaluation sample(s) {listed(indices)}") from error
                 values.update(self._metric_values(outputs, batch))
                 for name, value in values.items():
                     sums[name] = sums.get(name, 0.0) + float(value)

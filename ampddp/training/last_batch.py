@@ -23,7 +23,7 @@ from torch.utils.data import Dataset, default_collate
 from ampddp.checkpoint.rng import capture_rng, restore_rng
 from ampddp.distributed.data import ResumableSampler, sum_across_ranks
 from ampddp.distributed.env import DistEnv
-from ampddp.errors import ConfigError, PeerFailureError
+from ampddp.errors import BadSamplesError, ConfigError, PeerFailureError
 from ampddp.progress import Progress
 from ampddp.training.settings import LoopSettings
 
@@ -87,6 +87,8 @@ def check_single_sample_batch(
     with _untouched(module):
         failure = _failure(try_batch, [train_set[0]])
         refused = failure is not None and _failure(try_batch, [train_set[0], train_set[min(1, len(train_set) - 1)]]) is None
+    if isinstance(failure, BadSamplesError):
+        failure = failure.named("training sample(s) 0")  # the one-sample batch holds sample 0
     refusals, failures = sum_across_ranks(torch.tensor([float(refused), float(failure is not None and not refused)])).tolist()
     if refusals:
         raise ConfigError(_refusal(ending_in_one, batch_size, failure if refused else None)) from None

@@ -12,11 +12,12 @@ only torch draws are tied to the sample.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import random
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
 from typing import Any
@@ -101,6 +102,15 @@ class KeyedSampler(Sampler[tuple[int, int]]):
 
     def __len__(self) -> int:
         return len(self.sampler)
+
+
+def batch_sample_indices(sampler: Iterable[int], batch_size: int, batch_number: int, rows: Sequence[int]) -> list[int]:
+    """The dataset indices of ``rows`` of batch ``batch_number`` in one pass over ``sampler``, batched
+    as a DataLoader does (consecutive runs of ``batch_size``). For naming bad samples: it walks the
+    sampler again, so it is used only once something went wrong (ampddp's samplers repeat a pass)."""
+    start = batch_number * batch_size
+    batch = list(itertools.islice(iter(sampler), start, start + batch_size))
+    return [batch[row] for row in rows if 0 <= row < len(batch)]
 
 
 WORKER_IGNORED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2") if hasattr(signal, name))

@@ -19,7 +19,7 @@ from torch.utils.data import Dataset
 
 from ampddp.checkpoint.store import CheckpointRef
 from ampddp.distributed.data import ResumableSampler, sum_across_ranks
-from ampddp.errors import ConfigError
+from ampddp.errors import BadSamplesError, ConfigError, listed
 from ampddp.precision.engine import PrecisionEngine
 from ampddp.preemption import StopSignals
 from ampddp.prepare import Prepared
@@ -30,8 +30,8 @@ from ampddp.training.checkpointer import Checkpointer
 from ampddp.training.device import DeviceSettings
 from ampddp.training.evaluator import Evaluator
 from ampddp.training.last_batch import check_single_sample_batch, epochs_to_finish
-from ampddp.training.loading import DataLoading, InputTimer, LoaderSettings
-from ampddp.training.nonfinite import NonFiniteGuard
+from ampddp.training.loading import DataLoading, InputTimer, LoaderSettings, batch_sample_indices
+from ampddp.training.nonfinite import NonFiniteGuard, blame_inputs, non_finite_rows
 from ampddp.training.settings import LoopSettings
 
 logger = logging.getLogger("ampddp.trainer")
@@ -134,7 +134,7 @@ class TrainingLoop:
                 for index, batch in enumerate(batches):
                     window.append(batch)
                     if len(window) == settings.grad_accum_steps or index == last:
-                        stop_agreed = self._optimizer_step(window, ends_epoch=index == last, stop=stop)
+                        stop_agreed = self._optimizer_step(window, index + 1 - len(window), ends_epoch=index == last, stop=stop)
                         if self._finished():
                             break  # a stop on the last step: the run ended (evaluated) as it would have anyway
                         if stop_agreed:
@@ -174,16 +174,17 @@ class TrainingLoop:
         return self.evaluator.evaluate(self.run.model, self.engine.forward_context)
 
     # ---- one optimizer step -----------------------------------------------------------------------
-    def _optimizer_step(self, window: list[Any], ends_epoch: bool, stop: StopSignals | None = None) -> bool:
-        """One optimizer step over ``window``; returns True when every rank should stop (a signal)."""
+    def _optimizer_step(self, window: list[Any], first: int, ends_epoch: bool, stop: StopSignals | None = None) -> bool:
+        """One optimizer step over ``window`` (batches ``first``... of this pass); returns True when
+        every rank should stop (a signal)."""
         total = self._global_samples(window)
-        loss_sum = self._forward_backward(window, total)
+        loss_sum = self._forward_backward(window, first, total)
         loss_value, stop_agreed = self._agree(loss_sum, total, stop)
-        self.guard.check(loss_value, self.progress.global_step + 1, lambda: self._diagnose(window[-1]))
+        self.guard.check(loss_value, self.progress.global_step + 1, lambda: self._diagnose(window, first))
         logging_step = (self.progress.global_step + 1) % self.settings.log_every == 0
         grad_norm, stepped = self._apply(logging_step)
         if not stepped and math.isfinite(loss_value):
-            logger.warning("step %d skipped: %s", self.progress.global_step + 1, self._diagnose(window[-1]))
+            logger.warning("step %d skipped: %s", self.progress.global_step + 1, self._diagnose(window, first))
         self._advance(int(total), stepped)
         record = self._record(loss_value, stepped, grad_norm) if logging_step or not stepped else None
         self.callbacks.on_step(self.progress, record)
@@ -194,7 +195,7 @@ class TrainingLoop:
         local = sum(self.batches.count(batch) for batch in window)
         return float(sum_across_ranks(local).item()) if self.run.env.distributed else float(local)
 
-    def _forward_backward(self, window: list[Any], total: float) -> torch.Tensor:
+    def _forward_backward(self, window: list[Any], first: int, total: float) -> torch.Tensor:
         """Backward of every micro-batch, each weighted by its share of the global batch (exact with
         uneven counts); returns the local sum of per-sample losses."""
         world_size = self.run.env.world_size
@@ -202,7 +203,10 @@ class TrainingLoop:
         self.optimizer.zero_grad(set_to_none=True)
         for index, batch in enumerate(window):
             with self.run.grad_sync.micro_step(is_last=index == len(window) - 1):
-                loss, count = self.compute_loss(batch)
+                try:
+                    loss, count = self.compute_loss(batch)
+                except BadSamplesError as error:
+                    raise error.named(self._samples(first + index, error.rows)) from error
                 weight = count * world_size / total
                 self.engine.backward(loss * weight if weight != 1.0 else loss)
             share = loss.detach().float() * count
@@ -262,11 +266,20 @@ class TrainingLoop:
         if every.checkpoint_every and step % every.checkpoint_every == 0:
             self.checkpointer.save()
 
-    def _diagnose(self, batch: Any) -> str:
-        batch = self.batches.to_device(batch, self.run.env.device)
+    def _diagnose(self, window: list[Any], first: int) -> str:
+        """Why the step over ``window`` (batches ``first``... of this pass) went non-finite."""
+        bad_inputs = blame_inputs(
+            [self._samples(first + index, rows) for index, batch in enumerate(window) if (rows := non_finite_rows(batch))]
+        )
+        batch = self.batches.to_device(window[-1], self.run.env.device)
         module = self.run.module
         forward = lambda: self.batches.forward(module, batch)  # noqa: E731 - re-run by the diagnosis
-        return self.guard.diagnose(module, forward, self.engine.forward_context(), self.engine.last_overflow, batch)
+        return self.guard.diagnose(module, forward, self.engine.forward_context(), self.engine.last_overflow, bad_inputs)
+
+    def _samples(self, batch_number: int, rows: list[int] | tuple[int, ...]) -> str:
+        """``rows`` of this pass's batch ``batch_number`` named by their dataset indices."""
+        indices = batch_sample_indices(self.sampler, self.settings.batch_size, batch_number, rows)
+        return f"training sample(s) {listed(indices)} (epoch {self.sampler.epoch})"
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

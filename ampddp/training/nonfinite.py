@@ -29,11 +29,14 @@ class NonFiniteGuard:
 
     @staticmethod
     def diagnose(
-        module: nn.Module, forward: Callable[[], Any], context: AbstractContextManager[Any], last_overflow: str | None, batch: Any = None
+        module: nn.Module,
+        forward: Callable[[], Any],
+        context: AbstractContextManager[Any],
+        last_overflow: str | None,
+        bad_inputs: str | None = None,
     ) -> str:
-        """The batch's own inf/NaN inputs (the data's fault), else the first module whose output in
-        ``forward()`` is non-finite, else where gradients overflowed."""
-        bad_inputs = non_finite_inputs(batch)
+        """The data's fault when ``bad_inputs`` names samples holding inf/NaN (``blame_inputs``), else
+        the first module whose output in ``forward()`` is non-finite, else where gradients overflowed."""
         if bad_inputs is not None:
             return bad_inputs
         culprit = first_non_finite_module(module, forward, context)
@@ -59,9 +62,9 @@ class NonFiniteGuard:
             )
 
 
-def non_finite_inputs(batch: Any) -> str | None:
-    """Which samples of ``batch`` hold inf/NaN in a floating input, in words; None when none does.
-    Looked at only after a non-finite loss, so a good step pays nothing."""
+def non_finite_rows(batch: Any) -> list[int]:
+    """The rows (samples) of ``batch`` holding inf/NaN in a floating input. Looked at only after a
+    non-finite loss, so a good step pays nothing."""
     rows: set[int] = set()
 
     def note(value: torch.Tensor) -> torch.Tensor:
@@ -71,8 +74,11 @@ def non_finite_inputs(batch: Any) -> str | None:
         return value
 
     map_tensors(batch, note)
-    if not rows:
+    return sorted(rows)
+
+
+def blame_inputs(samples: list[str]) -> str | None:
+    """The diagnosis when ``samples`` (the bad inputs, named) is not empty: the data, not the model."""
+    if not samples:
         return None
-    shown = sorted(rows)
-    listed = ", ".join(map(str, shown[:8])) + (", ..." if len(shown) > 8 else "")
-    return f"the input batch itself holds inf/NaN (batch position(s) {listed}): the data's fault, not the model's; check those samples"
+    return f"the input batch itself holds inf/NaN ({'; '.join(samples)}): the data's fault, not the model's; check those samples"

@@ -1,5 +1,6 @@
-"""Bad data is reported as the data's fault, in one line naming the sample: a dataset whose
-``__getitem__`` raises (with and without loader workers), and a label outside the model's classes."""
+"""Bad data is reported as the data's fault, in one line naming the sample by its dataset index: a
+dataset whose ``__getitem__`` raises (with and without loader workers), a label outside the model's
+classes (training and evaluation), and an inf/NaN input (in any micro-batch of an accumulated step)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ class BrokenAt(NoisyDigits):
 
 
 class LabelledOutside(NoisyDigits):
-    def __getitem__(self, index: int):
+    def __getitem__(self, index: int):  # sample 7's label is 12; the model has 4 classes
         x, y = super().__getitem__(index)
         return x, torch.tensor(12) if index == 7 else y
 
@@ -40,10 +41,17 @@ def test_a_sample_that_fails_to_load_is_named_in_one_line(tmp_path, workers):
     assert message.startswith("training sample 37 (epoch 0) cannot be loaded: OSError: image file is truncated")
 
 
-def test_a_label_outside_the_models_classes_is_named(tmp_path):
+def test_a_label_outside_the_models_classes_is_named_by_its_dataset_index(tmp_path):
     trainer = make_trainer(tmp_path, "O0", max_steps=20)
     trainer.train_set = LabelledOutside()
-    with pytest.raises(DataError, match=r"label 12 at position \d+ of the batch is outside the model's 4 classes \(valid: 0\.\.3"):
+    named = r"^label\(s\) 12 of training sample\(s\) 7 \(epoch 0\) fall outside the model's 4 classes \(valid: 0\.\.3, or -100 to ignore\)"
+    with pytest.raises(DataError, match=named):
+        trainer.fit()
+
+
+def test_a_label_outside_the_classes_in_the_eval_set_is_named_by_its_index(tmp_path):
+    trainer = make_trainer(tmp_path, "O0", max_steps=20, eval_set=LabelledOutside(10))
+    with pytest.raises(DataError, match=r"^label\(s\) 12 of evaluation sample\(s\) 7 fall outside the model's 4 classes"):
         trainer.fit()
 
 
@@ -53,9 +61,11 @@ class NaNAt(NoisyDigits):
         return (torch.full_like(x, float("nan")) if index == 7 else x), y
 
 
-def test_a_non_finite_input_is_blamed_on_the_data_not_the_model(tmp_path):
-    trainer = make_trainer(tmp_path, "O0", max_steps=20, max_nonfinite_losses=1, grad_accum_steps=1)
+@pytest.mark.parametrize("accumulated", [1, 2, 4])
+def test_a_non_finite_input_is_blamed_on_the_data_by_its_index(tmp_path, accumulated):
+    """With accumulation the bad sample may sit in any micro-batch of the step, not only the last."""
+    trainer = make_trainer(tmp_path, "O0", max_steps=20, max_nonfinite_losses=1, grad_accum_steps=accumulated)
     trainer.train_set = NaNAt()
-    blamed = r"first: the input batch itself holds inf/NaN \(batch position\(s\) \d+\): the data's fault"
+    blamed = r"first: the input batch itself holds inf/NaN \(training sample\(s\) 7 \(epoch 0\)\): the data's fault"
     with pytest.raises(NonFiniteGradientsError, match=blamed):
         trainer.fit()

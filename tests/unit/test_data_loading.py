@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -12,7 +13,15 @@ from torch.utils.data import DataLoader, Dataset
 from ampddp.distributed.data import ResumableSampler
 from ampddp.distributed.env import detect_env
 from ampddp.errors import ConfigError
-from ampddp.training.loading import DataLoading, InputTimer, KeyedSampler, LoaderSettings, SeededSamples, sample_seed
+from ampddp.training.loading import (
+    DataLoading,
+    InputTimer,
+    KeyedSampler,
+    LoaderSettings,
+    SeededSamples,
+    batch_sample_indices,
+    sample_seed,
+)
 
 
 class Noisy(Dataset):
@@ -155,3 +164,22 @@ def test_memory_is_pinned_by_default_only_for_batches_made_on_the_cpu():
     assert cuda._options((torch.zeros(2), torch.tensor(1)))["pin_memory"]
     assert not cuda._options((torch.zeros(2, device="meta"), torch.tensor(1)))["pin_memory"]  # e.g. data already on the GPU
     assert DataLoading(LoaderSettings(pin_memory=True), torch.device("cuda"), seed=0)._options(None)["pin_memory"]
+
+
+class Indices(Dataset):
+    def __len__(self) -> int:
+        return 23
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+@pytest.mark.parametrize(("rank", "start", "drop_last"), [(0, 0, False), (1, 5, False), (2, 9, True)])
+def test_a_batch_row_is_named_by_the_dataset_index_the_loader_put_there(rank, start, drop_last):
+    """How a bad sample is named: every row of every batch, any rank, resumed mid-epoch or not."""
+    env = dataclasses.replace(detect_env(), rank=rank, world_size=3)
+    sampler = ResumableSampler(Indices(), env, seed=4, drop_last=drop_last)
+    sampler.set_epoch(2, start=start)
+    for number, batch in enumerate(DataLoader(Indices(), batch_size=3, sampler=sampler)):
+        assert batch_sample_indices(sampler, 3, number, range(len(batch))) == batch.tolist()
+        assert batch_sample_indices(sampler, 3, number, [len(batch) - 1, 7]) == [int(batch[-1])]  # a row past the end is dropped
