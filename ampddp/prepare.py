@@ -20,6 +20,7 @@ from torch.optim import Optimizer
 
 from ampddp.choices import SYNC_BN_CHOICES
 from ampddp.distributed.env import DistEnv
+from ampddp.distributed.model_agreement import check_models_agree
 from ampddp.distributed.sync_bn import convert_sync_batchnorm
 from ampddp.distributed.wrap import DDPOptions, GradSync, wrap_model
 from ampddp.errors import choice_error
@@ -42,9 +43,10 @@ class Prepared:
 
 @torch.no_grad()
 def broadcast_from_main(module: nn.Module, env: DistEnv) -> None:
-    """Give every rank rank 0's parameters and buffers."""
+    """Give every rank rank 0's parameters and buffers (once the ranks agree on what those are)."""
     if not env.distributed:
         return
+    check_models_agree(module, env)
     for tensor in [*module.parameters(), *module.buffers()]:
         dist.broadcast(tensor.data, src=0)
 

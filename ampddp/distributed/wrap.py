@@ -16,6 +16,7 @@ from ampddp.choices import COMM_HOOKS, STRATEGIES
 from ampddp.distributed.apex_parallel import apex_parallel_attr
 from ampddp.distributed.data import sum_across_ranks
 from ampddp.distributed.env import DistEnv
+from ampddp.distributed.model_agreement import check_models_agree
 from ampddp.errors import ConfigError, choice_error
 
 
@@ -94,6 +95,7 @@ def wrap_model(model: nn.Module, strategy: str, env: DistEnv, ddp: DDPOptions | 
         return nn.DataParallel(model, **options)
     if not env.distributed:
         return model
+    check_models_agree(model, env)
     if strategy == "apex-ddp":
         return apex_parallel_attr("DistributedDataParallel")(model, **options)
     return ddp.wrap(model, [env.device.index] if env.device.type == "cuda" else None, **options)
