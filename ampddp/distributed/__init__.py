@@ -15,7 +15,8 @@ from ampddp.distributed.data import (
 )
 from ampddp.distributed.env import DistEnv, detect_env, init_distributed, seed_everything, setup_distributed, shutdown_distributed
 from ampddp.distributed.launch import LaunchError, free_port, launch_local
-from ampddp.distributed.sync_bn import PortableSyncBatchNorm, convert_sync_batchnorm
+from ampddp.distributed.portable_sync_bn import PortableSyncBatchNorm
+from ampddp.distributed.sync_bn import convert_sync_batchnorm
 from ampddp.distributed.watch import PeerFailureError, PeerWatch
 from ampddp.distributed.wrap import DDPOptions, GradSync, global_batch_loss_weight, unwrap_model, wrap_model
 

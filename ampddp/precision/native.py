@@ -11,7 +11,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from ampddp.diagnostics import overflow_origin
+from ampddp.precision.diagnostics import overflow_origin
 from ampddp.errors import AmpUsageError, ConfigError, closest
 from ampddp.precision.buffer_guard import BufferGuard
 from ampddp.precision.casting import device_types

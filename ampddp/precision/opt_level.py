@@ -20,7 +20,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from ampddp.diagnostics import overflow_origin
+from ampddp.precision.diagnostics import overflow_origin
 from ampddp.errors import AmpUsageError, ConfigError, NonFiniteGradientsError
 from ampddp.precision.buffer_guard import BufferGuard
 from ampddp.precision.cast_context import OpCastContext

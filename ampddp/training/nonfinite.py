@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampddp.diagnostics import first_non_finite_module
+from ampddp.precision.diagnostics import first_non_finite_module
 from ampddp.errors import NonFiniteGradientsError
 from ampddp.precision.casting import map_tensors
 

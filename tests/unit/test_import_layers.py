@@ -1,10 +1,11 @@
 """The package's import structure: every module imports only its own layer and the layers below.
 
-Lowest first: foundations (errors, progress, preemption, data, models, run_lock) -> precision (with
-diagnostics) -> distributed (with console, observe) -> prepare (with compile_model) -> checkpoint ->
+Lowest first: foundations (errors, progress, preemption, data, models, run_lock) -> precision ->
+distributed (with console, observe) -> prepare (with compile_model) -> checkpoint ->
 training (the loop and its parts, trainer) -> application (config, recipe, run, cli, amp facade, apex).
 The set-up data flows config -> precision -> distributed -> prepare -> loop -> checkpoint; no lower
-layer reaches back into one above it.
+layer reaches back into one above it, neither by an import statement nor by a module name imported at
+run time (``importlib.import_module("ampddp...")``), and no two modules import each other in a circle.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ LAYERS = [
             "ampddp.run_files",
         ),
     ),
-    ("precision", ("ampddp.precision", "ampddp.diagnostics")),
+    ("precision", ("ampddp.precision",)),
     ("distributed", ("ampddp.distributed", "ampddp.console", "ampddp.observe")),
     ("prepare", ("ampddp.prepare", "ampddp.compile_model")),
     ("checkpoint", ("ampddp.checkpoint",)),
@@ -70,13 +71,29 @@ def modules() -> dict[str, Path]:
 
 
 def imports_of(path: Path) -> set[str]:
+    """The ampddp names ``path`` imports (``from m import x`` gives ``m.x``: a submodule or a name in
+    ``m``): by import statements, and by a string literal passed to ``importlib.import_module`` /
+    ``__import__`` (an import the statements do not show)."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)  # a submodule, or a name in the module
         elif isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.Call) and _imports_by_name(node.func) and node.args and isinstance(node.args[0], ast.Constant):
+            names.add(str(node.args[0].value))
     return {name for name in names if name.startswith("ampddp.")}
+
+
+def _imports_by_name(func: ast.expr) -> bool:
+    called = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+    return called in ("import_module", "__import__")
+
+
+def test_the_layer_check_sees_imports_by_name(tmp_path):
+    source = tmp_path / "probe.py"
+    source.write_text('import importlib\nimportlib.import_module("ampddp.apex.parallel")\n__import__("ampddp.cli")\n')
+    assert imports_of(source) == {"ampddp.apex.parallel", "ampddp.cli"}
 
 
 def test_every_module_belongs_to_a_layer():
@@ -102,3 +119,59 @@ def test_the_loop_names_no_precision_mode():
     source = (PACKAGE / "training" / "loop.py").read_text(encoding="utf-8")
     for mode in ("O1", "O2", "O3", "O4", "O5", "native-fp16", "native-bf16", "float16", "bfloat16"):
         assert f'"{mode}"' not in source and f"torch.{mode}" not in source, mode
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    """Within a layer too: a circle means neither module can be read (or tested) without the other.
+    Imports inside functions count (they run at use); the lazy package ``__init__`` maps do not."""
+    found = modules()
+    graph = {
+        name: {target for target in map(_owning_module(found), imports_of(path)) if target and target != name}
+        for name, path in found.items()
+    }
+    circles = sorted({" -> ".join(cycle) for cycle in _cycles(graph)})
+    assert not circles, "modules importing each other in a circle:\n" + "\n".join(circles)
+
+
+def _owning_module(found: dict[str, Path]):
+    def owner(imported: str) -> str | None:
+        while imported and imported not in found:
+            imported = imported.rpartition(".")[0]
+        return imported or None
+
+    return owner
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle through each strongly connected part of ``graph`` with more than one module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    parts: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            part = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                part.append(member)
+                if member == node:
+                    break
+            if len(part) > 1:
+                parts.append([*sorted(part), min(part)])
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return parts

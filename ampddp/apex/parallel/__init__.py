@@ -2,8 +2,9 @@
 
 apex deleted ``apex.parallel`` in May 2025, yet apex-era scripts still do
 ``from apex.parallel import DistributedDataParallel as DDP, convert_syncbn_model`` and
-``from apex.parallel.LARC import LARC``. These are apex's names and signatures built on torch's
-DistributedDataParallel and ampddp's portable SyncBatchNorm, so they run on CPU/gloo as well as CUDA.
+``from apex.parallel.LARC import LARC``. These are apex's names and signatures for ampddp's apex-style DDP and SyncBatchNorm
+(``ampddp.distributed.apex_ddp`` / ``apex_sync_bn``, built on torch's DistributedDataParallel and
+ampddp's portable SyncBatchNorm), so they run on CPU/gloo as well as CUDA.
 """
 
 from __future__ import annotations
@@ -11,14 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch.distributed as dist
-from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from ampddp.apex._names import unknown_name
-from ampddp.apex.parallel.distributed import DistributedDataParallel, Reducer
 from ampddp.apex.parallel.LARC import LARC
-from ampddp.apex.parallel.sync_batchnorm import SyncBatchNorm
-from ampddp.distributed.sync_bn import replace_batchnorms
+from ampddp.distributed.apex_ddp import DistributedDataParallel, Reducer
+from ampddp.distributed.apex_sync_bn import SyncBatchNorm, convert_syncbn_model
 from ampddp.errors import ConfigError
 
 ReduceOp = dist.ReduceOp
@@ -39,22 +37,6 @@ REPLACEMENTS = {
     "optimized_sync_batchnorm_kernel": "apex.parallel.SyncBatchNorm (its autograd function is internal)",
     "SyncBatchnormFunction": "apex.parallel.SyncBatchNorm (its autograd function is internal)",
 }
-
-
-def convert_syncbn_model(module: nn.Module, process_group: Any = None, channel_last: bool = False) -> nn.Module:
-    """Replace every BatchNorm (``_BatchNorm``; InstanceNorm is left alone) with :class:`SyncBatchNorm`.
-
-    The new layers hold the old ones' weight and bias Parameters themselves (so an optimizer built
-    before the conversion still steps them), running statistics, ``num_batches_tracked`` and
-    training flag. Returns the converted module (the same object unless ``module`` is a BatchNorm).
-    """
-
-    def build(bn: _BatchNorm) -> SyncBatchNorm:
-        return SyncBatchNorm(
-            bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats, process_group, channel_last=channel_last
-        )
-
-    return replace_batchnorms(module, build, SyncBatchNorm)
 
 
 def create_syncbn_process_group(group_size: int) -> Any:
