@@ -17,9 +17,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ampddp.checkpoint import keys
-from ampddp.checkpoint.changes import check_resume_settings
 from ampddp.checkpoint.restore import check_model_state, check_optimizer_state, check_sampler_state, initial_weights, restore_precision
-from ampddp.checkpoint.schedule_plan import plan_schedule
 from ampddp.checkpoint.store import CheckpointRef, CheckpointStore, find_checkpoint
 from ampddp.config import RunConfig, is_import_path
 from ampddp.data import CIFAR_LAYOUT, IMAGEFOLDER_LAYOUT, find_classes
@@ -46,6 +44,7 @@ from ampddp.recipe.factories import (
     steps_per_epoch,
 )
 from ampddp.recipe.reading import check_config
+from ampddp.training.resume import check_resume_settings, plan_schedule
 
 DATASET_CLASSES = {"digits": 10, "cifar10": 10}
 IMAGE_OPTIONS = (

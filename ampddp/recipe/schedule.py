@@ -2,7 +2,7 @@
 
 Without warmup, ``cosine`` and ``step`` are torch's CosineAnnealingLR and StepLR (as checkpoints of
 earlier runs hold them, and so that a resume can re-plan them, see
-``ampddp.checkpoint.schedule_plan``). A warmup, or the ``linear`` schedule, is one ``LambdaLR``
+``ampddp.training.resume.schedule_plan``). A warmup, or the ``linear`` schedule, is one ``LambdaLR``
 over an ``LRSchedule``: its settings travel in the scheduler's state, so a resume with other
 settings is noticed (and refused) instead of silently bending the curve.
 """

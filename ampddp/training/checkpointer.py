@@ -21,18 +21,17 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ampddp.checkpoint import keys
-from ampddp.checkpoint.changes import check_resume_settings
 from ampddp.checkpoint.finite import refuse_non_finite
 from ampddp.checkpoint.manifest import config_digest
 from ampddp.checkpoint.restore import check_model_state, check_optimizer_state, check_sampler_state, restore_precision
 from ampddp.checkpoint.rng import capture_rng, derive_rng, restore_rng
-from ampddp.checkpoint.schedule_plan import SchedulePlan, plan_schedule
 from ampddp.checkpoint.store import CheckpointRef, CheckpointStore, find_checkpoint, plan_resume
 from ampddp.distributed.data import ResumableSampler, broadcast_from_main, sum_across_ranks
 from ampddp.distributed.env import DistEnv
 from ampddp.errors import CheckpointError, ConfigError
 from ampddp.precision.engine import PrecisionEngine
 from ampddp.progress import Progress
+from ampddp.training.resume import SchedulePlan, check_resume_settings, plan_schedule
 
 logger = logging.getLogger("ampddp.trainer")
 EXTRA = "extra"

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampddp.precision.diagnostics import first_non_finite_module
 from ampddp.errors import NonFiniteGradientsError
 from ampddp.precision.casting import map_tensors
+from ampddp.precision.diagnostics import first_non_finite_module
 
 logger = logging.getLogger("ampddp.trainer")
 

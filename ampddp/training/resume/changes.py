@@ -7,7 +7,7 @@ split (the eval fraction and the seed that draws it), the image size and the inp
 ``checkpoint.allow_changes`` is true: continuing a ResNet on a different training split is not a
 resume but a new experiment.
 Everything else (learning rate, horizon, batch size, precision, ...) is a deliberate change that
-the trainer applies (see ``ampddp.checkpoint.schedule_plan``).
+the trainer applies (see ``ampddp.training.resume.schedule_plan``).
 
 ``data.normalize`` is compared as the normalisation it selects (null: the data set's default), and
 a checkpoint written before the key existed counts as what its data set did then.
