@@ -1,6 +1,7 @@
 """ampddp: apex-style AMP opt levels and native torch.amp on PyTorch, for single and multi-GPU training.
 
-Public names: ``amp`` (apex-compatible API), ``build_engine`` and the ``PrecisionEngine`` interface,
+Public names: ``amp`` (apex-compatible API), ``Precision`` and ``Parallel`` (what ``prepare`` and the
+Trainer take), ``build_engine`` and the ``PrecisionEngine`` interface,
 ``resolve_policy``/``OPT_LEVELS``/``PrecisionPolicy``, ``PrecisionState``, ``LossScaler``, ``OpRegistry`` and the cast
 decorators, and the error types.
 
@@ -19,9 +20,10 @@ _PRECISION_NAMES = (
     "NATIVE_MODES", "OPT_LEVELS", "PRECISION_MODES", "LossScaler", "OpRegistry", "PrecisionEngine", "PrecisionPolicy", "PrecisionState",
     "bfloat16_function", "build_engine", "float_function", "half_function", "promote_function", "resolve_policy",
 )  # fmt: skip
-_HOMES = {"amp": "ampddp.amp", "AmpUsageError": "ampddp.errors", "ConfigError": "ampddp.errors"} | dict.fromkeys(
-    _PRECISION_NAMES, "ampddp.precision"
-)
+_HOMES = {
+    "amp": "ampddp.amp", "AmpUsageError": "ampddp.errors", "ConfigError": "ampddp.errors",
+    "Precision": "ampddp.precision.choice", "Parallel": "ampddp.distributed.parallel",
+} | dict.fromkeys(_PRECISION_NAMES, "ampddp.precision")  # fmt: skip
 
 __all__ = [
     "NATIVE_MODES",
@@ -31,6 +33,8 @@ __all__ = [
     "ConfigError",
     "LossScaler",
     "OpRegistry",
+    "Parallel",
+    "Precision",
     "PrecisionEngine",
     "PrecisionPolicy",
     "PrecisionState",

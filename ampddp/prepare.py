@@ -11,22 +11,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from ampddp.choices import SYNC_BN_CHOICES
 from ampddp.distributed.env import DistEnv
 from ampddp.distributed.model_agreement import check_models_agree
-from ampddp.distributed.sync_bn import convert_sync_batchnorm
-from ampddp.distributed.wrap import DDPOptions, GradSync, wrap_model
-from ampddp.errors import choice_error
+from ampddp.distributed.parallel import Parallel
+from ampddp.distributed.wrap import GradSync
+from ampddp.precision.choice import Precision
 from ampddp.precision.engine import PrecisionEngine
-from ampddp.precision.factory import build_engine
-from ampddp.precision.registry import OpRegistry
 
 
 @dataclass
@@ -56,28 +52,20 @@ def prepare(
     make_optimizer: Callable[[Iterable[nn.Parameter]], Optimizer],
     env: DistEnv,
     *,
-    precision: str = "O1",
-    impl: str = "builtin",
-    precision_overrides: dict[str, Any] | None = None,
-    registry: OpRegistry | None = None,
-    sync_bn: str = "off",
-    strategy: str = "ddp",
-    ddp: DDPOptions | None = None,
-    wrap_options: dict[str, Any] | None = None,
+    precision: str | Precision = "O1",
+    parallel: Parallel | None = None,
 ) -> Prepared:
     """Set up ``model`` for training on ``env``; ``make_optimizer(params)`` builds the optimizer.
 
-    ``ddp``: torch DDP's settings (strategy ``ddp`` in a distributed run); ``wrap_options``: further
-    keyword arguments of the wrapper (apex-ddp's own options, nn.DataParallel's, torch DDP's others).
+    ``precision``: a mode's name (its defaults) or a :class:`Precision` (mode, impl, the mode's
+    settings, registered functions). ``parallel``: a :class:`Parallel` (strategy, sync-BN, torch DDP's
+    settings, the wrapper's options); None is torch DDP without sync-BN.
     """
-    if sync_bn not in SYNC_BN_CHOICES:
-        raise choice_error("sync_bn", sync_bn, SYNC_BN_CHOICES)
-    engine = build_engine(precision, impl=impl, registry=registry, **(precision_overrides or {}))
-    if sync_bn != "off":
-        model = convert_sync_batchnorm(model, sync_bn, device=env.device)
-    model = model.to(env.device)
+    engine = Precision.of(precision).build_engine()
+    parallel = parallel if parallel is not None else Parallel()
+    model = parallel.synchronise_batchnorm(model, env.device).to(env.device)
     broadcast_from_main(model, env)
     optimizer = make_optimizer(model.parameters())
     engine.setup([model], [optimizer])
-    wrapped = wrap_model(model, strategy, env, ddp, **(wrap_options or {}))
+    wrapped = parallel.wrap(model, env)
     return Prepared(wrapped, model, optimizer, engine, GradSync(wrapped), env)

@@ -21,19 +21,18 @@ from ampddp.distributed.watch import PeerWatch
 from ampddp.errors import ConfigError
 from ampddp.observe import RunObserver
 from ampddp.preemption import EarlySignals, StopSignals
-from ampddp.recipe.checks import validate
+from ampddp.recipe.checks import Built, validate
 from ampddp.recipe.factories import (
     DROP_LAST,
     SHUFFLE,
     build_datasets_from,
     build_model_from,
-    build_registry,
-    ddp_options,
     device_settings,
     loader_settings,
     model_compiler,
     optimizer_factory,
-    precision_overrides,
+    parallel_from,
+    precision_from,
     scheduler_factory,
     steps_per_epoch,
 )
@@ -44,27 +43,28 @@ from ampddp.trainer import Trainer
 __all__ = ["launch", "train", "validate"]
 
 
-def train(config: RunConfig, env: DistEnv, early: EarlySignals | None = None) -> dict[str, Any]:
-    """Run training in this process (one rank of ``env``); returns the summary.
+def train(config: RunConfig, env: DistEnv, early: EarlySignals | None = None, built: Built | None = None) -> dict[str, Any]:
+    """Run training in this process (one rank of ``env``); returns the summary. ``built``: what
+    ``validate`` built in this process (used as it is; the rest is built here).
 
     Stop signals are caught from the start, so one that arrives while data and model are being set
     up still ends in a checkpoint, and one that arrives after training lets the run finish normally.
     ``early``: the command line's catcher, whose signals (and one already received) this run takes over.
     """
     with StopSignals(config.trainer.stop_signals, early=early) as stop:
-        return _train(config, env, stop)
+        return _train(config, env, stop, built or Built())
 
 
-def _train(config: RunConfig, env: DistEnv, stop: StopSignals) -> dict[str, Any]:
+def _train(config: RunConfig, env: DistEnv, stop: StopSignals, built: Built) -> dict[str, Any]:
     with rank_console(env):
-        return _build_and_fit(config, env, stop)
+        return _build_and_fit(config, env, stop, built)
 
 
-def _build_and_fit(config: RunConfig, env: DistEnv, stop: StopSignals) -> dict[str, Any]:
+def _build_and_fit(config: RunConfig, env: DistEnv, stop: StopSignals, built: Built) -> dict[str, Any]:
     data, trainer_cfg = config.data, config.trainer
-    train_set, eval_set = build_datasets_from(config, augment=data.augment)
+    train_set, eval_set = built.datasets if built.datasets is not None else build_datasets_from(config, augment=data.augment)
     torch.manual_seed(trainer_cfg.seed)
-    model = build_model_from(config)
+    model = built.model if built.model is not None else build_model_from(config)
     epoch_steps = steps_per_epoch(config, len(train_set), env.world_size)
     observer = RunObserver(
         trainer_cfg.run_dir, env, progress=trainer_cfg.progress,
@@ -72,9 +72,7 @@ def _build_and_fit(config: RunConfig, env: DistEnv, stop: StopSignals) -> dict[s
     )  # fmt: skip
     trainer = Trainer(
         model, optimizer_factory(config), train_set, eval_set=eval_set, env=env,
-        precision=config.precision.mode, impl=config.precision.impl, precision_overrides=precision_overrides(config),
-        registry=build_registry(config), sync_bn=config.distributed.sync_bn, strategy=config.distributed.strategy,
-        ddp=ddp_options(config), compile=model_compiler(config), loading=loader_settings(config),
+        precision=precision_from(config), parallel=parallel_from(config), compile=model_compiler(config), loading=loader_settings(config),
         device=device_settings(config),
         batch_size=data.batch_size, grad_accum_steps=trainer_cfg.grad_accum_steps, clip_grad_norm=trainer_cfg.clip_grad_norm,
         make_scheduler=scheduler_factory(config, epoch_steps), max_epochs=trainer_cfg.max_epochs, max_steps=trainer_cfg.max_steps,
@@ -102,10 +100,11 @@ def launch(config: RunConfig, early: EarlySignals | None = None) -> dict[str, An
     The main process (rank 0, or the parent of spawned workers) holds the run_dir lock throughout;
     under a launcher every rank stops with a ConfigError when rank 0 cannot take it.
     """
-    validate(config)
+    built = validate(config)
     dist_cfg = config.distributed
     env = detect_env(device=dist_cfg.device, backend=dist_cfg.backend, timeout_s=dist_cfg.timeout_s)
     if dist_cfg.nproc_per_node > 1 and env.launcher == "none":
+        del built  # each spawned worker builds its own run; this process only waits for them
         with RunDirLock(config.trainer.run_dir), StopSignals(config.trainer.stop_signals, early=early) as stop:
             results = launch_local(
                 _spawned, dist_cfg.nproc_per_node, (config,), device=dist_cfg.device, backend=dist_cfg.backend,
@@ -113,7 +112,7 @@ def launch(config: RunConfig, early: EarlySignals | None = None) -> dict[str, An
             )  # fmt: skip
         return results[0]
     with _joined_and_locked(config) as env:
-        return train(config, env, early)
+        return train(config, env, early, built)
 
 
 @contextlib.contextmanager

@@ -20,10 +20,10 @@ from ampddp.checkpoint.store import CheckpointStore
 from ampddp.compile_model import ModelCompiler
 from ampddp.distributed.data import ResumableSampler
 from ampddp.distributed.env import DistEnv, detect_env, seed_everything
-from ampddp.distributed.wrap import DDPOptions
+from ampddp.distributed.parallel import Parallel
 from ampddp.errors import ConfigError
 from ampddp.observe import RunObserver
-from ampddp.precision.registry import OpRegistry
+from ampddp.precision.choice import Precision
 from ampddp.preemption import DEFAULT_STOP_SIGNALS, StopSignals, parse_signals
 from ampddp.training.assemble import RunSetup
 from ampddp.training.batches import BatchAdapter, LossFn, MetricsFn, accuracy, cross_entropy
@@ -39,8 +39,23 @@ default_loss = cross_entropy
 """The default ``loss_fn(outputs, batch)``: the model's own ``loss`` or cross-entropy (fp32)."""
 
 
+MOVED_ARGUMENTS = {
+    "impl": "precision=Precision(mode, impl=...)",
+    "precision_overrides": "precision=Precision(mode, overrides={...})",
+    "registry": "precision=Precision(mode, registry=...)",
+    "sync_bn": "parallel=Parallel(sync_bn=...)",
+    "strategy": "parallel=Parallel(strategy=...)",
+    "ddp": "parallel=Parallel(ddp=DDPOptions(...))",
+}
+"""Trainer arguments that became parts of the ``precision`` / ``parallel`` objects, and where they went."""
+
+
 def loop_settings(settings: dict[str, Any]) -> LoopSettings:
     """``LoopSettings`` from keywords, with an error naming an unknown one and the valid names."""
+    moved = [name for name in settings if name in MOVED_ARGUMENTS]
+    if moved:
+        where = "; ".join(f"{name} -> {MOVED_ARGUMENTS[name]}" for name in moved)
+        raise ConfigError(f"Trainer no longer takes {', '.join(moved)}: they are parts of the precision / parallel objects ({where})")
     unknown = sorted(set(settings) - set(LoopSettings.names()))
     if unknown:
         raise ConfigError(f"Trainer got unknown argument(s) {', '.join(unknown)}; loop settings are: {', '.join(LoopSettings.names())}")
@@ -55,7 +70,9 @@ class Trainer(TrainingLoop):
     training and evaluation alike; batches are ``(inputs, targets)``, dicts (``model(**batch)``) or
     whatever ``batches`` (a ``BatchAdapter``) understands. ``compile``: False (eager), True or a
     torch.compile mode, or a ``ModelCompiler``; checkpoints hold the bare module either way.
-    ``ddp``: torch DDP options. ``loading``: loader workers, pinned memory, prefetching (batches do not
+    ``precision``: a mode's name or a ``Precision`` (mode, impl, the mode's settings, registered
+    functions); ``parallel``: a ``Parallel`` (strategy, sync-BN, torch DDP's settings; None: torch
+    DDP without sync-BN). ``loading``: loader workers, pinned memory, prefetching (batches do not
     depend on them: each sample is fetched under its own seed). ``device``: channels_last, cuDNN
     benchmark, TF32. ``**settings``: the ``LoopSettings`` fields (batch_size,
     grad_accum_steps, clip_grad_norm, max_epochs, max_steps, seed, shuffle, drop_last,
@@ -70,13 +87,8 @@ class Trainer(TrainingLoop):
         *,
         eval_set: Dataset | None = None,
         env: DistEnv | None = None,
-        precision: str = "O1",
-        impl: str = "builtin",
-        precision_overrides: dict[str, Any] | None = None,
-        registry: OpRegistry | None = None,
-        sync_bn: str = "off",
-        strategy: str = "ddp",
-        ddp: DDPOptions | None = None,
+        precision: str | Precision = "O1",
+        parallel: Parallel | None = None,
         compile: bool | str | ModelCompiler | None = False,
         init_from: str | Path | None = None,
         make_scheduler: Callable[[Optimizer], Any] | None = None,
@@ -103,7 +115,7 @@ class Trainer(TrainingLoop):
         self.compiler = compile if isinstance(compile, ModelCompiler) else ModelCompiler.from_setting(compile)
         env = env or detect_env(device="auto")
         device = device or DeviceSettings()
-        setup = RunSetup(precision, impl, precision_overrides, registry, sync_bn, strategy, ddp, self.compiler, init_from, device)
+        setup = RunSetup(Precision.of(precision), parallel or Parallel(), self.compiler, init_from, device)
         run = setup.build(model, make_optimizer, env, on_compiled=self._compiled)
         state = TrainingState(
             run.module, run.optimizer, run.engine, make_scheduler(run.optimizer) if make_scheduler is not None else None,

@@ -13,6 +13,7 @@ from harness import Budget, Row, paired_ratio, spread
 from loops import batch, many_layer_mlp, sgd
 from torch.nn.parallel import DistributedDataParallel
 
+from ampddp import Parallel
 from ampddp.apex.parallel import DistributedDataParallel as ApexDDP
 from ampddp.distributed import detect_env, launch_local
 from ampddp.prepare import prepare
@@ -32,7 +33,7 @@ def _measure(env, steps: int, repeats: int) -> dict[str, list[float]]:
     x, y = batch(64, "cpu")
     base = many_layer_mlp()
     ours = prepare(copy.deepcopy(base), sgd, env, precision="O0")
-    synced = prepare(copy.deepcopy(base), sgd, env, precision="O0", sync_bn="portable")
+    synced = prepare(copy.deepcopy(base), sgd, env, precision="O0", parallel=Parallel(sync_bn="portable"))
     plain_model = copy.deepcopy(base)
     plain = DistributedDataParallel(plain_model) if env.distributed else plain_model
     plain_opt = sgd(plain_model.parameters())

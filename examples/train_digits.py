@@ -25,6 +25,7 @@ from ampddp import PRECISION_MODES
 from ampddp.choices import STRATEGIES, SYNC_BN_CHOICES
 from ampddp.distributed import (
     DistEnv,
+    Parallel,
     PeerWatch,
     ResumableSampler,
     eval_sampler,
@@ -80,8 +81,7 @@ def train(env: DistEnv, args: argparse.Namespace) -> float:
         lambda params: torch.optim.SGD(params, lr=args.lr, momentum=0.9, weight_decay=1e-4),
         env,
         precision=args.mode,
-        sync_bn=args.sync_bn,
-        strategy=args.strategy,
+        parallel=Parallel(strategy=args.strategy, sync_bn=args.sync_bn),
     )
     torch.manual_seed(env.rank_seed(args.seed))
     sampler = ResumableSampler(train_set, env, seed=args.seed)

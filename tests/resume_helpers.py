@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from ampddp import Parallel, Precision
 from ampddp.checkpoint import keys
 from ampddp.checkpoint.files import load_safely
 from ampddp.checkpoint.store import CheckpointStore
@@ -38,9 +39,11 @@ def make_trainer(run_dir, mode: str, max_steps: int, env=None, **overrides) -> T
     options = dict(
         eval_set=NoisyDigits(10), precision=mode, batch_size=4, grad_accum_steps=2, clip_grad_norm=5.0,
         make_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5),
-        max_epochs=100, max_steps=max_steps, seed=5, run_dir=run_dir, env=env, sync_bn="auto",
+        max_epochs=100, max_steps=max_steps, seed=5, run_dir=run_dir, env=env, parallel=Parallel(sync_bn="auto"),
     )  # fmt: skip
     options.update(overrides)
+    if "precision_overrides" in options:  # the mode's own settings
+        options["precision"] = Precision(mode, overrides=options.pop("precision_overrides") or {})
     return Trainer(make_model(), lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9), NoisyDigits(), **options)
 
 

@@ -15,6 +15,7 @@ from ampddp.distributed.data import (
 )
 from ampddp.distributed.env import DistEnv, detect_env, init_distributed, seed_everything, setup_distributed, shutdown_distributed
 from ampddp.distributed.launch import LaunchError, free_port, launch_local
+from ampddp.distributed.parallel import Parallel
 from ampddp.distributed.portable_sync_bn import PortableSyncBatchNorm
 from ampddp.distributed.sync_bn import convert_sync_batchnorm
 from ampddp.distributed.watch import PeerFailureError, PeerWatch
@@ -28,6 +29,7 @@ __all__ = [
     "EvalShardSampler",
     "GradSync",
     "LaunchError",
+    "Parallel",
     "PeerFailureError",
     "PeerWatch",
     "PortableSyncBatchNorm",

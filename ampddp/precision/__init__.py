@@ -2,6 +2,7 @@
 
 import ampddp.torch_compat  # noqa: F401  (first: it refuses a torch older than ampddp supports)
 from ampddp.choices import PRECISION_MODES
+from ampddp.precision.choice import Precision
 from ampddp.precision.engine import NATIVE_MODES, PrecisionEngine
 from ampddp.precision.factory import build_engine
 from ampddp.precision.policy import OPT_LEVELS, PrecisionPolicy, resolve_policy
@@ -16,6 +17,7 @@ __all__ = [
     "STATE_VERSION",
     "LossScaler",
     "OpRegistry",
+    "Precision",
     "PrecisionEngine",
     "PrecisionPolicy",
     "PrecisionState",

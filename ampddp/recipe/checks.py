@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import os
 import signal
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,6 @@ from ampddp.data import CIFAR_LAYOUT, IMAGEFOLDER_LAYOUT, find_classes
 from ampddp.distributed.env import detect_env
 from ampddp.errors import CheckpointError, ConfigError
 from ampddp.precision.engine import PrecisionEngine
-from ampddp.precision.factory import build_engine
 from ampddp.preemption import parse_signals
 from ampddp.progress import Progress, finished
 from ampddp.recipe.factories import (
@@ -32,13 +32,12 @@ from ampddp.recipe.factories import (
     SHUFFLE,
     build_datasets_from,
     build_model_from,
-    build_registry,
-    ddp_options,
     device_settings,
     loader_settings,
     model_compiler,
     optimizer_factory,
-    precision_overrides,
+    parallel_from,
+    precision_from,
     refuse_kwargs,
     scheduler_factory,
     steps_per_epoch,
@@ -59,10 +58,38 @@ _PROBE = ".ampddp-write-probe-{pid}"
 _PROBE_BYTES = 64 * 1024
 
 
+@dataclass
+class Built:
+    """What ``validate`` built to check it, for training in the same process: a run is built once.
+
+    ``datasets`` (train, eval) are built with the training augmentation, so an image folder is
+    scanned and a CIFAR split loaded and measured once; None when no check needed them. ``model`` is
+    built as training builds it (after ``torch.manual_seed(trainer.seed)``), and the checks only read
+    it (a forward in eval mode without gradients, optimizers that never step), so it is the model
+    training would build. Training builds whatever is None; spawned workers build their own."""
+
+    datasets: tuple[Dataset, Dataset | None] | None = None
+    model: nn.Module | None = None
+
+
+class _Datasets:
+    """The run's data sets, built on first use and then kept (several checks need the training set)."""
+
+    def __init__(self, config: RunConfig) -> None:
+        self.config = config
+        self.built: tuple[Dataset, Dataset | None] | None = None
+
+    def train_set(self) -> Dataset:
+        if self.built is None:
+            self.built = build_datasets_from(self.config, augment=self.config.data.augment)
+        return self.built[0]
+
+
 def _check_model(config: RunConfig) -> nn.Module:
     """Build the model and, on a built-in data set, run one tiny forward pass: a size or channel
     mismatch fails here, not at step 1. On a user's data set the inputs are unknown: it is only built."""
     model_cfg, data = config.model, config.data
+    torch.manual_seed(config.trainer.seed)  # as training seeds it: this model is the one that trains
     model = build_model_from(config)
     if is_import_path(data.name):
         return model
@@ -92,16 +119,17 @@ def _check_model(config: RunConfig) -> nn.Module:
     return model
 
 
-def _check_data(config: RunConfig) -> Dataset | None:
-    """A user's data set is built (its train set returned); a built-in one's data.root is checked."""
+def _check_data(config: RunConfig, datasets: _Datasets) -> None:
+    """A user's data set is built; a built-in one's data.root is checked (and built only if a later
+    check needs its size)."""
     data = config.data
     if is_import_path(data.name):
         _check_image_options(config)
-        return build_datasets_from(config, augment=False)[0]
+        datasets.train_set()
+        return
     refuse_kwargs("data", data.name, data.kwargs)
     _check_data_root(config)
     _check_image_options(config)
-    return None
 
 
 def _check_image_options(config: RunConfig) -> None:
@@ -292,8 +320,9 @@ def check_run_dir(run_dir: str) -> None:
         raise ConfigError(f"trainer.run_dir={run_dir} is not writable ({reason}); give a writable directory with free space") from None
 
 
-def validate(config: RunConfig) -> None:
-    """Everything that can be checked without training: raise before any work starts or anything is written.
+def validate(config: RunConfig) -> Built:
+    """Everything that can be checked without training: raise before any work starts or anything is
+    written. Returns what it built, for training in this process (``Built``).
 
     Values and ranges, precision settings, dotted function names, user functions named by import
     path, model and data shapes, data paths, the optimizer, LR schedule and DDP settings, stop
@@ -304,9 +333,9 @@ def validate(config: RunConfig) -> None:
     loader_settings(config)
     device_settings(config)
     _check_schedule(config)
-    engine = build_engine(config.precision.mode, impl=config.precision.impl, **precision_overrides(config))
-    build_registry(config)
-    train_set = _check_data(config)
+    engine = precision_from(config).build_engine()
+    datasets = _Datasets(config)
+    _check_data(config, datasets)
     model = _check_model(config)
     _check_stop_signals(config.trainer.stop_signals)
     model_compiler(config)
@@ -317,25 +346,24 @@ def validate(config: RunConfig) -> None:
             raise ConfigError("trainer.tensorboard=true needs the tensorboard package: pip install 'ampddp[tensorboard]'") from None
     _check_optimizer(config, model)
     dist_cfg = config.distributed
-    ddp_options(config).check_strategy(dist_cfg.strategy, where="distributed.")
+    parallel_from(config)
     env = detect_env(device=dist_cfg.device, backend=dist_cfg.backend, timeout_s=dist_cfg.timeout_s)
     _check_checkpoints(config, model, engine, env.rank)
     launched = dist_cfg.nproc_per_node if env.launcher == "none" and dist_cfg.nproc_per_node > 1 else env.world_size
-    _check_epoch_schedule(config, launched, train_set)
-    _check_resume_settings(config, model, launched, train_set)
+    _check_epoch_schedule(config, launched, datasets)
+    _check_resume_settings(config, model, launched, datasets)
     check_run_dir(config.trainer.run_dir)
+    return Built(datasets.built, model)
 
 
-def _check_epoch_schedule(config: RunConfig, world_size: int, train_set: Dataset | None) -> None:
+def _check_epoch_schedule(config: RunConfig, world_size: int, datasets: _Datasets) -> None:
     """A warmup within a horizon given in epochs (the steps follow from the data set's size)."""
     if config.optimizer.warmup_steps == 0 or config.trainer.max_steps is not None:
         return  # no warmup, or checked against max_steps already
-    if train_set is None:
-        train_set, _ = build_datasets_from(config, augment=False)
-    scheduler_factory(config, steps_per_epoch(config, len(train_set), world_size))
+    scheduler_factory(config, steps_per_epoch(config, len(datasets.train_set()), world_size))
 
 
-def _check_resume_settings(config: RunConfig, model: nn.Module, world_size: int, train_set: Dataset | None) -> None:
+def _check_resume_settings(config: RunConfig, model: nn.Module, world_size: int, datasets: _Datasets) -> None:
     """The checkpoint this run will resume from (the newest complete one; the trainer verifies it
     and falls back past a bad one) against this run's settings: a run-defining change or a schedule
     that cannot be extended is refused now, before the run writes anything."""
@@ -347,10 +375,8 @@ def _check_resume_settings(config: RunConfig, model: nn.Module, world_size: int,
     saved_optimizer, progress = shared.get(keys.OPTIMIZER), shared.get(keys.PROGRESS)
     if not isinstance(saved_optimizer, dict) or not isinstance(saved_optimizer.get("param_groups"), list) or not isinstance(progress, dict):
         return  # malformed: the trainer's verified load names what is wrong
-    if train_set is None:
-        train_set, _ = build_datasets_from(config, augment=False)
     optimizer = optimizer_factory(config)(model.parameters())
-    scheduler = scheduler_factory(config, steps_per_epoch(config, len(train_set), world_size))(optimizer)
+    scheduler = scheduler_factory(config, steps_per_epoch(config, len(datasets.train_set()), world_size))(optimizer)
     saved = Progress()
     try:
         saved.load_state_dict(progress)

@@ -26,9 +26,11 @@ from ampddp.compile_model import ModelCompiler
 from ampddp.config import IMPORT_PATH_FORM, PrecisionConfig, RunConfig, is_import_path
 from ampddp.data import build_datasets
 from ampddp.distributed.env import seed_everything
+from ampddp.distributed.parallel import Parallel
 from ampddp.distributed.wrap import DDPOptions
 from ampddp.errors import ConfigError, closest, spelled
 from ampddp.models import build_model
+from ampddp.precision.choice import Precision
 from ampddp.precision.engine import NATIVE_MODES
 from ampddp.precision.native import NATIVE_SETTINGS
 from ampddp.precision.registry import FP32, LOW, PROMOTE, OpRegistry
@@ -101,6 +103,11 @@ def build_registry(config: RunConfig) -> OpRegistry:
             module, attribute = resolve_function(dotted, f"precision.{key}")
             registry.register(module, attribute, kind)
     return registry
+
+
+def precision_from(config: RunConfig) -> Precision:
+    """The precision section as the one object the trainer and ``prepare`` take."""
+    return Precision(config.precision.mode, config.precision.impl, precision_overrides(config), build_registry(config))
 
 
 def model_compiler(config: RunConfig) -> ModelCompiler | None:
@@ -283,6 +290,15 @@ def ddp_options(config: RunConfig) -> DDPOptions:
         find_unused_parameters=dist_cfg.find_unused_parameters, static_graph=dist_cfg.static_graph,
         gradient_as_bucket_view=dist_cfg.gradient_as_bucket_view, bucket_cap_mb=dist_cfg.bucket_cap_mb, comm_hook=dist_cfg.comm_hook,
     )  # fmt: skip
+
+
+def parallel_from(config: RunConfig) -> Parallel:
+    """The distributed section's strategy, sync-BN and torch DDP settings as one object (a DDP setting
+    with another strategy is refused naming the recipe key)."""
+    dist_cfg = config.distributed
+    ddp = ddp_options(config)
+    ddp.check_strategy(dist_cfg.strategy, where="distributed.")
+    return Parallel(strategy=dist_cfg.strategy, sync_bn=dist_cfg.sync_bn, ddp=ddp)
 
 
 def loader_settings(config: RunConfig) -> LoaderSettings:

@@ -6,7 +6,6 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -15,9 +14,9 @@ from torch.optim import Optimizer
 from ampddp.checkpoint.restore import initial_weights, load_model_state
 from ampddp.compile_model import ModelCompiler
 from ampddp.distributed.env import DistEnv
-from ampddp.distributed.wrap import DDPOptions
+from ampddp.distributed.parallel import Parallel
 from ampddp.models import has_convolutions
-from ampddp.precision.registry import OpRegistry
+from ampddp.precision.choice import Precision
 from ampddp.prepare import Prepared, prepare
 from ampddp.training.device import DeviceSettings
 
@@ -26,16 +25,10 @@ logger = logging.getLogger("ampddp.trainer")
 
 @dataclass(frozen=True)
 class RunSetup:
-    """How a model becomes a prepared run: precision mode, sync-BN, parallel wrapper, compilation, memory format."""
+    """How a model becomes a prepared run: precision, parallelism (sync-BN, wrapper), compilation, memory format."""
 
-    precision: str = "O1"
-    impl: str = "builtin"
-    precision_overrides: dict[str, Any] | None = None
-    registry: OpRegistry | None = None
-    sync_bn: str = "off"
-    strategy: str = "ddp"
-    ddp: DDPOptions | None = None
-    """torch DDP's options (unused parameters, static graph, buckets, communication hook)."""
+    precision: Precision = field(default_factory=Precision)
+    parallel: Parallel = field(default_factory=Parallel)
     compiler: ModelCompiler | None = None
     init_from: str | Path | None = None
     """A checkpoint or weights file whose model weights the run starts from (nothing else is taken)."""
@@ -49,10 +42,7 @@ class RunSetup:
         if self.init_from is not None:
             load_model_state(initial_weights(self.init_from), model, str(self.init_from))
         model = self.device.convert(model)
-        run = prepare(
-            model, make_optimizer, env, precision=self.precision, impl=self.impl, precision_overrides=self.precision_overrides,
-            registry=self.registry, sync_bn=self.sync_bn, strategy=self.strategy, ddp=self.ddp,
-        )  # fmt: skip
+        run = prepare(model, make_optimizer, env, precision=self.precision, parallel=self.parallel)
         warn_slow_half_convolutions(run)
         if self.compiler is not None:
             run = self.compiler.compile(run, on_first_step=on_compiled)

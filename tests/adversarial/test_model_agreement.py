@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from ampddp import Parallel
 from ampddp.distributed import launch_local
 from ampddp.distributed.model_agreement import first_difference, model_layout
 from ampddp.errors import ConfigError
@@ -24,7 +25,7 @@ def build(rank: int, change: str) -> nn.Module:
 
 def prepare_worker(env, change: str, strategy: str) -> str:
     try:
-        prepare(build(env.rank, change), lambda params: torch.optim.SGD(params, lr=0.1), env, precision="O0", strategy=strategy)
+        prepare(build(env.rank, change), lambda params: torch.optim.SGD(params, lr=0.1), env, precision="O0", parallel=Parallel(strategy))
     except ConfigError as error:
         return str(error)
     return "wrapped"

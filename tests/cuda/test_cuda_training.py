@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ampddp import build_engine
+from ampddp import Parallel, Precision, build_engine
 from ampddp.distributed import launch_local
 from ampddp.distributed.env import detect_env
 from ampddp.prepare import prepare
@@ -47,7 +47,7 @@ def train_steps(prepared, batches) -> list[float]:
 
 
 def nccl_worker(env, mode):
-    prepared = prepare(small_convnet(), sgd, env, precision=mode, sync_bn="torch")
+    prepared = prepare(small_convnet(), sgd, env, precision=mode, parallel=Parallel(sync_bn="torch"))
     x, y = images(16, seed=env.rank)
     losses = train_steps(prepared, [(x, y)] * 3)
     params = torch.cat([p.detach().float().flatten() for p in prepared.module.parameters()]).cpu()
@@ -125,7 +125,7 @@ def test_channels_last_convolutions_train_like_contiguous_ones(mode):
 
 def test_native_fp16_on_cuda_skips_an_overflowed_step_and_halves_the_scale():
     env = detect_env({}, device="cuda")
-    prepared = prepare(small_convnet(), sgd, env, precision="native-fp16", precision_overrides={"init_loss_scale": 2.0**16})
+    prepared = prepare(small_convnet(), sgd, env, precision=Precision("native-fp16", overrides={"init_loss_scale": 2.0**16}))
     before = copy.deepcopy(prepared.module.state_dict())
     x, y = images()
     prepared.optimizer.zero_grad(set_to_none=True)

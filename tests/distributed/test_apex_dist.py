@@ -69,10 +69,11 @@ def test_initialize_then_ddp_with_differently_seeded_ranks_keeps_ranks_identical
 
 def apex_ddp_strategy_worker(env):
     from ampddp.apex.parallel import DistributedDataParallel as ApexDDP
+    from ampddp.distributed import Parallel
     from ampddp.prepare import prepare
 
     run = prepare(make_mlp(seed=env.rank, batchnorm=False), lambda p: torch.optim.SGD(p, lr=0.1), env, precision="O2",
-                  strategy="apex-ddp", wrap_options={"delay_allreduce": True})  # fmt: skip
+                  parallel=Parallel("apex-ddp", wrap_options={"delay_allreduce": True}))  # fmt: skip
     x, y = make_batches(1, batch=8, seed=env.rank)[0]
     with run.engine.forward_context():
         loss = F.cross_entropy(run.model(x), y)

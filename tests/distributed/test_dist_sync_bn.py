@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ampddp import ConfigError
+from ampddp import ConfigError, Parallel, Precision
 from ampddp.distributed import PortableSyncBatchNorm, convert_sync_batchnorm, launch_local
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -80,7 +80,11 @@ def ddp_sync_bn_worker(env):
 
     model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 2))
     prepared = prepare(
-        model, lambda p: torch.optim.SGD(p, lr=0.1), env, precision="O2", precision_overrides={"verbosity": 0}, sync_bn="auto"
+        model,
+        lambda p: torch.optim.SGD(p, lr=0.1),
+        env,
+        precision=Precision("O2", overrides={"verbosity": 0}),
+        parallel=Parallel(sync_bn="auto"),
     )
     x = torch.randn(4, 3, 4, 4)
     with prepared.engine.forward_context():

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from helpers import make_batches, make_mlp
 
+from ampddp import Parallel, Precision
 from ampddp.distributed import global_batch_loss_weight, launch_local, unwrap_model
 from ampddp.prepare import prepare
 
@@ -32,7 +33,7 @@ def global_batch(size=16):
 def ddp_worker(env, mode):
     """Three DDP steps on this rank's half of each global batch; report master grads and params."""
     prepared = prepare(
-        make_mlp(batchnorm=False), sgd, env, precision=mode, precision_overrides={"loss_scale": 64.0} if mode in ("O1", "O2") else {}
+        make_mlp(batchnorm=False), sgd, env, precision=Precision(mode, overrides={"loss_scale": 64.0} if mode in ("O1", "O2") else {})
     )
     first_grads = None
     for x, y in global_batch():
@@ -141,7 +142,7 @@ def test_o2_with_dataparallel_trains():
     from ampddp.distributed import detect_env
 
     env = detect_env({}, device="cpu")
-    prepared = prepare(make_mlp(), sgd, env, precision="O2", precision_overrides={"verbosity": 0}, strategy="dp")
+    prepared = prepare(make_mlp(), sgd, env, precision=Precision("O2", overrides={"verbosity": 0}), parallel=Parallel("dp"))
     before = copy.deepcopy([p.detach() for p in prepared.module.parameters()])
     x, y = global_batch()[0]
     with prepared.engine.forward_context():

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from helpers import make_batches, make_mlp
 from torch.optim import lr_scheduler as torch_schedulers
 
+from ampddp import Parallel
 from ampddp.apex.optimizers import FusedLAMB
 from ampddp.checkpoint import keys
 from ampddp.choices import SYNC_BN_CHOICES
@@ -257,7 +258,8 @@ def ddp_options_worker(env, options: list[DDPOptions]):
     """Per ``options``: two steps under DDP; report DDP's settings, its hooks and the first gradients."""
     results = []
     for option in options:
-        prepared = prepare(make_mlp(batchnorm=False), lambda p: torch.optim.SGD(p, lr=0.1), env, precision="O0", ddp=option)
+        sgd = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
+        prepared = prepare(make_mlp(batchnorm=False), sgd, env, precision="O0", parallel=Parallel(ddp=option))
         ddp = prepared.model
         first = None
         for x, y in make_batches(2, batch=16, seed=3):

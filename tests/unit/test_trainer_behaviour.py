@@ -10,6 +10,7 @@ import torch
 from resume_helpers import NoisyDigits
 from torch import nn
 
+from ampddp import Precision
 from ampddp.errors import NonFiniteGradientsError
 from ampddp.trainer import Trainer
 
@@ -28,7 +29,7 @@ def trainer_for(model, tmp_path, **options):
 @pytest.mark.parametrize("mode", ["O1", "O2", "native-fp16"])
 def test_the_scheduler_does_not_advance_on_a_skipped_step_and_torch_does_not_warn(tmp_path, mode):
     overrides = {"init_loss_scale": 2.0**24, "max_loss_scale": 2.0**24} if mode != "native-fp16" else {"init_loss_scale": 2.0**24}
-    trainer = trainer_for(mlp(), tmp_path, precision=mode, precision_overrides=overrides, max_steps=1,
+    trainer = trainer_for(mlp(), tmp_path, precision=Precision(mode, overrides=overrides), max_steps=1,
                           make_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
@@ -56,7 +57,7 @@ def test_overflow_diagnostics_name_the_module_whose_forward_made_inf(tmp_path, c
 def test_a_backward_overflow_names_the_parameter_nearest_the_output(tmp_path, caplog):
     model = mlp()
     trainer = trainer_for(
-        model, tmp_path, precision="O2", max_steps=1, precision_overrides={"init_loss_scale": 2.0**24, "max_loss_scale": 2.0**24}
+        model, tmp_path, precision=Precision("O2", overrides={"init_loss_scale": 2.0**24, "max_loss_scale": 2.0**24}), max_steps=1
     )
     with torch.no_grad():
         model[4].weight.mul_(1e3)
@@ -76,8 +77,8 @@ def test_a_persistently_non_finite_loss_stops_training_with_the_module_named(tmp
 def test_trainer_clipping_under_o2_matches_fp32(tmp_path):
     results = {}
     for mode in ("O0", "O2"):
-        trainer = trainer_for(mlp(), tmp_path / mode, precision=mode, max_steps=3, clip_grad_norm=0.05,
-                              precision_overrides={"loss_scale": 128.0} if mode == "O2" else None)  # fmt: skip
+        precision = Precision(mode, overrides={"loss_scale": 128.0} if mode == "O2" else {})
+        trainer = trainer_for(mlp(), tmp_path / mode, precision=precision, max_steps=3, clip_grad_norm=0.05)
         trainer.fit()
         results[mode] = list(trainer.engine.master_params(trainer.optimizer))
     for a, b in zip(results["O2"], results["O0"]):

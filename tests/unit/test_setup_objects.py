@@ -1,0 +1,62 @@
+"""``Precision`` and ``Parallel``: the set-up choices as two objects, checked when made, and the
+Trainer's former loose arguments refused with where each went."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from ampddp import ConfigError, Parallel, Precision
+from ampddp.distributed import DDPOptions
+from ampddp.distributed.env import DistEnv
+from ampddp.prepare import prepare
+from ampddp.trainer import Trainer
+
+
+def test_a_mode_name_stands_for_that_mode_with_its_defaults():
+    assert Precision.of("O2") == Precision("O2")
+    chosen = Precision("O1", overrides={"loss_scale": 128.0})
+    assert Precision.of(chosen) is chosen
+    assert chosen.build_engine().loss_scale() == 128.0
+    with pytest.raises(ConfigError, match="precision=3 is not valid; give a mode's name"):
+        Precision.of(3)
+    with pytest.raises(ConfigError, match=r"overrides=.* it must be a mapping"):
+        Precision("O1", overrides=[("loss_scale", 1.0)])
+
+
+def test_the_overrides_are_copied_so_the_choice_cannot_change_under_a_run():
+    settings = {"loss_scale": 8.0}
+    chosen = Precision("O2", overrides=settings)
+    settings["loss_scale"] = 16.0
+    assert chosen.overrides == {"loss_scale": 8.0}
+
+
+def test_parallel_is_checked_when_made():
+    with pytest.raises(ConfigError, match=r"distributed strategy='fsdp2' is not valid.*; valid choices: ddp, apex-ddp, dp, none"):
+        Parallel("fsdp2")
+    with pytest.raises(ConfigError, match=r"sync_bn='on' is not valid"):
+        Parallel(sync_bn="on")
+    with pytest.raises(ConfigError, match=r"static_graph=True: torch DDP settings, but strategy=dp"):
+        Parallel("dp", ddp=DDPOptions(static_graph=True))
+
+
+def test_prepare_takes_the_objects():
+    run = prepare(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), lambda p: torch.optim.SGD(p, lr=0.1), DistEnv(),
+                  precision=Precision("O2", overrides={"loss_scale": 4.0}), parallel=Parallel("none", sync_bn="portable"))  # fmt: skip
+    assert run.engine.loss_scale() == 4.0
+    assert type(run.module[1]).__name__ == "PortableSyncBatchNorm"
+    assert run.module[0].weight.dtype == torch.float16
+
+
+@pytest.mark.parametrize(
+    ("argument", "where"),
+    [("precision_overrides", "precision=Precision(mode, overrides={...})"), ("sync_bn", "parallel=Parallel(sync_bn=...)")],
+)
+def test_the_trainers_former_arguments_say_where_they_went(argument, where):
+    dataset = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.zeros(8, dtype=torch.long))
+    expected = f"Trainer no longer takes {argument}: they are parts of the precision / parallel objects ({argument} -> {where})"
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        Trainer(nn.Linear(4, 2), lambda p: torch.optim.SGD(p, lr=0.1), dataset, **{argument: {"loss_scale": 1.0}})
