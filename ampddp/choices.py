@@ -17,7 +17,7 @@ COMM_HOOKS = ("none", "fp16", "bf16")
 """DDP communication hooks: none (all-reduce in the gradients' dtype) or compress to fp16 / bf16."""
 SYNC_BN_IMPLS = ("auto", "torch", "apex", "portable")
 SYNC_BN_CHOICES = ("off", *SYNC_BN_IMPLS)
-"""``distributed.sync_bn`` / ``prepare(sync_bn=...)``: off, or the implementation BatchNorm layers become."""
+"""``distributed.sync_bn`` / ``Parallel(sync_bn=...)``: off, or the implementation BatchNorm layers become."""
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 """torch.compile's modes; ``trainer.compile: true`` means ``default``."""

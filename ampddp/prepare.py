@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,7 @@ from ampddp.distributed.env import DistEnv
 from ampddp.distributed.model_agreement import check_models_agree
 from ampddp.distributed.parallel import Parallel
 from ampddp.distributed.wrap import GradSync
+from ampddp.errors import ConfigError
 from ampddp.precision.choice import Precision
 from ampddp.precision.engine import PrecisionEngine
 
@@ -39,12 +41,35 @@ class Prepared:
 
 @torch.no_grad()
 def broadcast_from_main(module: nn.Module, env: DistEnv) -> None:
-    """Give every rank rank 0's parameters and buffers (once the ranks agree on what those are)."""
+    """Give every rank rank 0's parameters and buffers (once the ranks agree on what those are; the
+    wrapper compares them again after the precision set-up cast them, which catches ranks given
+    different precision settings: one more all-gather of a digest per set-up)."""
     if not env.distributed:
         return
     check_models_agree(module, env)
     for tensor in [*module.parameters(), *module.buffers()]:
         dist.broadcast(tensor.data, src=0)
+
+
+MOVED_ARGUMENTS = {
+    "impl": "precision=Precision(mode, impl=...)",
+    "precision_overrides": "precision=Precision(mode, overrides={...})",
+    "registry": "precision=Precision(mode, registry=...)",
+    "sync_bn": "parallel=Parallel(sync_bn=...)",
+    "strategy": "parallel=Parallel(strategy=...)",
+    "ddp": "parallel=Parallel(ddp=DDPOptions(...))",
+    "wrap_options": "parallel=Parallel(wrap_options={...})",
+}
+"""Arguments of ``prepare`` and the Trainer that became parts of the ``precision`` / ``parallel``
+objects, and where each went."""
+
+
+def refuse_moved_arguments(caller: str, arguments: Iterable[str]) -> None:
+    """A ConfigError naming where each moved argument among ``arguments`` went (none: nothing happens)."""
+    moved = [name for name in arguments if name in MOVED_ARGUMENTS]
+    if moved:
+        where = "; ".join(f"{name} -> {MOVED_ARGUMENTS[name]}" for name in moved)
+        raise ConfigError(f"{caller} no longer takes {', '.join(moved)}: they are parts of the precision / parallel objects ({where})")
 
 
 def prepare(
@@ -54,6 +79,7 @@ def prepare(
     *,
     precision: str | Precision = "O1",
     parallel: Parallel | None = None,
+    **moved: Any,
 ) -> Prepared:
     """Set up ``model`` for training on ``env``; ``make_optimizer(params)`` builds the optimizer.
 
@@ -61,6 +87,9 @@ def prepare(
     settings, registered functions). ``parallel``: a :class:`Parallel` (strategy, sync-BN, torch DDP's
     settings, the wrapper's options); None is torch DDP without sync-BN.
     """
+    refuse_moved_arguments("prepare", moved)
+    if moved:
+        raise TypeError(f"prepare() got unexpected keyword argument(s) {', '.join(sorted(moved))}")
     engine = Precision.of(precision).build_engine()
     parallel = parallel if parallel is not None else Parallel()
     model = parallel.synchronise_batchnorm(model, env.device).to(env.device)

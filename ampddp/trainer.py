@@ -25,6 +25,7 @@ from ampddp.errors import ConfigError
 from ampddp.observe import RunObserver
 from ampddp.precision.choice import Precision
 from ampddp.preemption import DEFAULT_STOP_SIGNALS, StopSignals, parse_signals
+from ampddp.prepare import refuse_moved_arguments
 from ampddp.training.assemble import RunSetup
 from ampddp.training.batches import BatchAdapter, LossFn, MetricsFn, accuracy, cross_entropy
 from ampddp.training.callbacks import Callback, Callbacks, ObserverCallback
@@ -39,23 +40,9 @@ default_loss = cross_entropy
 """The default ``loss_fn(outputs, batch)``: the model's own ``loss`` or cross-entropy (fp32)."""
 
 
-MOVED_ARGUMENTS = {
-    "impl": "precision=Precision(mode, impl=...)",
-    "precision_overrides": "precision=Precision(mode, overrides={...})",
-    "registry": "precision=Precision(mode, registry=...)",
-    "sync_bn": "parallel=Parallel(sync_bn=...)",
-    "strategy": "parallel=Parallel(strategy=...)",
-    "ddp": "parallel=Parallel(ddp=DDPOptions(...))",
-}
-"""Trainer arguments that became parts of the ``precision`` / ``parallel`` objects, and where they went."""
-
-
 def loop_settings(settings: dict[str, Any]) -> LoopSettings:
     """``LoopSettings`` from keywords, with an error naming an unknown one and the valid names."""
-    moved = [name for name in settings if name in MOVED_ARGUMENTS]
-    if moved:
-        where = "; ".join(f"{name} -> {MOVED_ARGUMENTS[name]}" for name in moved)
-        raise ConfigError(f"Trainer no longer takes {', '.join(moved)}: they are parts of the precision / parallel objects ({where})")
+    refuse_moved_arguments("Trainer", settings)
     unknown = sorted(set(settings) - set(LoopSettings.names()))
     if unknown:
         raise ConfigError(f"Trainer got unknown argument(s) {', '.join(unknown)}; loop settings are: {', '.join(LoopSettings.names())}")

@@ -62,7 +62,7 @@ class DDPOptions:
         """``model`` in torch DDP with these settings (and ``options``, torch DDP's other arguments)."""
         owned = sorted(set(options) & {f.name for f in dataclasses.fields(self)})
         if owned:
-            raise ConfigError(f"wrap option {owned[0]} is a DDPOptions setting; pass it as ddp=DDPOptions({owned[0]}=...)")
+            raise ConfigError(f"wrap option {owned[0]} is a DDPOptions setting; pass it as Parallel(ddp=DDPOptions({owned[0]}=...))")
         settings = {"find_unused_parameters": self.find_unused_parameters, "static_graph": self.static_graph,
                     "gradient_as_bucket_view": self.gradient_as_bucket_view}  # fmt: skip
         if self.bucket_cap_mb is not None:

@@ -1,8 +1,10 @@
 """``Precision``: a run's precision choice as one object, built once and handed down.
 
 The mode, the implementation, the mode's settings and the registered functions used to cross the
-Trainer, the run's set-up and ``prepare`` as four loose arguments each; as one value they are checked
-where they are made (a recipe, a user's code) and every layer below passes the object on.
+Trainer, the run's set-up and ``prepare`` as four loose arguments each; as one value they are made
+once (by a recipe, by a user's code) and every layer below passes the object on. The mode and the
+implementation are checked when it is made; the mode's settings when its engine is built (which
+settings a mode takes is the engine's knowledge).
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ampddp.errors import ConfigError
+from ampddp.choices import IMPLS, PRECISION_MODES
+from ampddp.errors import ConfigError, choice_error
 from ampddp.precision.engine import PrecisionEngine
 from ampddp.precision.factory import build_engine
 from ampddp.precision.registry import OpRegistry
@@ -30,6 +33,10 @@ class Precision:
     registry: OpRegistry | None = None
 
     def __post_init__(self) -> None:
+        if self.mode not in PRECISION_MODES:
+            raise choice_error("precision mode", self.mode, PRECISION_MODES)
+        if self.impl not in IMPLS:
+            raise choice_error("precision impl", self.impl, IMPLS)
         if not isinstance(self.overrides, Mapping):
             raise ConfigError(f"Precision overrides={self.overrides!r} is not valid; it must be a mapping of setting names to values")
         object.__setattr__(self, "overrides", dict(self.overrides))

@@ -69,13 +69,19 @@ class Evaluator:
                     try:
                         values = {"loss": self.loss_fn(outputs, batch).detach().double() * count}
                     except BadSamplesError as error:
-                        indices = batch_sample_indices(self._sampler, self.batch_size, number, error.rows)
-                        raise error.named(f"evaluation sample(s) {listed(indices)}") from error
+                        raise error.named(self._samples(number, error.rows)) from error
                 values.update(self._metric_values(outputs, batch))
                 for name, value in values.items():
                     sums[name] = sums.get(name, 0.0) + float(value)
                 seen += count
         return sums, seen
+
+    def _samples(self, batch_number: int, rows: tuple[int, ...]) -> str:
+        """``rows`` of evaluation batch ``batch_number`` named by their dataset indices."""
+        indices = batch_sample_indices(self._sampler, self.batch_size, batch_number, rows) if self._sampler is not None else None
+        if indices is None:
+            return f"batch position(s) {listed(rows)} of evaluation batch {batch_number}"
+        return f"evaluation sample(s) {listed(set(indices))}"
 
     def _metric_values(self, outputs: Any, batch: Any) -> dict[str, Any]:
         if self.metrics is None:

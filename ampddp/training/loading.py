@@ -104,13 +104,16 @@ class KeyedSampler(Sampler[tuple[int, int]]):
         return len(self.sampler)
 
 
-def batch_sample_indices(sampler: Iterable[int], batch_size: int, batch_number: int, rows: Sequence[int]) -> list[int]:
+def batch_sample_indices(sampler: Iterable[int], batch_size: int, batch_number: int, rows: Sequence[int]) -> list[int] | None:
     """The dataset indices of ``rows`` of batch ``batch_number`` in one pass over ``sampler``, batched
-    as a DataLoader does (consecutive runs of ``batch_size``). For naming bad samples: it walks the
+    as a DataLoader does (consecutive runs of ``batch_size``); None when a row is not a sample of that
+    batch (a loss over flattened tokens reports token rows). For naming bad samples: it walks the
     sampler again, so it is used only once something went wrong (ampddp's samplers repeat a pass)."""
     start = batch_number * batch_size
     batch = list(itertools.islice(iter(sampler), start, start + batch_size))
-    return [batch[row] for row in rows if 0 <= row < len(batch)]
+    if any(not 0 <= row < len(batch) for row in rows):
+        return None
+    return [batch[row] for row in rows]
 
 
 WORKER_IGNORED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2") if hasattr(signal, name))

@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 from torch.utils.data import Dataset
 
 from ampddp.checkpoint.store import CheckpointRef
-from ampddp.distributed.data import ResumableSampler, sum_across_ranks
+from ampddp.distributed.data import ResumableSampler, gather_objects, sum_across_ranks
 from ampddp.errors import BadSamplesError, ConfigError, listed
 from ampddp.precision.engine import PrecisionEngine
 from ampddp.preemption import StopSignals
@@ -267,21 +267,27 @@ class TrainingLoop:
             self.checkpointer.save()
 
     def _diagnose(self, window: list[Any], first: int) -> str:
-        """Why the step over ``window`` (batches ``first``... of this pass) went non-finite."""
-        bad_inputs = blame_inputs(
-            [self._samples(first + index, rows) for index, batch in enumerate(window) if (rows := non_finite_rows(batch))]
-        )
+        """Why the step over ``window`` (batches ``first``... of this pass) went non-finite. Every rank
+        calls it (the loss is agreed), and every rank learns of bad inputs on any rank, so all of them
+        blame the data and none runs the diagnostic forward alone (a synchronised BatchNorm in it
+        would wait for ranks that do not come)."""
+        named = [self._samples(first + index, rows) for index, batch in enumerate(window) if (rows := non_finite_rows(batch))]
+        if self.run.env.distributed:
+            everywhere = gather_objects(named, self.run.env)
+            named = [f"rank {rank}: {samples}" for rank, on_rank in enumerate(everywhere) for samples in on_rank]
         batch = self.batches.to_device(window[-1], self.run.env.device)
         module = self.run.module
         forward = lambda: self.batches.forward(module, batch)  # noqa: E731 - re-run by the diagnosis
-        return self.guard.diagnose(module, forward, self.engine.forward_context(), self.engine.last_overflow, bad_inputs)
+        return self.guard.diagnose(module, forward, self.engine.forward_context(), self.engine.last_overflow, blame_inputs(named))
 
     def _samples(self, batch_number: int, rows: list[int] | tuple[int, ...]) -> str:
         """``rows`` of this pass's batch ``batch_number`` named by their dataset indices."""
+        epoch = self.sampler.epoch
         indices = batch_sample_indices(self.sampler, self.settings.batch_size, batch_number, rows)
-        return f"training sample(s) {listed(indices)} (epoch {self.sampler.epoch})"
+        if indices is None:
+            return f"batch position(s) {listed(rows)} of training batch {batch_number} (epoch {epoch})"
+        return f"training sample(s) {listed(set(indices))} (epoch {epoch})"
 
-    # ---- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything shared by the ranks, in checkpoint layout (see ampddp.checkpoint.keys)."""
         return self.checkpointer.state_dict()

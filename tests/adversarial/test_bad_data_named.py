@@ -4,10 +4,13 @@ classes (training and evaluation), and an inf/NaN input (in any micro-batch of a
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from resume_helpers import NoisyDigits, make_trainer
 
+from ampddp.distributed import launch_local
 from ampddp.errors import DataError, NonFiniteGradientsError
 from ampddp.training.loading import LoaderSettings
 
@@ -69,3 +72,29 @@ def test_a_non_finite_input_is_blamed_on_the_data_by_its_index(tmp_path, accumul
     blamed = r"first: the input batch itself holds inf/NaN \(training sample\(s\) 7 \(epoch 0\)\): the data's fault"
     with pytest.raises(NonFiniteGradientsError, match=blamed):
         trainer.fit()
+
+
+def nan_on_one_rank_worker(env, run_dir) -> str:
+    trainer = make_trainer(run_dir, "O0", max_steps=20, env=env, max_nonfinite_losses=1, grad_accum_steps=1)
+    trainer.train_set = NaNAt()
+    try:
+        trainer.fit()
+    except NonFiniteGradientsError as error:
+        return str(error)
+    return "trained"
+
+
+@pytest.mark.timeout(240)
+def test_a_non_finite_input_on_one_rank_is_blamed_on_it_by_every_rank(tmp_path):
+    """With a synchronised BatchNorm (portable, on CPU) in the model: a rank that found the bad input
+    and one that did not must not diverge (the diagnostic forward would wait for the other rank)."""
+    reports = launch_local(nan_on_one_rank_worker, 2, (tmp_path,), device="cpu", timeout_s=120)
+    assert reports[0] == reports[1]
+    blamed = r"first: the input batch itself holds inf/NaN \(rank [01]: training sample\(s\) 7 \(epoch 0\)\): the data's fault"
+    assert re.search(blamed, reports[0]), reports[0]
+
+
+def test_rows_that_are_not_samples_of_the_batch_are_named_as_positions(tmp_path):
+    """A loss over flattened tokens reports token rows, which no dataset index matches."""
+    trainer = make_trainer(tmp_path, "O0", max_steps=1)
+    assert trainer._samples(0, (0, 9)) == "batch position(s) 0, 9 of training batch 0 (epoch 0)"
