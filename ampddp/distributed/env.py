@@ -19,6 +19,7 @@ import numpy
 import torch
 import torch.distributed as dist
 
+from ampddp.distributed.hook_callbacks import let_worker_threads_finish
 from ampddp.distributed.rendezvous import fresh_agent_store
 from ampddp.errors import ConfigError, choice_error
 
@@ -251,7 +252,11 @@ def shutdown_distributed() -> None:
     """Wait for every rank, then destroy the process group (idempotent).
 
     The barrier keeps one rank from tearing down gloo connections while a peer is still finishing
-    its last collective, which can abort the process at exit.
+    its last collective, which can abort the process at exit. A worker thread can still be releasing
+    the last collectives' tensors after the barrier returned (that takes the GIL); a script that
+    exits right after this call would then abort in finalization ("terminate called without an
+    active exception", seen once in ~50 torchrun runs of the example), so the GIL is given up for a
+    short grace first.
     """
     if dist.is_available() and dist.is_initialized():
         try:
@@ -260,6 +265,7 @@ def shutdown_distributed() -> None:
             pass  # a peer is already gone: nothing left to wait for, and the real error is propagating
         finally:
             dist.destroy_process_group()
+            let_worker_threads_finish()
 
 
 def seed_everything(seed: int) -> None:

@@ -78,6 +78,7 @@ def let_worker_threads_finish(grace_s: float = EXIT_GRACE_S) -> None:
     them) also takes the GIL, and a script that exits right after its last backward can start
     finalization first (seen once in an mmengine job under the runner). A thread already waiting for
     the GIL takes it as soon as it is free, so a short grace removes the window in practice; the
-    process-exit path of ``python -m ampddp.apex`` calls this, as apex's scripts end abruptly.
+    process-exit path of ``python -m ampddp.apex`` calls this, as apex's scripts end abruptly, and so
+    does ``shutdown_distributed`` (a worker can still be releasing tensors after its last barrier).
     """
     time.sleep(grace_s)
