@@ -14,9 +14,9 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from ampddp.checkpoint.rng import capture_rng, restore_rng
 from ampddp.distributed.data import eval_sampler, sum_across_ranks
 from ampddp.distributed.env import DistEnv
-from ampddp.errors import BadSamplesError, ConfigError, listed
+from ampddp.errors import BadSamplesError, ConfigError
 from ampddp.training.batches import BatchAdapter, LossFn, MetricsFn
-from ampddp.training.loading import DataLoading, LoaderSettings, batch_sample_indices, loader_pass
+from ampddp.training.loading import DataLoading, LoaderSettings, loader_pass, name_batch_rows
 
 RESERVED_NAMES = ("loss", "samples", "kind", "step", "epoch")
 """Names an evaluation record already uses: a metric may not take them."""
@@ -78,10 +78,7 @@ class Evaluator:
 
     def _samples(self, batch_number: int, rows: tuple[int, ...]) -> str:
         """``rows`` of evaluation batch ``batch_number`` named by their dataset indices."""
-        indices = batch_sample_indices(self._sampler, self.batch_size, batch_number, rows) if self._sampler is not None else None
-        if indices is None:
-            return f"batch position(s) {listed(rows)} of evaluation batch {batch_number}"
-        return f"evaluation sample(s) {listed(set(indices))}"
+        return name_batch_rows(self._sampler or [], self.batch_size, batch_number, rows, "evaluation")
 
     def _metric_values(self, outputs: Any, batch: Any) -> dict[str, Any]:
         if self.metrics is None:

@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ampddp.distributed.data import ResumableSampler
-from ampddp.errors import ConfigError, DataError, spelled
+from ampddp.errors import ConfigError, DataError, listed, spelled
 from ampddp.preemption import blocked_signals
 from ampddp.torch_compat import detach_persistent_workers, loader_worker_shutdown
 
@@ -114,6 +114,15 @@ def batch_sample_indices(sampler: Iterable[int], batch_size: int, batch_number: 
     if any(not 0 <= row < len(batch) for row in rows):
         return None
     return [batch[row] for row in rows]
+
+
+def name_batch_rows(sampler: Iterable[int], batch_size: int, batch_number: int, rows: Sequence[int], role: str, when: str = "") -> str:
+    """``rows`` of ``role``'s (training, evaluation) batch ``batch_number`` in words: their dataset
+    indices, or their positions when they are not samples of the batch; ``when``: e.g. " (epoch 2)"."""
+    indices = batch_sample_indices(sampler, batch_size, batch_number, rows)
+    if indices is None:
+        return f"batch position(s) {listed(rows)} of {role} batch {batch_number}{when}"
+    return f"{role} sample(s) {listed(set(indices))}{when}"
 
 
 WORKER_IGNORED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2") if hasattr(signal, name))

@@ -19,7 +19,7 @@ from torch.utils.data import Dataset
 
 from ampddp.checkpoint.store import CheckpointRef
 from ampddp.distributed.data import ResumableSampler, gather_objects, sum_across_ranks
-from ampddp.errors import BadSamplesError, ConfigError, listed
+from ampddp.errors import BadSamplesError, ConfigError
 from ampddp.precision.engine import PrecisionEngine
 from ampddp.preemption import StopSignals
 from ampddp.prepare import Prepared
@@ -30,7 +30,7 @@ from ampddp.training.checkpointer import Checkpointer
 from ampddp.training.device import DeviceSettings
 from ampddp.training.evaluator import Evaluator
 from ampddp.training.last_batch import check_single_sample_batch, epochs_to_finish
-from ampddp.training.loading import DataLoading, InputTimer, LoaderSettings, batch_sample_indices
+from ampddp.training.loading import DataLoading, InputTimer, LoaderSettings, name_batch_rows
 from ampddp.training.nonfinite import NonFiniteGuard, blame_inputs, non_finite_rows
 from ampddp.training.settings import LoopSettings
 
@@ -282,11 +282,7 @@ class TrainingLoop:
 
     def _samples(self, batch_number: int, rows: list[int] | tuple[int, ...]) -> str:
         """``rows`` of this pass's batch ``batch_number`` named by their dataset indices."""
-        epoch = self.sampler.epoch
-        indices = batch_sample_indices(self.sampler, self.settings.batch_size, batch_number, rows)
-        if indices is None:
-            return f"batch position(s) {listed(rows)} of training batch {batch_number} (epoch {epoch})"
-        return f"training sample(s) {listed(set(indices))} (epoch {epoch})"
+        return name_batch_rows(self.sampler, self.settings.batch_size, batch_number, rows, "training", f" (epoch {self.sampler.epoch})")
 
     def state_dict(self) -> dict[str, Any]:
         """Everything shared by the ranks, in checkpoint layout (see ampddp.checkpoint.keys)."""
