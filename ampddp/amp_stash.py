@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from ampddp.precision.master import OptimizerGrads
+from ampddp.precision.master import GradPhase, OptimizerGrads
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 LAZY_INIT_METHODS = ("_amp_lazy_init", "_lazy_init_maybe_master_weights")
@@ -41,7 +41,7 @@ class AmpStash:
 
     @property
     def params_have_scaled_gradients(self) -> bool:
-        return self._grads.has_scaled_grads
+        return self._grads.phase is GradPhase.SCALED
 
     def _groups(self) -> list[tuple[list[nn.Parameter], list[nn.Parameter], list[nn.Parameter]]]:
         """Per param group: (low-precision model params with masters, their masters, fp32 params stepped in place)."""

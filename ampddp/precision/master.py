@@ -8,6 +8,7 @@ BatchNorm kept fp32) are their own masters. Without master weights every param i
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterator
 
 import torch
@@ -18,8 +19,25 @@ from ampddp.errors import AmpUsageError
 from ampddp.precision.scaler import LossScaler
 
 
+class GradPhase(enum.Enum):
+    """Where one optimizer's gradients are within a step (as torch's GradScaler ``OptState``)."""
+
+    READY = "ready"
+    """No scaled gradients pending: none yet, or a closed ``scale_loss`` block unscaled them."""
+    SCALED = "scaled"
+    """A backward left scaled gradients that no unscale has seen (``delay_unscale``, ``engine.backward``)."""
+    UNSCALED = "unscaled"
+    """``unscale_`` (clipping) ran this step: another backward would mix scaled and unscaled gradients."""
+
+
 class OptimizerGrads:
-    """Masters, stashed grads and the pending-skip flag of one optimizer."""
+    """Masters, stashed grads and the step state of one optimizer.
+
+    The step state is ``phase`` (a ``GradPhase``) plus ``skip_pending``, the verdict of a
+    ``scale_loss`` block that found non-finite gradients: apex decided the skip when a block closed
+    and kept it while later blocks of the same step went through their phases, so it is not a phase.
+    ``found_inf`` holds the unscaled gradients' non-finite flag until the verdict reads it.
+    """
 
     def __init__(self, optimizer: Optimizer, make_masters: bool, fp32_data: dict[int, torch.Tensor] | None = None) -> None:
         self.optimizer = optimizer
@@ -30,10 +48,9 @@ class OptimizerGrads:
         self._master_of: dict[int, nn.Parameter] = {}
         self._groups_seen = 0
         self._stash: list[torch.Tensor | None] = []
-        self.has_scaled_grads = False
+        self.phase = GradPhase.READY
         self.skip_pending = False
         self.found_inf: torch.Tensor | None = None
-        self.unscaled = False
         self.sync_param_groups(fp32_data or {})
 
     def sync_param_groups(self, fp32_data: dict[int, torch.Tensor] | None = None) -> None:
@@ -70,7 +87,7 @@ class OptimizerGrads:
     def stash_grads(self) -> None:
         """Set aside already-unscaled grads so the next backward's grads can be unscaled alone."""
         self.sync_param_groups()
-        if self.has_scaled_grads:
+        if self.phase is GradPhase.SCALED:
             return
         # Clone: DDP's gradient_as_bucket_view makes p.grad a view the next backward overwrites.
         self._stash = [None if p.grad is None else p.grad.clone() for p in self.in_place]
@@ -95,8 +112,7 @@ class OptimizerGrads:
         self.restore_stash()
         if found is not None:
             self.found_inf = found if self.found_inf is None else self.found_inf + found
-        self.has_scaled_grads = False
-        self.unscaled = True
+        self.phase = GradPhase.UNSCALED
 
     def _accumulate_masters(self, pairs: list[tuple[nn.Parameter, torch.Tensor]], fp32_grads: list[torch.Tensor]) -> None:
         fresh, existing, added = [], [], []
@@ -135,7 +151,8 @@ class OptimizerGrads:
             param.grad = None
         for param in self.model_params:
             param.grad = None
-        self.has_scaled_grads = False
+        if self.phase is GradPhase.SCALED:
+            self.phase = GradPhase.READY
         self.restore_stash()
 
     def discard_grads(self) -> None:
@@ -143,7 +160,6 @@ class OptimizerGrads:
         for param in self.model_params:
             param.grad = None
         self._stash = []
-        self.has_scaled_grads = False
         self.reset_step_state()
 
     def drop_grads(self) -> None:
@@ -154,7 +170,7 @@ class OptimizerGrads:
             param.grad = None
 
     def check_ready_to_step(self) -> None:
-        if self.has_scaled_grads:
+        if self.phase is GradPhase.SCALED:
             raise AmpUsageError(
                 "optimizer.step() called while gradients are still scaled (after scale_loss(..., delay_unscale=True) "
                 "or engine.backward). Finish with a scale_loss(..., delay_unscale=False) call, or step through "
@@ -199,6 +215,7 @@ class OptimizerGrads:
             master.grad = None
 
     def reset_step_state(self) -> None:
+        """A step ended (taken or skipped): the next one starts from nothing pending."""
+        self.phase = GradPhase.READY
         self.skip_pending = False
         self.found_inf = None
-        self.unscaled = False

@@ -27,7 +27,7 @@ from ampddp.precision.casting import convert_model, device_types
 from ampddp.precision.compile_support import run_eagerly_as_own_frame
 from ampddp.precision.diagnostics import overflow_origin
 from ampddp.precision.engine import PrecisionEngine, check_loss, check_models_and_optimizers, policy_compute_dtype
-from ampddp.precision.master import OptimizerGrads
+from ampddp.precision.master import GradPhase, OptimizerGrads
 from ampddp.precision.master_sync import active_ddp_group, reconcile_masters
 from ampddp.precision.model_hooks import ForwardHooks, install_fp32_state_hooks
 from ampddp.precision.op_table import build_op_table
@@ -219,7 +219,7 @@ class OptLevelEngine(PrecisionEngine):
     def backward(self, loss: torch.Tensor, loss_id: int = 0) -> None:
         check_loss(loss, "engine.backward")
         scaler = self.scaler_for(loss_id)
-        if any(record.unscaled for record in self._records.values()):
+        if any(record.phase is GradPhase.UNSCALED for record in self._records.values()):
             raise AmpUsageError(
                 "backward after unscale_/clip_grad_norm_ in the same step: unscaled and scaled gradients would mix. "
                 "Accumulate all micro-batches first, then unscale/clip once before step."
@@ -236,15 +236,15 @@ class OptLevelEngine(PrecisionEngine):
             self._pending = _PendingStep(loss_id)
         if not identity:
             for record in self._records.values():
-                record.has_scaled_grads = True
+                record.phase = GradPhase.SCALED
 
     def unscale_(self, optimizer: Optimizer) -> None:
         record = self._record(optimizer)
-        if record.unscaled or self._pending is None or self._pending.stepped:
+        if record.phase is GradPhase.UNSCALED or self._pending is None or self._pending.stepped:
             return
         scaler = self.scaler_for(self._pending.loss_id)
         if self._is_identity(scaler):
-            record.unscaled = True
+            record.phase = GradPhase.UNSCALED
             return
         record.unscale_(scaler)
 
@@ -342,13 +342,13 @@ class OptLevelEngine(PrecisionEngine):
             raise
         if delay_unscale:
             for record in records:
-                record.has_scaled_grads = True
+                record.phase = GradPhase.SCALED
             return
         for record in records:
             record.unscale_(scaler)
         skip = self._check_overflow(loss_id, records, delay_overflow_check)
         for record in records:
-            record.found_inf, record.unscaled = None, False
+            record.found_inf, record.phase = None, GradPhase.READY
             record.skip_pending = record.skip_pending or skip
 
     def _check_overflow(self, loss_id: int, records: Sequence[OptimizerGrads], deferred: bool) -> bool:

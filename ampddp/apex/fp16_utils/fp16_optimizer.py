@@ -39,7 +39,7 @@ from ampddp.apex._names import unknown_name
 from ampddp.apex.fp16_utils.fp16util import clip_grad_norm, master_params_to_model_params, model_grads_to_master_grads
 from ampddp.apex.fp16_utils.loss_scaler import DynamicLossScaler, LossScaler, restore_scaler
 from ampddp.errors import AmpUsageError, ConfigError, NonFiniteGradientsError
-from ampddp.precision.master import OptimizerGrads
+from ampddp.precision.master import GradPhase, OptimizerGrads
 
 __all__ = ["FP16_Optimizer", "clip_grad_norm", "master_params_to_model_params", "model_grads_to_master_grads"]
 REPLACEMENTS = {
@@ -214,7 +214,7 @@ class FP16_Optimizer:
         except BaseException:
             record.discard_new_grads()
             raise
-        record.has_scaled_grads = True
+        record.phase = GradPhase.SCALED
         if update_master_grads:
             self.update_master_grads()
 
@@ -224,10 +224,10 @@ class FP16_Optimizer:
         Sets :attr:`overflow` (dynamic scaling: any inf/NaN in them); a no-op when nothing is pending.
         """
         record = self._grads
-        if not record.has_scaled_grads:
+        if record.phase is not GradPhase.SCALED:
             return
         record.unscale_(self.loss_scaler.scaler)
-        record.unscaled = False
+        record.phase = GradPhase.READY
         self._unscaled_in_place = True
         found = record.found_inf
         self.overflow = self.loss_scaler.dynamic and found is not None and bool(found.item())
@@ -244,7 +244,7 @@ class FP16_Optimizer:
 
     def clip_master_grads(self, max_norm: float, norm_type: float = 2) -> torch.Tensor | int:
         """Clip the fp32 master grads with torch's ``clip_grad_norm_``; their total norm, or -1 if overflowed."""
-        if self._grads.has_scaled_grads:
+        if self._grads.phase is GradPhase.SCALED:
             raise AmpUsageError("clip_master_grads after backward(..., update_master_grads=False): call update_master_grads() first")
         if self.overflow:
             return -1
@@ -254,7 +254,7 @@ class FP16_Optimizer:
     def _check_ready(self) -> None:
         record = self._grads
         record.sync_param_groups()
-        if record.has_scaled_grads:
+        if record.phase is GradPhase.SCALED:
             raise AmpUsageError(
                 "FP16_Optimizer.step() after backward(loss, update_master_grads=False): the master gradients are not "
                 "updated yet; call optimizer.update_master_grads() before step()"
