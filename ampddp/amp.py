@@ -39,6 +39,7 @@ from ampddp.errors import AmpUsageError, ConfigError
 from ampddp.precision.cast_context import end_thread_casts, suspend_thread_casts
 from ampddp.precision.engine import PrecisionEngine, check_loss, check_models_and_optimizers
 from ampddp.precision.factory import build_engine
+from ampddp.precision.loss_blocks import loss_blocks
 from ampddp.precision.policy import check_opt_level
 from ampddp.precision.registry import (
     BFLOAT16,
@@ -259,7 +260,7 @@ class Amp:
         end_thread_casts()
         options = {"delay_unscale": delay_unscale, "delay_overflow_check": delay_overflow_check}
         try:
-            with engine.scale_loss(loss, optimizer_list, loss_id=loss_id, **options) as scaled:
+            with loss_blocks(engine).scale_loss(loss, optimizer_list, loss_id=loss_id, **options) as scaled:
                 yield scaled
         finally:
             self._reopen_process_casts(setup or self._newest)

@@ -159,17 +159,6 @@ class PrecisionEngine(ABC):
         """Restore what ``state_dict`` returned, or apex's ``amp.state_dict()`` or a GradScaler state."""
         self.load_precision_state(PrecisionState.from_dict(state))
 
-    def scale_loss(
-        self,
-        loss: torch.Tensor,
-        optimizers: Sequence[Optimizer],
-        loss_id: int = 0,
-        delay_unscale: bool = False,
-        delay_overflow_check: bool = False,
-    ) -> AbstractContextManager[torch.Tensor]:
-        """apex's ``with amp.scale_loss(loss, optimizers) as scaled`` (unscale and update on exit); opt-level engines only."""
-        raise AmpUsageError(f"scale_loss is apex's API for opt levels O0-O5; {self.mode} uses engine.backward(loss) and engine.step")
-
     def grad_scaler_state_dict(self, loss_id: int = 0) -> dict[str, Any]:
         """Scaler ``loss_id`` in ``torch.amp.GradScaler.state_dict()`` form, for engines that know its settings."""
         raise AmpUsageError(

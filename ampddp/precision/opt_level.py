@@ -45,15 +45,6 @@ def _overflowed(records: Sequence[OptimizerGrads], scaler: LossScaler) -> bool:
     return scaler.dynamic and bool(found) and bool(sum(found[1:], found[0]).item())
 
 
-def _defer_overflow(records: Sequence[OptimizerGrads], scaler: LossScaler) -> bool:
-    """Keep the records' non-finite flags on the scaler for the caller's ``update_scale`` (no host sync); never skip."""
-    found = [record.found_inf for record in records if record.found_inf is not None]
-    if found:
-        pending = sum(found[1:], found[0])
-        scaler.deferred_found_inf = pending if scaler.deferred_found_inf is None else scaler.deferred_found_inf + pending
-    return False
-
-
 @dataclass
 class _PendingStep:
     """The loss whose scaled grads await the next step, and whether that step happened."""
@@ -205,12 +196,16 @@ class OptLevelEngine(PrecisionEngine):
             raise AmpUsageError("this optimizer was not passed to initialize/setup of this amp engine")
         return record
 
+    def records_for(self, optimizers: Sequence[Optimizer]) -> list[OptimizerGrads]:
+        """The gradient bookkeeping of each optimizer (AmpUsageError for one this engine does not hold)."""
+        return [self._record(optimizer) for optimizer in optimizers]
+
     def scaler_for(self, loss_id: int) -> LossScaler:
         if not isinstance(loss_id, int) or not 0 <= loss_id < len(self.scalers):
             raise ConfigError(f"loss_id={loss_id!r} is not valid; num_losses={len(self.scalers)} gives ids 0..{len(self.scalers) - 1}")
         return self.scalers[loss_id]
 
-    def _is_identity(self, scaler: LossScaler) -> bool:
+    def passes_through(self, scaler: LossScaler) -> bool:
         """Disabled, or static scale 1 without masters: nothing to unscale, check or copy (apex O0/O3)."""
         if not self.policy.enabled:
             return True
@@ -230,7 +225,7 @@ class OptLevelEngine(PrecisionEngine):
                 f"backward with loss_id={loss_id} while the grads of loss_id={pending.loss_id} are not yet stepped; "
                 "call engine.step between losses, or use amp.scale_loss, which unscales per loss"
             )
-        identity = self._is_identity(scaler)
+        identity = self.passes_through(scaler)
         (loss if identity else scaler.scale_loss(loss)).backward()
         if pending is None or pending.stepped:
             self._pending = _PendingStep(loss_id)
@@ -243,7 +238,7 @@ class OptLevelEngine(PrecisionEngine):
         if record.phase is GradPhase.UNSCALED or self._pending is None or self._pending.stepped:
             return
         scaler = self.scaler_for(self._pending.loss_id)
-        if self._is_identity(scaler):
+        if self.passes_through(scaler):
             record.phase = GradPhase.UNSCALED
             return
         record.unscale_(scaler)
@@ -251,7 +246,7 @@ class OptLevelEngine(PrecisionEngine):
     def step(self, *optimizers: Optimizer) -> bool:
         if not optimizers:
             raise AmpUsageError("engine.step needs the optimizers to step, e.g. engine.step(optimizer)")
-        records = [self._record(optimizer) for optimizer in optimizers]
+        records = self.records_for(optimizers)
         if self._pending is not None and self._pending.stepped:
             raise AmpUsageError(
                 "engine.step was already called since the last backward: step every optimizer in one call, "
@@ -260,7 +255,7 @@ class OptLevelEngine(PrecisionEngine):
         for optimizer in optimizers:
             self.unscale_(optimizer)
         loss_id = self._pending.loss_id if self._pending else 0
-        skip = self._update(loss_id, _overflowed(records, self.scalers[loss_id]), records)
+        skip = self.decide_skip(loss_id, records)
         self._pending = _PendingStep(loss_id, stepped=True)
         if skip:
             self._restore_buffers()
@@ -283,10 +278,11 @@ class OptLevelEngine(PrecisionEngine):
             record.discard_grads()
         self._pending = None
 
-    def _update(self, loss_id: int, overflow: bool, records: Sequence[OptimizerGrads]) -> bool:
+    def decide_skip(self, loss_id: int, records: Sequence[OptimizerGrads]) -> bool:
+        """Update scaler ``loss_id`` from the records' non-finite flags (one host read); True: skip the step."""
         scaler = self.scalers[loss_id]
         try:
-            skip = scaler.update(overflow)
+            skip = scaler.update(_overflowed(records, scaler))
         except NonFiniteGradientsError as error:
             raise NonFiniteGradientsError(f"{error} Non-finite gradients start at: {self._overflow_origin(records)}.") from None
         if skip:
@@ -304,61 +300,6 @@ class OptLevelEngine(PrecisionEngine):
         stepped = {id(model_param): param for record in records for model_param, param in record.param_pairs()}
         named = [(name, stepped[key]) for key, name in self._param_names.items() if key in stepped]
         return overflow_origin(named) or "no parameter (the gradients are finite now)"
-
-    @contextlib.contextmanager
-    def scale_loss(
-        self,
-        loss: torch.Tensor,
-        optimizers: Sequence[Optimizer],
-        loss_id: int = 0,
-        delay_unscale: bool = False,
-        delay_overflow_check: bool = False,
-    ) -> Iterator[torch.Tensor]:
-        """apex semantics: unscale and update the scale when the block exits (once per backward).
-
-        ``delay_overflow_check=True`` (apex's, for callers that reduce gradients themselves first, as
-        NVIDIA's BERT does): unscale, but leave the scale update and the skip decision to the caller's
-        ``update_scale()`` on apex's scaler view; the non-finite flags wait in ``scaler.deferred_found_inf``.
-        """
-        check_loss(loss, "scale_loss")
-        scaler = self.scaler_for(loss_id)
-        if not self.policy.enabled:
-            yield loss
-            return
-        if not optimizers:
-            raise AmpUsageError("scale_loss needs the optimizer(s) whose gradients this backward produces")
-        records = [self._record(optimizer) for optimizer in optimizers]
-        if self._is_identity(scaler):
-            yield loss.float()
-            return
-        if not delay_unscale:
-            for record in records:
-                record.stash_grads()
-        try:
-            yield scaler.scale_loss(loss)
-        except BaseException:
-            for record in records:
-                record.discard_new_grads()
-            raise
-        if delay_unscale:
-            for record in records:
-                record.phase = GradPhase.SCALED
-            return
-        for record in records:
-            record.unscale_(scaler)
-        skip = self._check_overflow(loss_id, records, delay_overflow_check)
-        for record in records:
-            record.found_inf, record.phase = None, GradPhase.READY
-            record.skip_pending = record.skip_pending or skip
-
-    def _check_overflow(self, loss_id: int, records: Sequence[OptimizerGrads], deferred: bool) -> bool:
-        """After ``scale_loss`` unscaled: update the scale now and say whether to skip, or (``deferred``) leave
-        the flags for the caller's ``update_scale``."""
-        scaler = self.scalers[loss_id]
-        if deferred:
-            return _defer_overflow(records, scaler)
-        scaler.deferred_found_inf = None  # this check covers those grads too (they accumulated into these)
-        return self._update(loss_id, _overflowed(records, scaler), records)
 
     def master_params(self, optimizer: Optimizer) -> Iterator[nn.Parameter]:
         return self._record(optimizer).master_params()

@@ -21,6 +21,7 @@ from ampddp import AmpUsageError, ConfigError, build_engine
 from ampddp.amp import Amp
 from ampddp.distributed import free_port
 from ampddp.errors import NonFiniteGradientsError
+from ampddp.precision.loss_blocks import loss_blocks
 
 
 @pytest.fixture
@@ -256,7 +257,7 @@ def test_misuse_in_the_engine_path_is_refused_before_any_state_changes():
     model = nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     engine.setup([model], [optimizer])
-    with pytest.raises(AmpUsageError, match="needs the optimizer"), engine.scale_loss(model(torch.ones(1, 2)).sum(), []):
+    with pytest.raises(AmpUsageError, match="needs the optimizer"), loss_blocks(engine).scale_loss(model(torch.ones(1, 2)).sum(), []):
         pass
     engine.backward(model(torch.ones(1, 2)).sum())
     engine.clip_grad_norm_([optimizer], 1.0)

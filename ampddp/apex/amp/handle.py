@@ -24,6 +24,7 @@ from ampddp.amp import default
 from ampddp.errors import AmpUsageError, ConfigError
 from ampddp.precision import op_lists
 from ampddp.precision.cast_context import OpCastContext, suspend_thread_casts
+from ampddp.precision.loss_blocks import OptLevelLossBlocks
 from ampddp.precision.opt_level import OptLevelEngine
 from ampddp.precision.policy import resolve_policy
 from ampddp.precision.registry import FP32, OpRegistry
@@ -56,6 +57,7 @@ class AmpHandle:
         """Casts are cached per iteration either way (the cache never changes results)."""
         self._engine = _engine(patch_type, loss_scale, verbose, registry)
         self._engine.setup([], [])
+        self._blocks = OptLevelLossBlocks(self._engine)
         context = self._engine.forward_context()
         if not isinstance(context, OpCastContext):
             raise AmpUsageError("the legacy amp.init handle needs op casting; this policy has none")
@@ -99,7 +101,7 @@ class AmpHandle:
             return
         self._engine.add_optimizer(optimizer)
         try:
-            with self._engine.scale_loss(loss, [optimizer]) as scaled:
+            with self._blocks.scale_loss(loss, [optimizer]) as scaled:
                 yield scaled
         finally:
             self._clear_cache()
@@ -122,13 +124,14 @@ class OptimWrapper:
         self._handle = handle
         self._num_loss = num_loss
         self._loss_index = 0
-        self._engine = handle._wrapper_engine(num_loss) if isinstance(handle, AmpHandle) else None
-        if self._engine is not None:
-            self._engine.setup([], [optimizer])
+        engine = handle._wrapper_engine(num_loss) if isinstance(handle, AmpHandle) else None
+        if engine is not None:
+            engine.setup([], [optimizer])
+        self._blocks = None if engine is None else OptLevelLossBlocks(engine)
 
     @contextlib.contextmanager
     def scale_loss(self, loss: torch.Tensor) -> Iterator[torch.Tensor]:
-        if self._engine is None or not self._handle.is_active():
+        if self._blocks is None or not self._handle.is_active():
             yield loss
             return
         if self._loss_index >= self._num_loss:
@@ -137,7 +140,7 @@ class OptimWrapper:
             )
         loss_id, self._loss_index = self._loss_index, self._loss_index + 1
         try:
-            with self._engine.scale_loss(loss, [self._optimizer], loss_id=loss_id) as scaled:
+            with self._blocks.scale_loss(loss, [self._optimizer], loss_id=loss_id) as scaled:
                 yield scaled
         finally:
             self._handle._clear_cache()

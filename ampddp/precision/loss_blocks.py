@@ -1,0 +1,119 @@
+"""apex's ``with amp.scale_loss(loss, optimizers) as scaled:`` blocks over the opt-level engine.
+
+apex unscaled a backward's gradients and decided the next step's fate when each block closed, one
+block per loss. The training loop never works that way (it calls the engine's ``backward`` and
+``step``), so the protocol lives here, over the engine's gradient bookkeeping, for the ``amp``
+facade and ``ampddp.apex`` only. ``loss_blocks`` picks the implementation for an engine: this one
+for the builtin opt levels, NVIDIA apex's own for ``impl='apex'``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
+from typing import Protocol
+
+import torch
+from torch.optim import Optimizer
+
+from ampddp.errors import AmpUsageError
+from ampddp.precision.apex_backend import ApexEngine
+from ampddp.precision.engine import PrecisionEngine, check_loss
+from ampddp.precision.master import GradPhase, OptimizerGrads
+from ampddp.precision.opt_level import OptLevelEngine
+from ampddp.precision.scaler import LossScaler
+
+
+class LossBlocks(Protocol):
+    """What opens a ``scale_loss`` block for an engine."""
+
+    def scale_loss(
+        self,
+        loss: torch.Tensor,
+        optimizers: Sequence[Optimizer],
+        loss_id: int = 0,
+        delay_unscale: bool = False,
+        delay_overflow_check: bool = False,
+    ) -> AbstractContextManager[torch.Tensor]: ...
+
+
+def loss_blocks(engine: PrecisionEngine) -> LossBlocks:
+    """The ``scale_loss`` blocks of ``engine``; AmpUsageError for the native modes, which have none."""
+    if isinstance(engine, OptLevelEngine):
+        return OptLevelLossBlocks(engine)
+    if isinstance(engine, ApexEngine):
+        return engine
+    raise AmpUsageError(f"scale_loss is apex's API for opt levels O0-O5; {engine.mode} uses engine.backward(loss) and engine.step")
+
+
+def _defer_overflow(records: Sequence[OptimizerGrads], scaler: LossScaler) -> None:
+    """Keep the records' non-finite flags on the scaler for the caller's ``update_scale`` (no host read)."""
+    found = [record.found_inf for record in records if record.found_inf is not None]
+    if found:
+        pending = sum(found[1:], found[0])
+        scaler.deferred_found_inf = pending if scaler.deferred_found_inf is None else scaler.deferred_found_inf + pending
+
+
+class OptLevelLossBlocks:
+    """apex semantics over an ``OptLevelEngine``: unscale and update the scale when a block exits."""
+
+    def __init__(self, engine: OptLevelEngine) -> None:
+        self.engine = engine
+
+    @contextlib.contextmanager
+    def scale_loss(
+        self,
+        loss: torch.Tensor,
+        optimizers: Sequence[Optimizer],
+        loss_id: int = 0,
+        delay_unscale: bool = False,
+        delay_overflow_check: bool = False,
+    ) -> Iterator[torch.Tensor]:
+        """Scale ``loss``; on exit unscale the block's new gradients and decide whether the next step skips.
+
+        ``delay_unscale=True`` leaves them scaled for a later block to unscale with its own.
+        ``delay_overflow_check=True`` (apex's, for callers that reduce gradients themselves first, as
+        NVIDIA's BERT does): unscale, but leave the scale update and the skip decision to the caller's
+        ``update_scale()`` on apex's scaler view; the non-finite flags wait in ``scaler.deferred_found_inf``.
+        """
+        engine = self.engine
+        check_loss(loss, "scale_loss")
+        scaler = engine.scaler_for(loss_id)
+        if not engine.policy.enabled:
+            yield loss
+            return
+        if not optimizers:
+            raise AmpUsageError("scale_loss needs the optimizer(s) whose gradients this backward produces")
+        records = engine.records_for(optimizers)
+        if engine.passes_through(scaler):
+            yield loss.float()
+            return
+        if not delay_unscale:
+            for record in records:
+                record.stash_grads()
+        try:
+            yield scaler.scale_loss(loss)
+        except BaseException:
+            for record in records:
+                record.discard_new_grads()
+            raise
+        if delay_unscale:
+            for record in records:
+                record.phase = GradPhase.SCALED
+            return
+        for record in records:
+            record.unscale_(scaler)
+        skip = self._verdict(loss_id, records, delay_overflow_check)
+        for record in records:
+            record.found_inf, record.phase = None, GradPhase.READY
+            record.skip_pending = record.skip_pending or skip
+
+    def _verdict(self, loss_id: int, records: Sequence[OptimizerGrads], deferred: bool) -> bool:
+        """Update the scale now and say whether to skip, or (``deferred``) leave the flags for ``update_scale``."""
+        scaler = self.engine.scalers[loss_id]
+        if deferred:
+            _defer_overflow(records, scaler)
+            return False
+        scaler.deferred_found_inf = None  # this check covers those grads too (they accumulated into these)
+        return self.engine.decide_skip(loss_id, records)
