@@ -9,7 +9,7 @@ masters and model agree on every rank even if ranks were seeded differently.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,12 +64,12 @@ MOVED_ARGUMENTS = {
 objects, and where each went."""
 
 
-def refuse_moved_arguments(caller: str, arguments: Iterable[str]) -> None:
+def refuse_moved_arguments(caller: str, arguments: Iterable[str], table: Mapping[str, str] = MOVED_ARGUMENTS) -> None:
     """A ConfigError naming where each moved argument among ``arguments`` went (none: nothing happens)."""
-    moved = [name for name in arguments if name in MOVED_ARGUMENTS]
+    moved = [name for name in arguments if name in table]
     if moved:
-        where = "; ".join(f"{name} -> {MOVED_ARGUMENTS[name]}" for name in moved)
-        raise ConfigError(f"{caller} no longer takes {', '.join(moved)}: they are parts of the precision / parallel objects ({where})")
+        where = "; ".join(f"{name} -> {table[name]}" for name in moved)
+        raise ConfigError(f"{caller} no longer takes {', '.join(moved)}: each is now part of an object ({where})")
 
 
 def prepare(

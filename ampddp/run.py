@@ -27,6 +27,7 @@ from ampddp.recipe.factories import (
     SHUFFLE,
     build_datasets_from,
     build_model_from,
+    checkpoint_settings,
     device_settings,
     loader_settings,
     model_compiler,
@@ -76,11 +77,9 @@ def _build_and_fit(config: RunConfig, env: DistEnv, stop: StopSignals, built: Bu
         device=device_settings(config),
         batch_size=data.batch_size, grad_accum_steps=trainer_cfg.grad_accum_steps, clip_grad_norm=trainer_cfg.clip_grad_norm,
         make_scheduler=scheduler_factory(config, epoch_steps), max_epochs=trainer_cfg.max_epochs, max_steps=trainer_cfg.max_steps,
-        seed=trainer_cfg.seed, shuffle=SHUFFLE, drop_last=DROP_LAST, run_dir=trainer_cfg.run_dir,
-        checkpoint_every=config.checkpoint.every_steps,
-        keep_last=config.checkpoint.keep_last, resume=config.checkpoint.resume_from or config.checkpoint.resume,
-        init_from=config.checkpoint.init_from, config=config.to_dict(), eval_every=trainer_cfg.eval_every_steps,
-        log_every=trainer_cfg.log_every_steps, max_nonfinite_losses=trainer_cfg.max_nonfinite_losses, observer=observer,
+        seed=trainer_cfg.seed, shuffle=SHUFFLE, drop_last=DROP_LAST, checkpoint_every=config.checkpoint.every_steps,
+        checkpoints=checkpoint_settings(config), eval_every=trainer_cfg.eval_every_steps,
+        log_every=trainer_cfg.log_every_steps, max_nonfinite_losses=trainer_cfg.max_nonfinite_losses, callbacks=[observer],
         stop_signals=stop,
     )  # fmt: skip
     with PeerWatch(env) as watch, watch.guard():

@@ -9,14 +9,12 @@ checkpointer, the evaluator, the batch adapter and the callbacks — and hands t
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import Dataset
 
-from ampddp.checkpoint.store import CheckpointStore
 from ampddp.compile_model import ModelCompiler
 from ampddp.distributed.data import ResumableSampler
 from ampddp.distributed.env import DistEnv, detect_env, seed_everything
@@ -25,11 +23,12 @@ from ampddp.errors import ConfigError
 from ampddp.observe import RunObserver
 from ampddp.precision.choice import Precision
 from ampddp.preemption import DEFAULT_STOP_SIGNALS, StopSignals, parse_signals
-from ampddp.prepare import refuse_moved_arguments
+from ampddp.prepare import MOVED_ARGUMENTS, refuse_moved_arguments
 from ampddp.training.assemble import RunSetup
 from ampddp.training.batches import BatchAdapter, LossFn, MetricsFn, accuracy, cross_entropy
-from ampddp.training.callbacks import Callback, Callbacks, ObserverCallback
-from ampddp.training.checkpointer import Checkpointer, TrainingState, check_resume_choice
+from ampddp.training.callbacks import Callback, as_callbacks
+from ampddp.training.checkpoint_settings import CheckpointSettings
+from ampddp.training.checkpointer import Checkpointer, TrainingState
 from ampddp.training.device import DeviceSettings
 from ampddp.training.evaluator import Evaluator
 from ampddp.training.loading import DataLoading, LoaderSettings
@@ -40,9 +39,17 @@ default_loss = cross_entropy
 """The default ``loss_fn(outputs, batch)``: the model's own ``loss`` or cross-entropy (fp32)."""
 
 
+MOVED_TO_OBJECTS = {
+    **MOVED_ARGUMENTS,
+    **{name: f"checkpoints=CheckpointSettings({name}=...)" for name in ("run_dir", "keep_last", "resume", "init_from", "config")},
+    "observer": "callbacks=[observer, ...]",
+}
+"""Trainer arguments that became parts of an object, and where each went."""
+
+
 def loop_settings(settings: dict[str, Any]) -> LoopSettings:
     """``LoopSettings`` from keywords, with an error naming an unknown one and the valid names."""
-    refuse_moved_arguments("Trainer", settings)
+    refuse_moved_arguments("Trainer", settings, MOVED_TO_OBJECTS)
     unknown = sorted(set(settings) - set(LoopSettings.names()))
     if unknown:
         raise ConfigError(f"Trainer got unknown argument(s) {', '.join(unknown)}; loop settings are: {', '.join(LoopSettings.names())}")
@@ -61,7 +68,9 @@ class Trainer(TrainingLoop):
     functions); ``parallel``: a ``Parallel`` (strategy, sync-BN, torch DDP's settings; None: torch
     DDP without sync-BN). ``loading``: loader workers, pinned memory, prefetching (batches do not
     depend on them: each sample is fetched under its own seed). ``device``: channels_last, cuDNN
-    benchmark, TF32. ``**settings``: the ``LoopSettings`` fields (batch_size,
+    benchmark, TF32. ``checkpoints``: a ``CheckpointSettings`` (run_dir, keep_last, resume, init_from,
+    config; None: no checkpoints). ``callbacks``: ``Callback`` objects and ``RunObserver`` (progress,
+    metrics.jsonl, summary), called in order. ``**settings``: the ``LoopSettings`` fields (batch_size,
     grad_accum_steps, clip_grad_norm, max_epochs, max_steps, seed, shuffle, drop_last,
     checkpoint_every, eval_every, log_every, max_nonfinite_losses).
     """
@@ -77,48 +86,46 @@ class Trainer(TrainingLoop):
         precision: str | Precision = "O1",
         parallel: Parallel | None = None,
         compile: bool | str | ModelCompiler | None = False,
-        init_from: str | Path | None = None,
         make_scheduler: Callable[[Optimizer], Any] | None = None,
         loss_fn: LossFn = default_loss,
         metrics: MetricsFn | None = accuracy,
         batches: BatchAdapter | None = None,
         loading: LoaderSettings | None = None,
         device: DeviceSettings | None = None,
-        run_dir: str | Path | None = None,
-        keep_last: int | None = 3,
-        resume: str | Path = "auto",
-        config: dict[str, Any] | None = None,
-        observer: RunObserver | None = None,
-        callbacks: Sequence[Callback] = (),
+        checkpoints: CheckpointSettings | None = None,
+        callbacks: Sequence[Callback | RunObserver] = (),
         stop_signals: tuple[str, ...] | StopSignals = DEFAULT_STOP_SIGNALS,
         **settings: Any,
     ) -> None:
         loop = loop_settings(settings)
-        check_resume_choice(resume)
-        if loop.checkpoint_every is not None and run_dir is None:
-            raise ConfigError("checkpoint_every needs a run_dir to write checkpoints into")
+        if checkpoints is not None and not isinstance(checkpoints, CheckpointSettings):
+            raise ConfigError(f"checkpoints={checkpoints!r} is not valid; valid: CheckpointSettings(run_dir=..., resume=...) or None")
+        checkpoints = checkpoints or CheckpointSettings()
+        hooks = as_callbacks(callbacks)
+        if loop.checkpoint_every is not None and checkpoints.run_dir is None:
+            raise ConfigError("checkpoint_every needs a run_dir to write checkpoints into: checkpoints=CheckpointSettings(run_dir=...)")
         if not isinstance(stop_signals, StopSignals):
             parse_signals(stop_signals)
         self.compiler = compile if isinstance(compile, ModelCompiler) else ModelCompiler.from_setting(compile)
         env = env or detect_env(device="auto")
         device = device or DeviceSettings()
-        setup = RunSetup(Precision.of(precision), parallel or Parallel(), self.compiler, init_from, device)
+        setup = RunSetup(Precision.of(precision), parallel or Parallel(), self.compiler, checkpoints.init_from, device)
         run = setup.build(model, make_optimizer, env, on_compiled=self._compiled)
         state = TrainingState(
             run.module, run.optimizer, run.engine, make_scheduler(run.optimizer) if make_scheduler is not None else None,
             ResumableSampler(train_set, env, shuffle=loop.shuffle, seed=loop.seed, drop_last=loop.drop_last),
         )  # fmt: skip
-        store = CheckpointStore(run_dir, keep_last) if run_dir is not None else None
+        store = checkpoints.store()
         batches = batches or BatchAdapter(images=device.memory_format)
         data = DataLoading(loading or LoaderSettings(), env.device, loop.seed, worker_seed=env.rank_seed(loop.seed))
         scoring = {"loss_fn": loss_fn, "metrics": metrics, "batches": batches, "loading": data}
         evaluator = None if eval_set is None else Evaluator(eval_set, loop.batch_size, env, **scoring)
         super().__init__(
             run, train_set, loop,
-            checkpointer=Checkpointer(state, store, env, resume=resume, config=config, seed=loop.seed),
+            checkpointer=Checkpointer(state, store, env, resume=checkpoints.resume, config=checkpoints.config, seed=loop.seed),
             loss_fn=loss_fn, batches=batches, loading=data,
             evaluator=evaluator,
-            callbacks=Callbacks([*([ObserverCallback(observer)] if observer is not None else []), *callbacks]),
+            callbacks=hooks,
             stop_signals=stop_signals, device=device,
         )  # fmt: skip
         seed_everything(env.rank_seed(loop.seed))  # the one seeding point of the training streams, per rank

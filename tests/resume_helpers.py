@@ -13,6 +13,7 @@ from ampddp.checkpoint import keys
 from ampddp.checkpoint.files import load_safely
 from ampddp.checkpoint.store import CheckpointStore
 from ampddp.trainer import Trainer
+from ampddp.training import CheckpointSettings
 
 
 class NoisyDigits(Dataset):
@@ -35,12 +36,20 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 4))
 
 
+CHECKPOINT_FIELDS = ("keep_last", "resume", "init_from", "config")
+
+
 def make_trainer(run_dir, mode: str, max_steps: int, env=None, **overrides) -> Trainer:
     options = dict(
         eval_set=NoisyDigits(10), precision=mode, batch_size=4, grad_accum_steps=2, clip_grad_norm=5.0,
         make_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5),
-        max_epochs=100, max_steps=max_steps, seed=5, run_dir=run_dir, env=env, parallel=Parallel(sync_bn="auto"),
+        max_epochs=100, max_steps=max_steps, seed=5, env=env, parallel=Parallel(sync_bn="auto"),
     )  # fmt: skip
+    checkpoints = {"run_dir": run_dir, **{name: overrides.pop(name) for name in CHECKPOINT_FIELDS if name in overrides}}
+    options["checkpoints"] = CheckpointSettings(**checkpoints)
+    if overrides.get("observer") is not None:
+        options["callbacks"] = [overrides.pop("observer"), *overrides.pop("callbacks", ())]
+    overrides.pop("observer", None)
     options.update(overrides)
     if "precision_overrides" in options:  # the mode's own settings
         options["precision"] = Precision(mode, overrides=options.pop("precision_overrides") or {})

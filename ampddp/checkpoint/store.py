@@ -77,12 +77,17 @@ class CheckpointRef:
         return load_safely(path, expected=manifest.digests[name])
 
 
+def check_keep_last(keep_last: int | None) -> None:
+    """How many complete checkpoints retention keeps: a whole number >= 1, or None (all)."""
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+        raise ConfigError(f"checkpoint.keep_last={keep_last!r} is not valid; it must be an integer >= 1 or None (keep all)")
+
+
 class CheckpointStore:
     """Checkpoints of one run under ``<run_dir>/checkpoints``."""
 
     def __init__(self, run_dir: str | Path, keep_last: int | None = 3) -> None:
-        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
-            raise ConfigError(f"checkpoint.keep_last={keep_last!r} is not valid; it must be an integer >= 1 or None (keep all)")
+        check_keep_last(keep_last)
         self.root = Path(run_dir) / keys.CHECKPOINTS_DIR
         self._run_dir = RunDirIdentity(run_dir)
         self.keep_last = keep_last

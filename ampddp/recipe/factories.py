@@ -35,6 +35,7 @@ from ampddp.precision.engine import NATIVE_MODES
 from ampddp.precision.native import NATIVE_SETTINGS
 from ampddp.precision.registry import FP32, LOW, PROMOTE, OpRegistry
 from ampddp.recipe.schedule import LRSchedule, lr_scheduler
+from ampddp.training.checkpoint_settings import CheckpointSettings
 from ampddp.training.device import DeviceSettings
 from ampddp.training.loading import LoaderSettings
 
@@ -313,3 +314,13 @@ def device_settings(config: RunConfig) -> DeviceSettings:
     """trainer.channels_last / cudnn_benchmark / allow_tf32."""
     trainer = config.trainer
     return DeviceSettings(trainer.channels_last, trainer.cudnn_benchmark, trainer.allow_tf32)
+
+
+def checkpoint_settings(config: RunConfig) -> CheckpointSettings:
+    """trainer.run_dir and the checkpoint section (keep_last, resume / resume_from, init_from); the whole
+    recipe rides along, saved with every checkpoint and compared on resume."""
+    checkpoint = config.checkpoint
+    return CheckpointSettings(
+        run_dir=config.trainer.run_dir, keep_last=checkpoint.keep_last, resume=checkpoint.resume_from or checkpoint.resume,
+        init_from=checkpoint.init_from, config=config.to_dict(),
+    )  # fmt: skip

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from ampddp.errors import ConfigError
 from ampddp.observe import RunObserver
 from ampddp.progress import Progress
 
@@ -35,6 +36,10 @@ class Callback:
     def on_already_complete(self, progress: Progress) -> dict[str, Any]:
         """A finished run was started again and trained nothing; return the summary to report."""
         return {}
+
+
+HOOKS = tuple(name for name in vars(Callback) if name.startswith("on_"))
+"""The hook names every callback has."""
 
 
 class Callbacks(Callback):
@@ -97,3 +102,20 @@ class ObserverCallback(Callback):
 
     def on_already_complete(self, progress: Progress) -> dict[str, Any]:
         return self.observer.close_unchanged(progress.state_dict())
+
+
+def as_callbacks(items: Iterable[Callback | RunObserver]) -> Callbacks:
+    """One ``Callbacks`` from callbacks and run observers (each observer through ``ObserverCallback``), in order."""
+    callbacks: list[Callback] = []
+    for index, item in enumerate(items):
+        if isinstance(item, RunObserver):
+            callbacks.append(ObserverCallback(item))
+        elif isinstance(item, Callback) or all(callable(getattr(item, hook, None)) for hook in HOOKS):
+            callbacks.append(item)
+        else:
+            missing = [hook for hook in HOOKS if not callable(getattr(item, hook, None))]
+            raise ConfigError(
+                f"callbacks[{index}] is a {type(item).__name__} without {', '.join(missing)}; valid: a subclass of "
+                "ampddp.training.callbacks.Callback (override the hooks you need) or an ampddp.observe.RunObserver"
+            )
+    return Callbacks(callbacks)

@@ -15,6 +15,7 @@ from ampddp.distributed.env import DistEnv
 from ampddp.errors import ConfigError
 from ampddp.prepare import prepare
 from ampddp.trainer import Trainer
+from ampddp.training import CheckpointSettings
 from ampddp.training.batches import BatchAdapter, cross_entropy
 from ampddp.training.last_batch import batch_sizes_avoiding_one, check_single_sample_batch, last_batch_size
 
@@ -25,7 +26,8 @@ def sgd(params):
 
 def trainer_on(run_dir, train_set: torch.utils.data.Dataset, max_steps: int, model: nn.Module | None = None, **options) -> Trainer:
     model = make_model() if model is None else model
-    return Trainer(model, sgd, train_set, precision="O0", batch_size=4, max_steps=max_steps, max_epochs=100, run_dir=run_dir, **options)
+    return Trainer(model, sgd, train_set, precision="O0", batch_size=4, max_steps=max_steps, max_epochs=100,
+                   checkpoints=CheckpointSettings(run_dir), **options)  # fmt: skip
 
 
 def test_last_batch_sizes_and_the_nearest_sizes_that_avoid_one():
@@ -129,6 +131,7 @@ def test_a_model_that_trains_on_one_sample_passes_and_the_probe_leaves_no_trace(
 
 @pytest.mark.parametrize("mode", ["O2", "O4", "native-fp16"])
 def test_a_batchnorm1d_model_is_refused_in_the_set_ups_that_cast_it(mode, tmp_path):
-    trainer = Trainer(make_model(), sgd, NoisyDigits(5), precision=mode, batch_size=4, max_steps=5, run_dir=tmp_path)
+    trainer = Trainer(make_model(), sgd, NoisyDigits(5), precision=mode, batch_size=4, max_steps=5,
+                      checkpoints=CheckpointSettings(tmp_path))  # fmt: skip
     with pytest.raises(ConfigError, match=r"\(5 samples per process in batches of 4\).*ValueError: Expected more than 1 value"):
         trainer.fit()

@@ -53,10 +53,16 @@ def test_prepare_takes_the_objects():
 
 @pytest.mark.parametrize(
     ("argument", "where"),
-    [("precision_overrides", "precision=Precision(mode, overrides={...})"), ("sync_bn", "parallel=Parallel(sync_bn=...)")],
+    [
+        ("precision_overrides", "precision=Precision(mode, overrides={...})"),
+        ("sync_bn", "parallel=Parallel(sync_bn=...)"),
+        ("run_dir", "checkpoints=CheckpointSettings(run_dir=...)"),
+        ("resume", "checkpoints=CheckpointSettings(resume=...)"),
+        ("observer", "callbacks=[observer, ...]"),
+    ],
 )
 def test_the_trainers_former_arguments_say_where_they_went(argument, where):
     dataset = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.zeros(8, dtype=torch.long))
-    expected = f"Trainer no longer takes {argument}: they are parts of the precision / parallel objects ({argument} -> {where})"
+    expected = f"Trainer no longer takes {argument}: each is now part of an object ({argument} -> {where})"
     with pytest.raises(ConfigError, match=re.escape(expected)):
         Trainer(nn.Linear(4, 2), lambda p: torch.optim.SGD(p, lr=0.1), dataset, **{argument: {"loss_scale": 1.0}})

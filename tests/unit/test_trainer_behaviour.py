@@ -13,6 +13,7 @@ from torch import nn
 from ampddp import Precision
 from ampddp.errors import NonFiniteGradientsError
 from ampddp.trainer import Trainer
+from ampddp.training import CheckpointSettings
 
 
 def mlp():
@@ -21,7 +22,7 @@ def mlp():
 
 
 def trainer_for(model, tmp_path, **options):
-    defaults = dict(batch_size=4, max_steps=3, seed=0, run_dir=tmp_path, max_epochs=10)
+    defaults = dict(batch_size=4, max_steps=3, seed=0, checkpoints=CheckpointSettings(tmp_path), max_epochs=10)
     defaults.update(options)
     return Trainer(model, lambda p: torch.optim.SGD(p, lr=0.1), NoisyDigits(), **defaults)
 

@@ -16,7 +16,7 @@ from torch.utils.data import Dataset
 from ampddp.checkpoint.store import CheckpointStore
 from ampddp.errors import CheckpointError, ConfigError
 from ampddp.trainer import Trainer
-from ampddp.training import BatchAdapter, Callback, LoopSettings
+from ampddp.training import BatchAdapter, Callback, CheckpointSettings, LoopSettings
 from ampddp.training.batches import move_to
 
 
@@ -74,7 +74,7 @@ def test_a_hugging_face_style_model_with_dict_batches_trains_as_a_hand_written_l
     model = TinyTextClassifier()
     reference = copy.deepcopy(model)
     trainer = Trainer(model, sgd, train, eval_set=held_out, precision="O0", batch_size=8, max_epochs=3, shuffle=False,
-                      metrics=top2, run_dir=tmp_path)  # fmt: skip
+                      metrics=top2, checkpoints=CheckpointSettings(tmp_path))  # fmt: skip
     result = trainer.fit()
 
     optimizer = sgd(reference.parameters())
@@ -208,7 +208,7 @@ class CountingCallback(Callback):
 
 def counted_trainer(run_dir, max_steps, counter):
     trainer = Trainer(TinyTextClassifier(), sgd, TokenDataset(32), precision="O0", batch_size=8, max_steps=max_steps,
-                      max_epochs=10, run_dir=run_dir, callbacks=[CountingCallback(counter)])  # fmt: skip
+                      max_epochs=10, checkpoints=CheckpointSettings(run_dir), callbacks=[CountingCallback(counter)])  # fmt: skip
     trainer.checkpointer.register("counter", counter)
     return trainer
 
@@ -223,7 +223,8 @@ def test_a_registered_item_is_saved_and_restored_with_the_run(tmp_path):
 
 
 def test_a_checkpoint_without_a_registered_item_is_refused_before_anything_changes(tmp_path):
-    Trainer(TinyTextClassifier(), sgd, TokenDataset(32), precision="O0", batch_size=8, max_steps=2, run_dir=tmp_path).fit()
+    Trainer(TinyTextClassifier(), sgd, TokenDataset(32), precision="O0", batch_size=8, max_steps=2,
+            checkpoints=CheckpointSettings(tmp_path)).fit()  # fmt: skip
     counter = Counter()
     counter.value = 7
     trainer = counted_trainer(tmp_path, 4, counter)
@@ -261,7 +262,7 @@ def test_a_custom_metric_is_logged_and_printed_by_the_run_observer(tmp_path, cap
     env = detect_env({}, device="cpu")
     observer = RunObserver(tmp_path, env, progress="lines")
     trainer = Trainer(TinyTextClassifier(), sgd, TokenDataset(16), eval_set=TokenDataset(6), precision="O0", batch_size=8,
-                      max_epochs=1, metrics=top2, observer=observer, run_dir=tmp_path, env=env)  # fmt: skip
+                      max_epochs=1, metrics=top2, callbacks=[observer], checkpoints=CheckpointSettings(tmp_path), env=env)  # fmt: skip
     summary = trainer.fit()["summary"]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     evaluation = [record for record in records if record["kind"] == "eval"]

@@ -1,0 +1,44 @@
+"""Where a run keeps its checkpoints, how many, and where it starts from: one object for the Trainer."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ampddp.checkpoint.store import CheckpointStore, check_keep_last
+from ampddp.errors import ConfigError
+from ampddp.training.checkpointer import check_resume_choice
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    """``run_dir``: where checkpoints (and the run's logs) go; None writes none. ``keep_last``: complete
+    checkpoints retention keeps (None: all). ``resume``: ``"auto"`` (the newest checkpoint in
+    ``run_dir`` that verifies), ``"never"``, or the path of a checkpoint or run dir. ``init_from``: a
+    checkpoint or weights file whose model weights the run starts from (nothing else is taken).
+    ``config``: the run's settings, saved with every checkpoint and compared on resume.
+
+    Checked when made, so a bad value is refused before any part of the run is built.
+    """
+
+    run_dir: str | Path | None = None
+    keep_last: int | None = 3
+    resume: str | Path = "auto"
+    init_from: str | Path | None = None
+    config: Mapping[str, Any] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("run_dir", "init_from"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, Path)):
+                raise ConfigError(f"{name}={value!r} is not valid; it must be a path (str or pathlib.Path) or None")
+        check_keep_last(self.keep_last)
+        check_resume_choice(self.resume)
+        if self.config is not None and not isinstance(self.config, Mapping):
+            raise ConfigError(f"config must be a dict of the run's settings, got {type(self.config).__name__}")
+
+    def store(self) -> CheckpointStore | None:
+        """The run's checkpoint store (None without a run_dir)."""
+        return None if self.run_dir is None else CheckpointStore(self.run_dir, self.keep_last)
