@@ -232,7 +232,7 @@ class Amp:
         """No O1/O4 casts on this thread inside the block, forwards included (apex's ``amp.disable_casts``)."""
         contexts = [context for setup in self.setups if (context := setup.cast_context) is not None]
         device_types = tuple(dict.fromkeys(d for context in contexts for d in context.device_types))
-        with suspend_thread_casts(contexts, device_types):
+        with suspend_thread_casts([mode for setup in self.setups for mode in setup.modes_here()], device_types):
             yield
 
     # ---- per iteration --------------------------------------------------------------------------

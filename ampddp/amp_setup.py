@@ -1,5 +1,10 @@
-"""One ``amp.initialize``'s set-up: its engine, the models and optimizers it holds, and the hooks
-that open and close the cast window around them (``ampddp.amp`` keeps the set-ups of an ``Amp``)."""
+"""One ``amp.initialize``'s set-up: its engine, the models and optimizers it holds, and the cast
+window with the hooks that open and close it around them (``ampddp.amp`` keeps the set-ups of an ``Amp``).
+
+The window is apex's scope outside the forward: the op lists alone (no device autocast, as apex's
+patched functions had none) on the initializing thread, from a model's forward returning until
+``scale_loss``, a step or the next forward — the loss computed outside the model casts as with apex.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +17,13 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from ampddp.amp_stash import mark_optimizer, unmark_optimizer
-from ampddp.precision.cast_context import OpCastContext, end_thread_casts
+from ampddp.precision.cast_context import (
+    OpCastContext,
+    Opening,
+    close_thread_window,
+    end_thread_casts,
+    open_thread_window,
+)
 from ampddp.precision.compile_support import run_eagerly_as_own_frame
 from ampddp.precision.engine import PrecisionEngine
 
@@ -45,9 +56,14 @@ class SetUp:
     live: bool = True
     scope: CastScope = field(default_factory=CastScope)
     """Shared by all set-ups of one ``Amp``: whether casting is apex's process-wide scope."""
+    window: Opening | None = field(init=False, default=None)
+    """The op lists outside the forward, made here on the initializing thread (before any compiled
+    forward could open it); None without O1/O4 op casting."""
 
     def __post_init__(self) -> None:
         self.initializing_thread.marked = True
+        context = self.cast_context
+        self.window = None if context is None else context.list_opening()
 
     @property
     def cast_context(self) -> OpCastContext | None:
@@ -99,20 +115,37 @@ class SetUp:
         self.hooks += [optimizer.register_step_pre_hook(close_before_step) for optimizer in self.optimizers]
         self.hooks += [optimizer.register_step_post_hook(reopen_after_step) for optimizer in self.optimizers]
 
+    @property
+    def on_initializing_thread(self) -> bool:
+        return getattr(self.initializing_thread, "marked", False)
+
     def open_window_here(self) -> None:
-        """Apply the op lists on this thread until the next forward, ``scale_loss`` or step, if it initialized."""
+        """Apply the op lists on this thread until the next forward, ``scale_loss`` or step, if it
+        initialized; not while a forward of this set-up still runs (its own context casts)."""
         context = self.cast_context  # None once torn down or op casting was stopped (handle._deactivate)
-        if context is not None and getattr(self.initializing_thread, "marked", False):
-            context.open_window()
+        if context is not None and self.window is not None and self.on_initializing_thread and not context.active:
+            open_thread_window(self.window)
+
+    def close_window(self) -> None:
+        """Close this set-up's window if it is open on this thread."""
+        if self.window is not None:
+            close_thread_window(self.window)
+
+    def modes_here(self) -> list[Any]:
+        """The cast modes this set-up has open on the calling thread (its forward's, its window's)."""
+        context = self.cast_context
+        modes = [] if context is None else context.entered_modes()
+        window = self.window
+        if window is not None and window.mode_pushed and self.on_initializing_thread:
+            modes.append(window.cast_mode)
+        return modes
 
     def unwind(self) -> None:
         """Exit contexts left entered by forwards interrupted with KeyboardInterrupt on this thread."""
         self.engine.unwind_interrupted_forwards()
 
     def teardown(self) -> None:
-        context = self.cast_context
-        if context is not None:
-            context.close_window()
+        self.close_window()
         self.live = False
         for handle in self.hooks:
             handle.remove()

@@ -8,16 +8,18 @@ only) and casts the inputs of listed ops, device autocast underneath. Registered
 torch cannot intercept are swapped in their module for the context's duration and restored on exit.
 Nothing is left patched once the outermost context exits, and two contexts share no state.
 
-A *window* (``open_window``/``close_window``) keeps only the op lists applied on this thread after
-a forward has returned, as apex's process-wide patching did for the loss computed outside the
-model; the ``amp`` facade opens and closes it (see ``ampddp/amp.py``).
+The same lists can be applied without device autocast through an ``Opening`` made by
+``list_opening``: apex's patched functions had no autocast. Whoever asked for that owns the opening
+and decides when it applies — the ``amp`` facade's *window* after a forward (``ampddp/amp_setup.py``),
+the legacy ``amp.init`` handle's held casts (``ampddp/apex/amp/handle.py``). This module keeps only
+the rule they share: one window per thread (``open_thread_window``), closed by the next window or by
+any context being entered (``end_thread_casts``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,8 +47,8 @@ from ampddp.precision.rnn_inputs import RnnInputAlignment
 from ampddp.torch_compat import push_function_mode
 
 _WINDOW = threading.local()
-"""This thread's open window, if any: ``(context, opened)``. One per thread, like apex's single set
-of patches: a window, or any context being entered, closes the window open before it."""
+"""This thread's open window, if any (``opened``). One per thread, like apex's single set of patches:
+a window, or any context being entered, closes the window open before it."""
 _SUSPENDED = threading.local()
 """How many ``suspend_thread_casts`` blocks this thread is inside."""
 
@@ -113,19 +115,47 @@ class _OpCastMode(TorchFunctionMode):
 
 
 def end_thread_casts() -> None:
-    """Close the window open on this thread, whichever context opened it."""
+    """Close the window open on this thread, whoever opened it."""
     opened = getattr(_WINDOW, "opened", None)
-    _WINDOW.opened = _WINDOW.owner = None
+    _WINDOW.opened = None
     if opened is not None:
         opened.close()
+
+
+def open_thread_window(opening: Opening) -> None:
+    """Apply ``opening`` (a ``list_opening``) on this thread as its one window, closing the one before.
+
+    A no-op inside ``suspend_thread_casts`` (nothing casts there) or when it is the open window already.
+    """
+    if casts_suspended() or window_is_open(opening):
+        return
+    end_thread_casts()
+    opening.open(with_autocast=False, at_bottom=True)
+    _WINDOW.opened = opening
+
+
+def window_is_open(opening: Opening) -> bool:
+    """Whether ``opening`` is this thread's open window."""
+    return getattr(_WINDOW, "opened", None) is opening
+
+
+def close_thread_window(opening: Opening) -> None:
+    """Close ``opening`` if it is this thread's open window."""
+    if window_is_open(opening):
+        end_thread_casts()
+
+
+def casts_suspended() -> bool:
+    """Whether this thread is inside ``suspend_thread_casts``."""
+    return _suspension_depth() > 0
 
 
 def _suspension_depth() -> int:
     return getattr(_SUSPENDED, "depth", 0)
 
 
-class _Opening:
-    """One way one context is applied on one thread (entered, window or held): made once, reopened.
+class Opening:
+    """One way one context is applied on one thread (entered, or the lists alone): made once, reopened.
 
     It owns its cast mode and cache, so that opening and closing only push, pop and reset objects
     made before any compiled code ran. When dynamo inlines a model's call into a graph, the hooks
@@ -201,9 +231,8 @@ class _Opening:
 class OpCastContext:
     """Re-entrant (per thread) context that applies an OpTable; reusable across iterations.
 
-    Three ways to apply it on a thread: entered (``with``: device autocast plus the op lists, on top
-    of the mode stack, as a forward needs), a *window* (op lists only, one per thread, see module
-    doc), and *held* (op lists only, until ``release``: the legacy ``amp.init`` handle).
+    Entered (``with``), it applies device autocast plus the op lists, on top of the mode stack, as a
+    forward needs; ``list_opening`` makes the lists alone for whoever applies them otherwise.
     """
 
     def __init__(self, table: OpTable, low_dtype: torch.dtype, device_types: tuple[str, ...], kernels: bool = True) -> None:
@@ -218,7 +247,7 @@ class OpCastContext:
         self._local = threading.local()
         self._local.depth = 0  # set here, not at the first entry: a compiled step guards on it
         run_eagerly_as_own_frame(_OpCastMode.__torch_function__)
-        self._openings()  # this thread's, made before any compiled forward could open them (see _Opening)
+        self._entered()  # this thread's, made before any compiled forward could open it (see Opening)
 
     @property
     def uses_kernels(self) -> bool:
@@ -235,95 +264,48 @@ class OpCastContext:
         """Whether this context is entered on the calling thread."""
         return getattr(self._local, "depth", 0) > 0
 
-    @property
-    def window_open(self) -> bool:
-        """Whether this context's window (op lists without device autocast) is open on the calling thread."""
-        return getattr(_WINDOW, "owner", None) is self
-
     def __enter__(self) -> OpCastContext:
         depth = getattr(self._local, "depth", 0)
         if depth == 0:
             end_thread_casts()
-            self._openings().entered.open(with_autocast=_suspension_depth() == 0, at_bottom=False)
+            self._entered().open(with_autocast=not casts_suspended(), at_bottom=False)
         self._local.depth = depth + 1
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
         self._local.depth -= 1
         if self._local.depth == 0:
-            self._openings().entered.close()
+            self._entered().close()
 
-    def open_window(self) -> None:
-        """Keep the op lists (not device autocast) applied on this thread until ``close_window``.
+    def list_opening(self) -> Opening:
+        """The op lists without device autocast, on the bottom of the mode stack (as apex's patched
+        functions): a new opening for its owner to open and close. Make it on the thread that opens it,
+        before any compiled forward runs there (see ``Opening``)."""
+        return Opening(self._table, self._low, self._device_types)
 
-        A no-op inside the context (the outer forward still runs), when a window is open already, or
-        inside ``suspend_thread_casts``.
-        """
-        if self.active or self.window_open or _suspension_depth() > 0:
-            return
-        end_thread_casts()
-        window = self._openings().window
-        window.open(with_autocast=False, at_bottom=True)
-        _WINDOW.opened = window
-        _WINDOW.owner = self
+    def entered_modes(self) -> list[_OpCastMode]:
+        """The cast mode this context has entered on the calling thread (none with dispatcher kernels)."""
+        entered = self._entered()
+        return [entered.cast_mode] if entered.mode_pushed else []
 
-    def close_window(self) -> None:
-        """Close this context's window on the calling thread, if it has one open there."""
-        if self.window_open:
-            end_thread_casts()
-
-    def hold(self) -> None:
-        """Apply the op lists on this thread until ``release`` (idempotent)."""
-        held = self._openings().held
-        if not held.is_open:
-            held.open(with_autocast=False, at_bottom=True)
-
-    def release(self) -> None:
-        """End ``hold`` on this thread."""
-        held = self._openings().held
-        if held.is_open:
-            held.close()
-
-    def clear_cache(self) -> None:
-        """Forget cached casts of the held opening on this thread (it spans iterations: the legacy
-        ``amp.init`` handle calls this after each backward, as apex cleared its cache)."""
-        self._openings().held.cache.clear()
-
-    def opened_modes(self) -> list[_OpCastMode]:
-        """The cast modes this context has open on the calling thread (entered, window, held)."""
-        openings = self._openings()
-        return [opening.cast_mode for opening in (openings.entered, openings.window, openings.held) if opening.mode_pushed]
-
-    def _openings(self) -> _ThreadOpenings:
-        openings = getattr(self._local, "openings", None)
-        if openings is None:
-            entered = _Opening(self._table, self._low, self._device_types, self._plan)
-            window, held = (_Opening(self._table, self._low, self._device_types) for _ in range(2))
-            openings = self._local.openings = _ThreadOpenings(entered, window, held)
-        return openings
-
-
-@dataclass(frozen=True)
-class _ThreadOpenings:
-    """A context's three openings on one thread."""
-
-    entered: _Opening
-    window: _Opening
-    held: _Opening
+    def _entered(self) -> Opening:
+        entered = getattr(self._local, "entered", None)
+        if entered is None:
+            entered = self._local.entered = Opening(self._table, self._low, self._device_types, self._plan)
+        return entered
 
 
 @contextlib.contextmanager
-def suspend_thread_casts(contexts: list[OpCastContext], device_types: tuple[str, ...]) -> Any:
+def suspend_thread_casts(modes: list[_OpCastMode], device_types: tuple[str, ...]) -> Any:
     """No op-list casts and no autocast on this thread inside the block (apex's ``disable_casts``):
-    the modes ``contexts`` have open pass calls through, and forwards run inside the block open theirs
-    already passing through."""
+    ``modes`` (the cast modes open on this thread: ``entered_modes``, an opening's ``cast_mode``)
+    pass calls through, and forwards run inside the block open theirs already passing through."""
     _SUSPENDED.depth = _suspension_depth() + 1
     push_entered_casts(None)
     try:
         with contextlib.ExitStack() as stack:
-            for context in contexts:
-                for mode in context.opened_modes():
-                    stack.enter_context(mode.suspended())
+            for mode in modes:
+                stack.enter_context(mode.suspended())
             stack.enter_context(DeviceAutocast(device_types, enabled=False))
             yield
     finally:

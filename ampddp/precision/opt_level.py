@@ -164,8 +164,6 @@ class OptLevelEngine(PrecisionEngine):
         return post_step
 
     def teardown(self) -> None:
-        if self._cast_context is not None:
-            self._cast_context.close_window()
         if self._forward_hooks is not None:
             # Deep copies of the models (an EMA copy) share these hooks: they stop casting ops too.
             self._forward_hooks.drop_context()
@@ -179,9 +177,8 @@ class OptLevelEngine(PrecisionEngine):
             self._forward_hooks.unwind_interrupted()
 
     def stop_op_casting(self) -> None:
-        """End O1/O4 op casting for this set-up (apex's ``handle._deactivate``); loss scaling goes on."""
-        if self._cast_context is not None:
-            self._cast_context.close_window()
+        """End O1/O4 op casting for this set-up (apex's ``handle._deactivate``); loss scaling goes on.
+        Lists applied outside the forward (the facade's window) are their owner's to close."""
         self._cast_context = None
         if self._forward_hooks is not None:
             self._forward_hooks.drop_context()

@@ -161,6 +161,9 @@ class SetUpHandle:
         self._engine = engine
 
     def _deactivate(self) -> None:
+        for setup in self._amp.setups:
+            if setup.engine is self._engine:
+                setup.close_window()
         self._engine.stop_op_casting()
 
     def is_active(self) -> bool:

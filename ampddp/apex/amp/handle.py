@@ -63,7 +63,9 @@ class AmpHandle:
             raise AmpUsageError("the legacy amp.init handle needs op casting; this policy has none")
         self._context: OpCastContext | None = context
         self._thread = threading.get_ident()
-        context.hold()
+        self._held = context.list_opening()
+        """The op lists on this thread until ``_deactivate`` (made and opened here, on the calling thread)."""
+        self._held.open(with_autocast=False, at_bottom=True)
 
     def is_active(self) -> bool:
         return self._context is not None
@@ -77,20 +79,21 @@ class AmpHandle:
         if self._context is None:
             return
         self._check_thread("_deactivate")
-        context, self._context = self._context, None
-        context.release()
+        self._context = None
+        self._held.close()
         self._engine.teardown()
 
     def _clear_cache(self) -> None:
         if self._context is not None:
-            self._context.clear_cache()
+            self._held.cache.clear()
 
     @contextlib.contextmanager
     def disable_casts(self) -> Iterator[None]:
         if self._context is None:
             yield
             return
-        with suspend_thread_casts([self._context], self._context.device_types):
+        modes = [*self._context.entered_modes(), *([self._held.cast_mode] if self._held.mode_pushed else [])]
+        with suspend_thread_casts(modes, self._context.device_types):
             yield
 
     @contextlib.contextmanager
