@@ -36,6 +36,10 @@ def _choices(*values: str | bool, import_path: bool = False) -> dict[str, Any]:
     return {"choices": values, "import_path": import_path}
 
 
+PATH_SETTING = {"path": True}
+"""Metadata of a setting that names a file or folder: ``~`` and ``$VARS`` in it are expanded."""
+
+
 def is_import_path(value: object) -> bool:
     """A setting that names a user's function (``package.module:function``) rather than a built-in."""
     return isinstance(value, str) and ":" in value
@@ -120,7 +124,7 @@ class DataConfig:
     user's function as package.module:function, called with data.kwargs, returning (train_set, eval_set or None).
     root, image_size, channels, augment and eval_fraction apply to the built-in datasets; crop, auto_augment and
     normalize to cifar10 and imagefolder; decode_device to imagefolder."""
-    root: str | None = None
+    root: str | None = field(default=None, metadata=PATH_SETTING)
     """Directory of cifar10 (the extracted cifar-10-batches-py) or of an imagefolder (train/<class>/ and val/<class>/)."""
     image_size: int = field(default=32, metadata=_at_least(1))
     channels: int = field(default=3, metadata=_at_least(1))
@@ -189,7 +193,7 @@ class TrainerConfig:
     max_epochs: int = field(default=10, metadata=_at_least(1))
     max_steps: int | None = field(default=None, metadata=_at_least(1))
     seed: int = field(default=0, metadata=_between(0, 2**32 - 1))
-    run_dir: str = "runs/default"
+    run_dir: str = field(default="runs/default", metadata=PATH_SETTING)
     grad_accum_steps: int = field(default=1, metadata=_at_least(1))
     clip_grad_norm: float | None = field(default=None, metadata=_above(0))
     eval_every_steps: int | None = field(default=None, metadata=_at_least(1))
@@ -223,9 +227,9 @@ class CheckpointConfig:
     keep_last: int | None = field(default=3, metadata=_at_least(1))
     resume: str = field(default="auto", metadata=_choices("auto", "never"))
     """auto: continue from the latest complete checkpoint in trainer.run_dir."""
-    resume_from: str | None = None
+    resume_from: str | None = field(default=None, metadata=PATH_SETTING)
     """A checkpoint folder or run dir to resume from instead (overrides resume)."""
-    init_from: str | None = None
+    init_from: str | None = field(default=None, metadata=PATH_SETTING)
     """Weights to start from: an ampddp checkpoint, an apex-era dict or a plain state dict file."""
     allow_changes: bool = False
     """Resume even when the model, data set, split (eval_fraction, seed) or image size changed."""

@@ -24,6 +24,7 @@ from ampddp.config import RunConfig, is_import_path
 from ampddp.data import CIFAR_LAYOUT, IMAGEFOLDER_LAYOUT, find_classes
 from ampddp.distributed.env import detect_env
 from ampddp.errors import CheckpointError, ConfigError
+from ampddp.paths import refuse_tilde_folder
 from ampddp.precision.engine import PrecisionEngine
 from ampddp.preemption import parse_signals
 from ampddp.progress import Progress, finished
@@ -289,6 +290,7 @@ def check_run_dir(run_dir: str) -> None:
 
     Folders created for the check are removed again when it fails, so a refused run leaves nothing.
     """
+    refuse_tilde_folder(run_dir, "trainer.run_dir")
     path = Path(run_dir)
     missing = []
     existing = path

@@ -20,6 +20,7 @@ import yaml
 
 from ampddp.config import IMPORT_PATH_FORM, SECTIONS, Bounds, RunConfig, is_import_path
 from ampddp.errors import ConfigError, choice_error, closest, spelled
+from ampddp.paths import expand_path
 
 # PyYAML implements YAML 1.1, whose float pattern wants a dot and a signed exponent: `1e-3` and `1E6`
 # would stay strings. Recipes and overrides read floats in every notation Python writes them.
@@ -131,11 +132,18 @@ def _coerce(key: str, value: Any, annotation: Any, metadata: typing.Mapping[str,
     else:
         raise ConfigError(f"{key}={value!r} has the wrong type; expected {' or '.join(map(_type_name, allowed))}")
     if choices and value not in choices:
-        if metadata.get("import_path") and is_import_path(value):
-            return value
-        error = choice_error(key, value, choices)
-        raise ConfigError(f"{error}, or {IMPORT_PATH_FORM}") if metadata.get("import_path") else error
+        return _user_import_path(key, value, choices, metadata)
+    if metadata.get("path") and isinstance(value, str):
+        return expand_path(value, key)
     return value
+
+
+def _user_import_path(key: str, value: Any, choices: typing.Sequence[Any], metadata: typing.Mapping[str, Any]) -> Any:
+    """A value outside ``choices``: valid only as a user's ``package.module:function`` where the key takes one."""
+    if metadata.get("import_path") and is_import_path(value):
+        return value
+    error = choice_error(key, value, choices)
+    raise ConfigError(f"{error}, or {IMPORT_PATH_FORM}") if metadata.get("import_path") else error
 
 
 def _type_name(kind: Any) -> str:
@@ -246,4 +254,6 @@ def check_config(config: RunConfig) -> None:
             raise ConfigError(f"section {section!r} must be a {cls.__name__}, found {type(values).__name__}")
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            _coerce(f"{section}.{f.name}", getattr(values, f.name), hints[f.name], f.metadata)
+            checked = _coerce(f"{section}.{f.name}", getattr(values, f.name), hints[f.name], f.metadata)
+            if f.metadata.get("path"):
+                setattr(values, f.name, checked)

@@ -9,7 +9,8 @@ from typing import Any
 
 from ampddp.checkpoint.store import CheckpointStore, check_keep_last
 from ampddp.errors import ConfigError
-from ampddp.training.checkpointer import check_resume_choice
+from ampddp.paths import expand_path, refuse_tilde_folder
+from ampddp.training.checkpointer import RESUME_CHOICES, check_resume_choice
 
 
 @dataclass(frozen=True)
@@ -18,7 +19,8 @@ class CheckpointSettings:
     checkpoints retention keeps (None: all). ``resume``: ``"auto"`` (the newest checkpoint in
     ``run_dir`` that verifies), ``"never"``, or the path of a checkpoint or run dir. ``init_from``: a
     checkpoint or weights file whose model weights the run starts from (nothing else is taken).
-    ``config``: the run's settings, saved with every checkpoint and compared on resume.
+    ``config``: the run's settings, saved with every checkpoint and compared on resume. ``~`` and
+    ``$VARS`` in the paths are expanded (a run dir with a folder named ``~`` is refused).
 
     Checked when made, so a bad value is refused before any part of the run is built.
     """
@@ -34,6 +36,12 @@ class CheckpointSettings:
             value = getattr(self, name)
             if value is not None and not isinstance(value, (str, Path)):
                 raise ConfigError(f"{name}={value!r} is not valid; it must be a path (str or pathlib.Path) or None")
+            if value is not None:
+                object.__setattr__(self, name, expand_path(value, name))
+        if self.run_dir is not None:
+            refuse_tilde_folder(self.run_dir, "run_dir")
+        if isinstance(self.resume, (str, Path)) and str(self.resume) not in RESUME_CHOICES:
+            object.__setattr__(self, "resume", expand_path(self.resume, "resume"))
         check_keep_last(self.keep_last)
         check_resume_choice(self.resume)
         if self.config is not None and not isinstance(self.config, Mapping):
