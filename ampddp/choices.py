@@ -30,3 +30,6 @@ CROPS = ("random-resized", "padded")
 center crop) or padded (CIFAR's random crop of a zero-padded image, eval on the whole image)."""
 NORMALIZATIONS = ("imagenet", "computed")
 DECODE_DEVICES = ("cpu", "cuda")
+
+LOGGER_NAMES = ("tensorboard", "csv", "wandb", "mlflow")
+"""observe.loggers: where a run's records go besides metrics.jsonl (``ampddp.loggers``)."""

@@ -21,6 +21,7 @@ from ampddp.choices import (
     DECODE_DEVICES,
     DEFAULT_BACKEND,
     IMPLS,
+    LOGGER_NAMES,
     NORMALIZATIONS,
     PRECISION_MODES,
     STRATEGIES,
@@ -202,6 +203,7 @@ class TrainerConfig:
     progress: str = field(default="auto", metadata=_choices("auto", "bar", "lines", "off"))
     """auto: a bar on a terminal, periodic lines otherwise."""
     tensorboard: bool = False
+    """The same as listing tensorboard in observe.loggers."""
     max_nonfinite_losses: int = field(default=10, metadata=_at_least(1))
     """Consecutive non-finite losses after which training stops with an error."""
     stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
@@ -258,6 +260,24 @@ class DistributedConfig:
 
 
 @dataclass
+class ObserveConfig:
+    """Where the run's records go besides the console, metrics.jsonl and summary.json (rank 0 only)."""
+
+    loggers: list[str] = field(default_factory=list, metadata=_choices(*LOGGER_NAMES))
+    """Any of tensorboard, csv (<run_dir>/csv/<kind>.csv), wandb, mlflow; several at once. W&B and MLflow
+    continue the same tracked run after a resume (their run ids are saved with the checkpoints)."""
+    plots: bool = True
+    """loss.png, eval_<metric>.png and loss_scale.png in the run dir at the end (needs matplotlib)."""
+    wandb_project: str = "ampddp"
+    wandb_entity: str | None = None
+    wandb_mode: str | None = field(default=None, metadata=_choices("online", "offline", "disabled"))
+    """null: W&B's own choice (WANDB_MODE, else online); offline writes <run_dir>/wandb for `wandb sync`."""
+    mlflow_tracking_uri: str | None = None
+    """An MLflow server or store; null: MLFLOW_TRACKING_URI, else sqlite:///<run_dir>/mlflow.db."""
+    mlflow_experiment: str = "ampddp"
+
+
+@dataclass
 class RunConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -266,6 +286,7 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    observe: ObserveConfig = field(default_factory=ObserveConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

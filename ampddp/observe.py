@@ -1,16 +1,23 @@
-"""What a run shows: progress on rank 0, metrics.jsonl, summary.json, PNG plots, optional TensorBoard."""
+"""What a run shows: progress on rank 0, metrics.jsonl, summary.json, PNG plots, and its loggers
+(TensorBoard, CSV, Weights & Biases, MLflow: ``ampddp.loggers``)."""
 
 from __future__ import annotations
 
 import io
 import json
 import logging
+import math
 import sys
 import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ampddp.distributed.env import DistEnv
+from ampddp.errors import ConfigError
+from ampddp.loggers import MetricLogger, logger_named
+from ampddp.loggers.base import numbers
 from ampddp.run_files import (
     METRICS_FILE,
     SUMMARY_FILE,
@@ -23,55 +30,120 @@ from ampddp.run_files import (
 )
 
 PLOTS_SKIPPED = "plots skipped: matplotlib is not installed (pip install 'ampddp[plots]')"
+PROGRESS_CHOICES = ("auto", "bar", "lines", "off")
+SCALING_FIELDS = ("loss_scale", "skipped", "skipped_steps")
+"""Fields of a step record that say something only in modes that scale the loss."""
 
 logger = logging.getLogger("ampddp.observe")
 
 
-class RunObserver:
-    """Receives step and evaluation records from the trainer; only rank 0 writes or prints."""
+@dataclass(frozen=True)
+class Reporting:
+    """What a run reports (rank 0): ``progress`` on the console (``auto``: a bar in a terminal, lines
+    otherwise; ``bar``, ``lines``, ``off``), and, in the run dir, metrics.jsonl, summary.json, the
+    plots (``plots``, when matplotlib is installed) and every logger in ``loggers`` (``MetricLogger``
+    objects, or names: tensorboard, csv, wandb, mlflow)."""
 
-    def __init__(self, run_dir: str | Path, env: DistEnv, *, progress: str = "auto", tensorboard: bool = False,
-                 total_steps: int | None = None) -> None:  # fmt: skip
-        self.run_dir = Path(run_dir)
+    progress: str = "auto"
+    loggers: tuple[MetricLogger | str, ...] = ()
+    plots: bool = True
+
+    def __post_init__(self) -> None:
+        if self.progress not in PROGRESS_CHOICES:
+            raise ConfigError(f"progress={self.progress!r} is not valid; valid: {', '.join(PROGRESS_CHOICES)}")
+        if not isinstance(self.loggers, (tuple, list)):
+            raise ConfigError(f"loggers must be a list of loggers or their names, got {type(self.loggers).__name__}")
+        built = tuple(item if isinstance(item, MetricLogger) else logger_named(item) for item in self.loggers)
+        names = [item.name for item in built]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ConfigError(f"loggers: {', '.join(twice)} given twice; give each logger once")
+        for item in built:
+            item.check_installed()
+        object.__setattr__(self, "loggers", built)
+
+
+@dataclass
+class TrackedRuns:
+    """The ids of the tracked runs (W&B, MLflow) a run logs to, by logger name: saved with every
+    checkpoint, so that a resumed run continues the same tracked runs."""
+
+    ids: dict[str, str] = field(default_factory=dict)
+
+    def state_dict(self) -> dict[str, str]:
+        return dict(self.ids)
+
+    def load_state_dict(self, state: Any) -> None:
+        if not isinstance(state, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in state.items()):
+            raise ConfigError(f"tracked runs must be a dict of logger name -> run id (strings), got {state!r}")
+        self.ids = dict(state)
+
+
+class RunObserver:
+    """Receives step and evaluation records from the trainer; only rank 0 writes or prints.
+
+    ``run_dir`` None: progress on the console only. ``scales_loss`` False: the loss scale and skipped
+    steps (always 1 and 0) are left out of the console and the loggers; metrics.jsonl keeps them.
+    """
+
+    def __init__(self, run_dir: str | Path | None, env: DistEnv, *, progress: str = "auto", loggers: Sequence[MetricLogger] = (),
+                 total_steps: int | None = None, config: Mapping[str, Any] | None = None,
+                 tracked_runs: TrackedRuns | None = None, scales_loss: bool = True, plots: bool = True) -> None:  # fmt: skip
+        self.run_dir = None if run_dir is None else Path(run_dir)
         self.env = env
         self.active = env.is_main
         self.start = time.perf_counter()
         self._last_time, self._last_samples = self.start, 0
+        self._rate_steps: tuple[float, int] | None = None
         self.best_accuracy: float | None = None
         self.data_wait_s = 0.0
         """Seconds the loop waited for batches, over the logged steps of this process's run."""
         self.last_eval: dict[str, Any] = {}
         self._bar = None
         self._lines = progress == "lines" or (progress == "auto" and not sys.stderr.isatty())
-        self._writer = None
         self._metrics: Any = None
-        self._identity = RunDirIdentity(self.run_dir)
+        self._total_steps = total_steps
+        self._config = config
+        self._scales_loss = scales_loss
+        self._plots = plots
+        self.tracked_runs = tracked_runs if tracked_runs is not None else TrackedRuns()
+        self._loggers = list(loggers) if self.active and self.run_dir is not None else []
+        if self.run_dir is None and loggers:
+            raise ConfigError("loggers write into the run dir: give one (CheckpointSettings(run_dir=...)) or no loggers")
+        self._identity = RunDirIdentity(self.run_dir) if self.run_dir is not None else None
+        self._started_loggers: list[MetricLogger] = []
         if not self.active:
             return
         if progress in ("bar", "auto") and not self._lines:
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True)
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as error:
-                raise RuntimeError("trainer.tensorboard=true needs the tensorboard package: pip install 'ampddp[tensorboard]'") from error
-            self._writer = SummaryWriter(str(self.run_dir / "tensorboard"))
 
     def _write(self, record: dict[str, Any]) -> None:
-        path = self.run_dir / METRICS_FILE
-        with run_file_errors(path):
-            self._identity.check()  # the first record makes the run dir (a run refused before writes nothing)
-            if self._metrics is None:
-                drop_torn_tail(path)
-                self._metrics = open_for_append(path)  # closed in close()
-            self._metrics.write(json.dumps(record) + "\n")  # one write per record, then flushed
-            self._metrics.flush()
-        if self._writer is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key not in ("step", "epoch"):
-                    self._writer.add_scalar(f"{record['kind']}/{key}", value, record["step"])
+        if self.run_dir is not None:
+            path = self.run_dir / METRICS_FILE
+            with run_file_errors(path):
+                self._identity.check()  # the first record makes the run dir (a run refused before writes nothing)
+                if self._metrics is None:
+                    drop_torn_tail(path)
+                    self._metrics = open_for_append(path)  # closed in close()
+                self._metrics.write(json.dumps(record) + "\n")  # one write per record, then flushed
+                self._metrics.flush()
+        if record["kind"] == "start":
+            return
+        values = numbers(record)
+        if not self._scales_loss:
+            values = {key: value for key, value in values.items() if key not in SCALING_FIELDS}
+        for sink in self._started_loggers:
+            sink.log(record["kind"], values, record["step"])
+
+    def _start_loggers(self, step: int) -> None:
+        """Open every logger, continuing the tracked runs this run logged to before a resume."""
+        for sink in self._loggers:
+            run_id = sink.start(self.run_dir, self._config, self.tracked_runs.ids.get(sink.name), step)
+            self._started_loggers.append(sink)
+            if run_id is not None:
+                self.tracked_runs.ids[sink.name] = run_id
 
     def advance(self) -> None:
         """One optimizer step done (moves the progress bar)."""
@@ -88,19 +160,34 @@ class RunObserver:
         self._last_time, self._last_samples = now, samples_seen
         record = {"kind": "train", **record, "samples_per_s": rate, "world_size": self.env.world_size}
         self._write(record)
-        text = (f"step {record['step']} epoch {record['epoch']} loss {record['loss']:.4f} scale {record['loss_scale']:g} "
-                f"skipped {record['skipped_steps']} {rate:.0f} samples/s")  # fmt: skip
+        parts = [f"loss {record['loss']:.4f}", f"lr {record['lr']:.3g}"]
+        if self._scales_loss:
+            parts += [f"scale {record['loss_scale']:g}", f"skipped {record['skipped_steps']}"]
+        parts.append(f"{rate:.0f} samples/s")
         if self._bar is not None:
-            self._bar.set_postfix_str(text.split(" ", 4)[-1])
+            self._bar.set_postfix_str(" ".join(parts))
         elif self._lines:
-            print(text, flush=True)
+            print(f"step {record['step']} epoch {record['epoch']} {' '.join(parts)}{self._eta(record['step'], now)}", flush=True)
+
+    def _eta(self, step: int, now: float) -> str:
+        """`` eta 3m12s`` from the pace since this run started, when the total is known."""
+        if self._total_steps is None or self._rate_steps is None or step <= self._rate_steps[1]:
+            return ""
+        since, first = self._rate_steps
+        seconds = max(self._total_steps - step, 0) * (now - since) / (step - first)
+        minutes, secs = divmod(math.ceil(seconds), 60)
+        hours, minutes = divmod(minutes, 60)
+        return f" eta {hours}h{minutes:02d}m" if hours else f" eta {minutes}m{secs:02d}s"
 
     def started(self, step: int, epoch: int, samples_seen: int) -> None:
         """Mark where this run starts (0, or the step it resumed at): records of later steps written
-        before it, by a run that died after them, were never applied to the model."""
+        before it, by a run that died after them, were never applied to the model. The loggers open
+        here (after a resume has restored the ids of the tracked runs they continue)."""
         self._last_time, self._last_samples = time.perf_counter(), samples_seen
+        self._rate_steps = (self._last_time, step)
         if self.active:
             self._write({"kind": "start", "step": step, "epoch": epoch})
+            self._start_loggers(step)
 
     def compiled(self, step: int, epoch: int, seconds: float, mode: str, backend: Any) -> None:
         """torch.compile's first training forward and backward took ``seconds`` (in step ``step``)."""
@@ -138,20 +225,28 @@ class RunObserver:
         }
         if not self.active:
             return summary
+        self._close_streams()
+        if self.run_dir is None:
+            return summary
         self._identity.check()
         # The best evaluation of the whole run, including those before a resume.
         accuracies = [r["accuracy"] for r in read_metrics(self.run_dir) if r.get("kind") == "eval" and r.get("accuracy") is not None]
         summary["best_eval_accuracy"] = max(accuracies, default=self.best_accuracy)
-        if self._bar is not None:
-            self._bar.close()
-        if self._writer is not None:
-            self._writer.close()
-        if self._metrics is not None:
-            self._metrics.close()
         with run_file_errors(self.run_dir / SUMMARY_FILE):
             replace_file(self.run_dir / SUMMARY_FILE, json.dumps(summary, indent=2).encode())
-        plot_metrics(self.run_dir)
+        if self._plots:
+            plot_metrics(self.run_dir)
         return summary
+
+    def _close_streams(self) -> None:
+        """End the progress bar, metrics.jsonl and every logger that started (each once)."""
+        if self._bar is not None:
+            self._bar.close()
+        if self._metrics is not None:
+            self._metrics.close()
+        started, self._started_loggers = self._started_loggers, []
+        for sink in started:
+            sink.close()
 
     def close_unchanged(self, progress: dict[str, Any] | None = None) -> dict[str, Any]:
         """Close without writing anything; returns the summary the finished run wrote: what a re-run
@@ -160,11 +255,9 @@ class RunObserver:
         Given the finished run's ``progress``, a summary that is missing or stops short of it (a crash
         or a full disk while the run wrote its last files, after its final checkpoint) is rebuilt from
         metrics.jsonl, with the plots, and a warning."""
-        summary = read_summary(self.run_dir)
-        if not self.active or progress is None or summary.get("steps") == progress["global_step"]:
-            for stream in (self._bar, self._writer, self._metrics):
-                if stream is not None:
-                    stream.close()
+        summary = read_summary(self.run_dir) if self.run_dir is not None else {}
+        if not self.active or progress is None or self.run_dir is None or summary.get("steps") == progress["global_step"]:
+            self._close_streams()
             return summary
         evaluations = [record for record in read_metrics(self.run_dir) if record.get("kind") == "eval"]
         if evaluations:

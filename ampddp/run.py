@@ -19,7 +19,6 @@ from ampddp.distributed.env import DistEnv, detect_env, setup_distributed, shutd
 from ampddp.distributed.launch import launch_local
 from ampddp.distributed.watch import PeerWatch
 from ampddp.errors import ConfigError
-from ampddp.observe import RunObserver
 from ampddp.preemption import EarlySignals, StopSignals
 from ampddp.recipe.checks import Built, validate
 from ampddp.recipe.factories import (
@@ -34,6 +33,7 @@ from ampddp.recipe.factories import (
     optimizer_factory,
     parallel_from,
     precision_from,
+    reporting_from,
     scheduler_factory,
     steps_per_epoch,
 )
@@ -67,10 +67,6 @@ def _build_and_fit(config: RunConfig, env: DistEnv, stop: StopSignals, built: Bu
     torch.manual_seed(trainer_cfg.seed)
     model = built.model if built.model is not None else build_model_from(config)
     epoch_steps = steps_per_epoch(config, len(train_set), env.world_size)
-    observer = RunObserver(
-        trainer_cfg.run_dir, env, progress=trainer_cfg.progress,
-        tensorboard=trainer_cfg.tensorboard, total_steps=trainer_cfg.max_steps or trainer_cfg.max_epochs * epoch_steps,
-    )  # fmt: skip
     trainer = Trainer(
         model, optimizer_factory(config), train_set, eval_set=eval_set, env=env,
         precision=precision_from(config), parallel=parallel_from(config), compile=model_compiler(config), loading=loader_settings(config),
@@ -79,7 +75,7 @@ def _build_and_fit(config: RunConfig, env: DistEnv, stop: StopSignals, built: Bu
         make_scheduler=scheduler_factory(config, epoch_steps), max_epochs=trainer_cfg.max_epochs, max_steps=trainer_cfg.max_steps,
         seed=trainer_cfg.seed, shuffle=SHUFFLE, drop_last=DROP_LAST, checkpoint_every=config.checkpoint.every_steps,
         checkpoints=checkpoint_settings(config), eval_every=trainer_cfg.eval_every_steps,
-        log_every=trainer_cfg.log_every_steps, max_nonfinite_losses=trainer_cfg.max_nonfinite_losses, callbacks=[observer],
+        log_every=trainer_cfg.log_every_steps, max_nonfinite_losses=trainer_cfg.max_nonfinite_losses, report=reporting_from(config),
         stop_signals=stop,
     )  # fmt: skip
     with PeerWatch(env) as watch, watch.guard():

@@ -8,6 +8,7 @@ checkpointer, the evaluator, the batch adapter and the callbacks — and hands t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -20,13 +21,13 @@ from ampddp.distributed.data import ResumableSampler
 from ampddp.distributed.env import DistEnv, detect_env, seed_everything
 from ampddp.distributed.parallel import Parallel
 from ampddp.errors import ConfigError
-from ampddp.observe import RunObserver
+from ampddp.observe import Reporting, RunObserver
 from ampddp.precision.choice import Precision
 from ampddp.preemption import DEFAULT_STOP_SIGNALS, StopSignals, parse_signals
 from ampddp.prepare import MOVED_ARGUMENTS, refuse_moved_arguments
 from ampddp.training.assemble import RunSetup
 from ampddp.training.batches import BatchAdapter, LossFn, MetricsFn, accuracy, cross_entropy
-from ampddp.training.callbacks import Callback, as_callbacks
+from ampddp.training.callbacks import Callback, Callbacks, ObserverCallback, as_callbacks
 from ampddp.training.checkpoint_settings import CheckpointSettings
 from ampddp.training.checkpointer import Checkpointer, TrainingState
 from ampddp.training.device import DeviceSettings
@@ -35,6 +36,9 @@ from ampddp.training.loading import DataLoading, LoaderSettings
 from ampddp.training.loop import TrainingLoop
 from ampddp.training.settings import LoopSettings
 
+DEFAULT_REPORTING = Reporting()
+"""Progress on the console; metrics.jsonl, summary.json and plots in the run dir."""
+
 default_loss = cross_entropy
 """The default ``loss_fn(outputs, batch)``: the model's own ``loss`` or cross-entropy (fp32)."""
 
@@ -42,7 +46,7 @@ default_loss = cross_entropy
 MOVED_TO_OBJECTS = {
     **MOVED_ARGUMENTS,
     **{name: f"checkpoints=CheckpointSettings({name}=...)" for name in ("run_dir", "keep_last", "resume", "init_from", "config")},
-    "observer": "callbacks=[observer, ...]",
+    "observer": "report=Reporting(progress=..., loggers=[...])",
 }
 """Trainer arguments that became parts of an object, and where each went."""
 
@@ -69,8 +73,10 @@ class Trainer(TrainingLoop):
     DDP without sync-BN). ``loading``: loader workers, pinned memory, prefetching (batches do not
     depend on them: each sample is fetched under its own seed). ``device``: channels_last, cuDNN
     benchmark, TF32. ``checkpoints``: a ``CheckpointSettings`` (run_dir, keep_last, resume, init_from,
-    config; None: no checkpoints). ``callbacks``: ``Callback`` objects and ``RunObserver`` (progress,
-    metrics.jsonl, summary), called in order. ``**settings``: the ``LoopSettings`` fields (batch_size,
+    config; None: no checkpoints). ``report``: a ``Reporting`` (console progress; metrics.jsonl,
+    summary.json, plots and loggers such as W&B or MLflow in the run dir), by default progress and
+    the run dir's files; None: silent. ``callbacks``: your ``Callback`` objects, called in order after
+    the reporting. ``**settings``: the ``LoopSettings`` fields (batch_size,
     grad_accum_steps, clip_grad_norm, max_epochs, max_steps, seed, shuffle, drop_last,
     checkpoint_every, eval_every, log_every, max_nonfinite_losses).
     """
@@ -93,7 +99,8 @@ class Trainer(TrainingLoop):
         loading: LoaderSettings | None = None,
         device: DeviceSettings | None = None,
         checkpoints: CheckpointSettings | None = None,
-        callbacks: Sequence[Callback | RunObserver] = (),
+        report: Reporting | None = DEFAULT_REPORTING,
+        callbacks: Sequence[Callback] = (),
         stop_signals: tuple[str, ...] | StopSignals = DEFAULT_STOP_SIGNALS,
         **settings: Any,
     ) -> None:
@@ -102,6 +109,8 @@ class Trainer(TrainingLoop):
             raise ConfigError(f"checkpoints={checkpoints!r} is not valid; valid: CheckpointSettings(run_dir=..., resume=...) or None")
         checkpoints = checkpoints or CheckpointSettings()
         hooks = as_callbacks(callbacks)
+        if report is not None and not isinstance(report, Reporting):
+            raise ConfigError(f"report={report!r} is not valid; valid: Reporting(progress=..., loggers=[...], plots=...) or None (silent)")
         if loop.checkpoint_every is not None and checkpoints.run_dir is None:
             raise ConfigError("checkpoint_every needs a run_dir to write checkpoints into: checkpoints=CheckpointSettings(run_dir=...)")
         if not isinstance(stop_signals, StopSignals):
@@ -125,10 +134,23 @@ class Trainer(TrainingLoop):
             checkpointer=Checkpointer(state, store, env, resume=checkpoints.resume, config=checkpoints.config, seed=loop.seed),
             loss_fn=loss_fn, batches=batches, loading=data,
             evaluator=evaluator,
-            callbacks=hooks,
+            callbacks=Callbacks([*self._observer(report, checkpoints, env, loop, len(train_set), state), *hooks]),
             stop_signals=stop_signals, device=device,
         )  # fmt: skip
         seed_everything(env.rank_seed(loop.seed))  # the one seeding point of the training streams, per rank
+
+    def _observer(self, report: Reporting | None, checkpoints: CheckpointSettings, env: DistEnv, loop: LoopSettings,
+                  samples: int, state: TrainingState) -> list[Callback]:  # fmt: skip
+        """What the run reports (see ``Reporting``), as a callback: none when ``report`` is None."""
+        if report is None:
+            return []
+        epoch_steps = max(1, math.ceil(samples / (loop.batch_size * env.world_size * loop.grad_accum_steps)))
+        observer = RunObserver(
+            checkpoints.run_dir, env, progress=report.progress, loggers=report.loggers, plots=report.plots,
+            total_steps=loop.max_steps or loop.max_epochs * epoch_steps, config=checkpoints.config,
+            tracked_runs=state.tracked_runs, scales_loss=state.engine.scales_loss,
+        )  # fmt: skip
+        return [ObserverCallback(observer)]
 
     def _compiled(self, seconds: float) -> None:
         """The first compiled forward and backward ended (inside the step about to be counted)."""

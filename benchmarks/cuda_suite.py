@@ -142,7 +142,7 @@ def _pipeline_rows(device: str, budget: Budget) -> list[Row]:
             model = resnet(50, classes=1000)
             trainer = Trainer(model, sgd, train_set, env=env, precision=mode, batch_size=size, max_steps=steps, max_epochs=10**6,
                               log_every=10**6, loading=LoaderSettings(num_workers=workers, pin_memory=pinned),
-                              device=DeviceSettings(channels_last=True, cudnn_benchmark=device == "cuda"))  # fmt: skip
+                              device=DeviceSettings(channels_last=True, cudnn_benchmark=device == "cuda"), report=None)  # fmt: skip
             trainer.fit()
 
         def theirs() -> None:

@@ -82,7 +82,8 @@ def trainer_rows(root: Path, image_size: int, batch_size: int, repeats: int, ste
     def fit(count: int) -> None:
         model = build_model("small_cnn", CLASSES, 3, image_size)
         trainer = Trainer(model, lambda p: torch.optim.SGD(p, lr=0.05), train_set, env=env, precision="O4", batch_size=batch_size,
-                          max_steps=steps, max_epochs=10**6, log_every=10**6, loading=LoaderSettings(num_workers=count))  # fmt: skip
+                          max_steps=steps, max_epochs=10**6, log_every=10**6, loading=LoaderSettings(num_workers=count),
+                          report=None)  # fmt: skip
         trainer.fit()
 
     row = side_by_side(

@@ -181,7 +181,7 @@ def trainer_and_plain_epochs(
     dataset = TensorDataset(*data)
     env = detect_env({}, device=data[0].device.type)
     trainer = Trainer(copy.deepcopy(model), sgd, dataset, env=env, precision=mode, batch_size=batch_size, max_epochs=10**6,
-                      max_steps=steps, log_every=10)  # fmt: skip
+                      max_steps=steps, log_every=10, report=None)  # fmt: skip
 
     def ours() -> None:
         trainer.settings = dataclasses.replace(trainer.settings, max_steps=trainer.progress.global_step + steps)

@@ -47,9 +47,7 @@ def make_trainer(run_dir, mode: str, max_steps: int, env=None, **overrides) -> T
     )  # fmt: skip
     checkpoints = {"run_dir": run_dir, **{name: overrides.pop(name) for name in CHECKPOINT_FIELDS if name in overrides}}
     options["checkpoints"] = CheckpointSettings(**checkpoints)
-    if overrides.get("observer") is not None:
-        options["callbacks"] = [overrides.pop("observer"), *overrides.pop("callbacks", ())]
-    overrides.pop("observer", None)
+    options["report"] = overrides.pop("report", None)  # these runs test checkpoints: the console and run-dir reports only where asked
     options.update(overrides)
     if "precision_overrides" in options:  # the mode's own settings
         options["precision"] = Precision(mode, overrides=options.pop("precision_overrides") or {})

@@ -69,12 +69,14 @@ def summarize(location: str | Path) -> dict[str, Any]:
         "dtypes": dict(Counter(str(t.dtype).removeprefix("torch.") for t in model.values() if isinstance(t, torch.Tensor))),
         "versions": shared.get(keys.VERSIONS),
         "model_sha256": model_digest(model),
+        "tracked_runs": shared.get(keys.TRACKED_RUNS) or {},
     }
 
 
 def format_summary(summary: dict[str, Any]) -> str:
     scales = ", ".join(f"{s:g}" for s in summary["loss_scales"] if s is not None) or "none"
     dtypes = ", ".join(f"{name} x{count}" for name, count in sorted(summary["dtypes"].items()))
+    tracked = ", ".join(f"{name} {run_id}" for name, run_id in summary.get("tracked_runs", {}).items())
     return "\n".join(
         [
             f"checkpoint   {summary['path']}",
@@ -85,5 +87,6 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"model        {summary['parameters']:,} parameters; tensors: {dtypes}",
             f"model_sha256 {summary['model_sha256']}",
             f"written by   {', '.join(f'{k} {v}' for k, v in (summary['versions'] or {}).items())}",
+            *([f"tracked runs {tracked}"] if tracked else []),
         ]
     )

@@ -4,7 +4,7 @@ A checkpoint is a directory ``<run_dir>/checkpoints/step-<N>/`` holding
 
 - ``shared.pt`` (written by rank 0): ``FORMAT``, ``VERSIONS``, ``CONFIG``, ``MODEL`` (fp32 state dict;
   master values under O2/O5), ``OPTIMIZER``, ``PRECISION`` (mode, policy, loss scalers),
-  ``SCHEDULER``, ``PROGRESS``, ``SAMPLER``, ``WORLD_SIZE``;
+  ``SCHEDULER``, ``PROGRESS``, ``SAMPLER``, ``WORLD_SIZE``, ``TRACKED_RUNS``;
 - ``rank-<r>.pt`` (written by rank r): ``RNG`` (python, numpy, torch CPU and CUDA generator states);
 - ``COMPLETE`` (JSON, written last by rank 0): only a directory with it is a checkpoint. It is the
   manifest: ``{"step", "world_size", "time", "checksum": "xxh3_128", "files": {name: {"size": bytes,
@@ -31,6 +31,9 @@ SCHEDULER = "scheduler"
 PROGRESS = "progress"
 SAMPLER = "sampler"
 WORLD_SIZE = "world_size"
+TRACKED_RUNS = "tracked_runs"
+"""The experiment trackers' run ids by logger name (``{"wandb": "3fk2x9ab"}``); checkpoints written
+before it existed lack it, and a run resumed from one starts fresh tracked runs."""
 RNG = "rng"
 RANK = "rank"
 

@@ -129,6 +129,12 @@ class PrecisionEngine(ABC):
         disabled) — so callers can ask about precision without branching on mode names."""
 
     @property
+    def scales_loss(self) -> bool:
+        """Whether the loss is scaled (a dynamic scaler, or a static scale other than 1): only then do
+        the loss scale and skipped steps say anything worth showing."""
+        return any(scaler.dynamic is not False or scaler.loss_scale != 1.0 for scaler in self.precision_state().scalers)
+
+    @property
     def casts_model_params(self) -> bool:
         """Whether ``setup`` changes the models' parameter dtypes in place (O2/O3/O5)."""
         return False

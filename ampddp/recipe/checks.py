@@ -6,7 +6,6 @@ the filesystem).
 
 from __future__ import annotations
 
-import importlib
 import os
 import signal
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from ampddp.recipe.factories import (
     parallel_from,
     precision_from,
     refuse_kwargs,
+    reporting_from,
     scheduler_factory,
     steps_per_epoch,
 )
@@ -341,11 +341,7 @@ def validate(config: RunConfig) -> Built:
     model = _check_model(config)
     _check_stop_signals(config.trainer.stop_signals)
     model_compiler(config)
-    if config.trainer.tensorboard:
-        try:
-            importlib.import_module("torch.utils.tensorboard")
-        except ImportError:
-            raise ConfigError("trainer.tensorboard=true needs the tensorboard package: pip install 'ampddp[tensorboard]'") from None
+    reporting_from(config)
     _check_optimizer(config, model)
     dist_cfg = config.distributed
     parallel_from(config)

@@ -29,7 +29,9 @@ from ampddp.distributed.env import seed_everything
 from ampddp.distributed.parallel import Parallel
 from ampddp.distributed.wrap import DDPOptions
 from ampddp.errors import ConfigError, closest, spelled
+from ampddp.loggers import MlflowLogger, WandbLogger
 from ampddp.models import build_model
+from ampddp.observe import Reporting
 from ampddp.precision.choice import Precision
 from ampddp.precision.engine import NATIVE_MODES
 from ampddp.precision.native import NATIVE_SETTINGS
@@ -324,3 +326,15 @@ def checkpoint_settings(config: RunConfig) -> CheckpointSettings:
         run_dir=config.trainer.run_dir, keep_last=checkpoint.keep_last, resume=checkpoint.resume_from or checkpoint.resume,
         init_from=checkpoint.init_from, config=config.to_dict(),
     )  # fmt: skip
+
+
+def reporting_from(config: RunConfig) -> Reporting:
+    """trainer.progress and the observe section (trainer.tensorboard=true lists tensorboard too)."""
+    observe = config.observe
+    names = [*observe.loggers, *(["tensorboard"] if config.trainer.tensorboard and "tensorboard" not in observe.loggers else [])]
+    configured = {
+        "wandb": lambda: WandbLogger(project=observe.wandb_project, entity=observe.wandb_entity, mode=observe.wandb_mode),
+        "mlflow": lambda: MlflowLogger(tracking_uri=observe.mlflow_tracking_uri, experiment=observe.mlflow_experiment),
+    }
+    loggers = tuple(configured[name]() if name in configured else name for name in names)
+    return Reporting(progress=config.trainer.progress, loggers=loggers, plots=observe.plots)

@@ -126,7 +126,7 @@ def _coerce(key: str, value: Any, annotation: Any, metadata: typing.Mapping[str,
         if kind in (str, bool) and isinstance(value, kind):
             break
         if typing.get_origin(kind) is list and isinstance(value, list) and all(isinstance(v, str) for v in value):
-            return value
+            return _listed_choices(key, value, choices)
         if typing.get_origin(kind) is dict and isinstance(value, dict) and all(isinstance(k, str) for k in value):
             return value
     else:
@@ -136,6 +136,16 @@ def _coerce(key: str, value: Any, annotation: Any, metadata: typing.Mapping[str,
     if metadata.get("path") and isinstance(value, str):
         return expand_path(value, key)
     return value
+
+
+def _listed_choices(key: str, values: list[str], choices: typing.Sequence[Any] | None) -> list[str]:
+    """A list setting whose items come from ``choices``, each at most once."""
+    for index, value in enumerate(values):
+        if choices and value not in choices:
+            raise choice_error(f"{key}[{index}]", value, choices)
+        if choices and value in values[:index]:
+            raise ConfigError(f"{key}={values!r} lists {value!r} twice; give each once")
+    return values
 
 
 def _user_import_path(key: str, value: Any, choices: typing.Sequence[Any], metadata: typing.Mapping[str, Any]) -> Any:

@@ -78,7 +78,7 @@ class Callbacks(Callback):
 
 
 class ObserverCallback(Callback):
-    """A ``RunObserver`` (progress bar, metrics.jsonl, summary.json, plots, TensorBoard) as a callback."""
+    """A ``RunObserver`` (progress, metrics.jsonl, summary.json, plots, loggers) as a callback."""
 
     def __init__(self, observer: RunObserver) -> None:
         self.observer = observer
@@ -104,18 +104,20 @@ class ObserverCallback(Callback):
         return self.observer.close_unchanged(progress.state_dict())
 
 
-def as_callbacks(items: Iterable[Callback | RunObserver]) -> Callbacks:
-    """One ``Callbacks`` from callbacks and run observers (each observer through ``ObserverCallback``), in order."""
+def as_callbacks(items: Iterable[Callback]) -> list[Callback]:
+    """The callbacks in order, each checked to have every hook (a ``Callback`` subclass, or any object with them)."""
     callbacks: list[Callback] = []
     for index, item in enumerate(items):
         if isinstance(item, RunObserver):
-            callbacks.append(ObserverCallback(item))
-        elif isinstance(item, Callback) or all(callable(getattr(item, hook, None)) for hook in HOOKS):
-            callbacks.append(item)
-        else:
+            raise ConfigError(
+                f"callbacks[{index}] is a RunObserver: the Trainer builds its own from report=Reporting(progress=..., loggers=[...]) "
+                "(it saves the trackers' run ids with the checkpoints); pass report=None for none"
+            )
+        if not (isinstance(item, Callback) or all(callable(getattr(item, hook, None)) for hook in HOOKS)):
             missing = [hook for hook in HOOKS if not callable(getattr(item, hook, None))]
             raise ConfigError(
                 f"callbacks[{index}] is a {type(item).__name__} without {', '.join(missing)}; valid: a subclass of "
-                "ampddp.training.callbacks.Callback (override the hooks you need) or an ampddp.observe.RunObserver"
+                "ampddp.training.callbacks.Callback (override the hooks you need)"
             )
-    return Callbacks(callbacks)
+        callbacks.append(item)
+    return callbacks

@@ -29,6 +29,7 @@ from ampddp.checkpoint.store import CheckpointRef, CheckpointStore, find_checkpo
 from ampddp.distributed.data import ResumableSampler, broadcast_from_main, sum_across_ranks
 from ampddp.distributed.env import DistEnv
 from ampddp.errors import CheckpointError, ConfigError
+from ampddp.observe import TrackedRuns
 from ampddp.precision.engine import PrecisionEngine
 from ampddp.progress import Progress
 from ampddp.training.resume import SchedulePlan, check_resume_settings, plan_schedule
@@ -55,6 +56,8 @@ class TrainingState:
     sampler: ResumableSampler
     progress: Progress = field(default_factory=Progress)
     extra: dict[str, Stateful] = field(default_factory=dict)
+    tracked_runs: TrackedRuns = field(default_factory=TrackedRuns)
+    """The experiment trackers' run ids (W&B, MLflow), continued after a resume."""
 
 
 def _versions() -> dict[str, str]:
@@ -107,6 +110,7 @@ class Checkpointer:
             keys.PROGRESS: state.progress.state_dict(),
             keys.SAMPLER: state.sampler.state_dict(),
             keys.WORLD_SIZE: self.env.world_size,
+            keys.TRACKED_RUNS: state.tracked_runs.state_dict(),
         }
         if state.extra:
             shared[EXTRA] = {name: _loadable(name, item.state_dict()) for name, item in state.extra.items()}
@@ -194,6 +198,7 @@ class Checkpointer:
             state.scheduler.load_state_dict(shared[keys.SCHEDULER])
         plan.apply(state.optimizer, state.scheduler)
         state.progress.load_state_dict(saved_progress.state_dict())
+        state.tracked_runs.load_state_dict(shared.get(keys.TRACKED_RUNS) or {})
         self.saved_step = ref.step
         self._restore_rng(rng, ref, shared[keys.WORLD_SIZE])
         logger.info("resumed from %s at step %d (epoch %d)", ref.path, state.progress.global_step, state.progress.epoch)

@@ -14,7 +14,7 @@ from resume_helpers import assert_identical, final_state, make_trainer
 
 from ampddp.checkpoint.inspect import summarize
 from ampddp.distributed.env import detect_env
-from ampddp.observe import METRICS_FILE, SUMMARY_FILE, RunObserver, read_metrics
+from ampddp.observe import METRICS_FILE, SUMMARY_FILE, Reporting, read_metrics
 from ampddp.training.callbacks import Callback
 
 TIMING = ("wall_time_s", "data_wait_s")
@@ -44,8 +44,7 @@ class CrashInEvaluation(Callback):
 
 def fit(run_dir, max_steps: int, *callbacks: Callback, **overrides) -> dict:
     env = detect_env({}, device="cpu")
-    observer = RunObserver(run_dir, env, progress="lines")
-    return make_trainer(run_dir, "O0", max_steps, env=env, observer=observer, callbacks=callbacks, **overrides).fit()
+    return make_trainer(run_dir, "O0", max_steps, env=env, report=Reporting(progress="lines"), callbacks=callbacks, **overrides).fit()
 
 
 def eval_records(run_dir) -> list[dict]:

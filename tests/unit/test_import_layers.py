@@ -1,6 +1,6 @@
 """The package's import structure: every module imports only its own layer and the layers below.
 
-Lowest first: foundations (errors, progress, preemption, data, models, run_lock) -> precision ->
+Lowest first: foundations (errors, progress, preemption, data, models, run_lock, paths, loggers) -> precision ->
 distributed (with console, observe) -> prepare (with compile_model) -> checkpoint ->
 training (the loop and its parts, trainer) -> application (config, recipe, run, cli, amp facade, apex).
 The set-up data flows config -> precision -> distributed -> prepare -> loop -> checkpoint; no lower
@@ -28,6 +28,8 @@ LAYERS = [
             "ampddp.torch_compat",
             "ampddp.choices",
             "ampddp.run_files",
+            "ampddp.paths",
+            "ampddp.loggers",
         ),
     ),
     ("precision", ("ampddp.precision",)),

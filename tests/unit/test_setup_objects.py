@@ -58,7 +58,7 @@ def test_prepare_takes_the_objects():
         ("sync_bn", "parallel=Parallel(sync_bn=...)"),
         ("run_dir", "checkpoints=CheckpointSettings(run_dir=...)"),
         ("resume", "checkpoints=CheckpointSettings(resume=...)"),
-        ("observer", "callbacks=[observer, ...]"),
+        ("observer", "report=Reporting(progress=..., loggers=[...])"),
     ],
 )
 def test_the_trainers_former_arguments_say_where_they_went(argument, where):

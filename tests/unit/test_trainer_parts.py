@@ -257,12 +257,12 @@ def test_an_unknown_trainer_argument_names_itself_and_the_valid_settings():
 
 def test_a_custom_metric_is_logged_and_printed_by_the_run_observer(tmp_path, capsys):
     from ampddp.distributed.env import detect_env
-    from ampddp.observe import RunObserver
+    from ampddp.observe import Reporting
 
     env = detect_env({}, device="cpu")
-    observer = RunObserver(tmp_path, env, progress="lines")
     trainer = Trainer(TinyTextClassifier(), sgd, TokenDataset(16), eval_set=TokenDataset(6), precision="O0", batch_size=8,
-                      max_epochs=1, metrics=top2, callbacks=[observer], checkpoints=CheckpointSettings(tmp_path), env=env)  # fmt: skip
+                      max_epochs=1, metrics=top2, report=Reporting(progress="lines"), checkpoints=CheckpointSettings(tmp_path),
+                      env=env)  # fmt: skip
     summary = trainer.fit()["summary"]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     evaluation = [record for record in records if record["kind"] == "eval"]

@@ -1,0 +1,75 @@
+"""MLflow: one MLflow run per ampddp run, continued after a resume."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ampddp.loggers.base import MetricLogger, import_extra
+
+MAX_PARAM_LENGTH = 6000
+"""MLflow refuses longer parameter values; a longer setting is logged cut to this length."""
+
+
+def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """``{"trainer": {"max_steps": 5}}`` -> ``{"trainer.max_steps": "5"}`` (MLflow params are flat strings)."""
+    flat: dict[str, str] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = str(value)[:MAX_PARAM_LENGTH]
+    return flat
+
+
+class MlflowLogger(MetricLogger):
+    """Logs ``<kind>/<name>`` at the optimizer step, and the recipe's settings as parameters.
+
+    ``tracking_uri``: an MLflow server (``http://host:5000``) or store; None: ``MLFLOW_TRACKING_URI``
+    if set, else a local SQLite store, ``<run_dir>/mlflow.db`` (``mlflow ui --backend-store-uri
+    sqlite:///<run_dir>/mlflow.db``). It talks to MLflow through its own ``MlflowClient``: no
+    process-wide active run is set, so a script's own ``mlflow.start_run`` is untouched.
+    """
+
+    name = "mlflow"
+    requires = ("mlflow", "mlflow")
+
+    def __init__(self, tracking_uri: str | None = None, experiment: str = "ampddp", run_name: str | None = None) -> None:
+        self.tracking_uri, self.experiment, self.run_name = tracking_uri, experiment, run_name
+        self._client: Any = None
+        self._run_id: str | None = None
+        self._metric: Any = None
+
+    def start(self, run_dir: Path, config: Mapping[str, Any] | None, run_id: str | None, step: int) -> str | None:
+        import os
+
+        import_extra(self)
+        from mlflow.entities import Metric, Param
+        from mlflow.tracking import MlflowClient
+
+        uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{run_dir.resolve() / 'mlflow.db'}"
+        self._client, self._metric = MlflowClient(tracking_uri=uri), Metric
+        if run_id is not None:
+            self._client.update_run(run_id, status="RUNNING")
+            self._run_id = run_id
+            return run_id
+        experiment = self._client.get_experiment_by_name(self.experiment)
+        experiment_id = experiment.experiment_id if experiment is not None else self._client.create_experiment(self.experiment)
+        self._run_id = self._client.create_run(experiment_id, run_name=self.run_name or run_dir.name).info.run_id
+        params = [Param(key, value) for key, value in flatten(config or {}).items()]
+        for first in range(0, len(params), 100):  # MLflow takes at most 100 parameters per batch
+            self._client.log_batch(self._run_id, params=params[first : first + 100])
+        return self._run_id
+
+    def log(self, kind: str, values: Mapping[str, float], step: int) -> None:
+        now = int(time.time() * 1000)
+        metrics = [self._metric(f"{kind}/{key}", value, now, step) for key, value in values.items()]
+        self._client.log_batch(self._run_id, metrics=metrics)
+
+    def close(self) -> None:
+        if self._run_id is not None:
+            self._client.set_terminated(self._run_id)
+            self._run_id = None
