@@ -293,3 +293,19 @@ class RunConfig:
 
 
 SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(RunConfig)[f.name] for f in dataclasses.fields(RunConfig)}
+
+
+KEY_ALIASES: dict[str, dict[str, str]] = {
+    "precision": {"opt_level": "mode", "amp": "mode", "dtype": "mode"},
+    "data": {"batch": "batch_size", "data_dir": "root", "dataset": "name", "img_size": "image_size"},
+    "optimizer": {"learning_rate": "lr", "lr_scheduler": "scheduler", "warmup": "warmup_steps", "optimizer": "name"},
+    "trainer": {
+        "epochs": "max_epochs", "num_epochs": "max_epochs", "steps": "max_steps", "num_steps": "max_steps",
+        "output_dir": "run_dir", "out_dir": "run_dir", "gradient_accumulation_steps": "grad_accum_steps",
+        "accumulate_grad_batches": "grad_accum_steps", "max_grad_norm": "clip_grad_norm", "gradient_clip_val": "clip_grad_norm",
+    },
+    "checkpoint": {"save_steps": "every_steps", "resume_from_checkpoint": "resume_from", "save_total_limit": "keep_last"},
+    "distributed": {"nproc": "nproc_per_node", "world_size": "nproc_per_node"},
+}  # fmt: skip
+"""Names other trainers (HF Trainer, Lightning, timm) give a setting, by section: an unknown key near
+one of them is answered with ampddp's name for it."""

@@ -9,6 +9,7 @@ notation Python writes them.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 import types
@@ -18,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from ampddp.config import IMPORT_PATH_FORM, SECTIONS, Bounds, RunConfig, is_import_path
+from ampddp.config import IMPORT_PATH_FORM, KEY_ALIASES, SECTIONS, Bounds, RunConfig, is_import_path
 from ampddp.errors import ConfigError, choice_error, closest, spelled
 from ampddp.paths import expand_path
 
@@ -166,15 +167,32 @@ def _type_name(kind: Any) -> str:
     return kind.__name__
 
 
-def _build(section: str, cls: type, values: dict[str, Any]) -> Any:
+def _build(section: str, cls: type, values: dict[str, Any], origin: typing.Callable[[str], str] = lambda key: "") -> Any:
+    """The section's dataclass from its values; ``origin(key)`` starts the message of a bad key (the file it came from)."""
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in values.items():
         if key not in fields:
-            raise ConfigError(f"unknown key {section}.{key}{closest(str(key), fields)}; valid keys in {section}: {', '.join(fields)}")
-        kwargs[key] = _coerce(f"{section}.{key}", value, hints[key], fields[key].metadata)
+            hint = _suggest(section, str(key), fields)
+            raise ConfigError(f"{origin(key)}unknown key {section}.{key}{hint}; valid keys in {section}: {', '.join(fields)}")
+        try:
+            kwargs[key] = _coerce(f"{section}.{key}", value, hints[key], fields[key].metadata)
+        except ConfigError as error:
+            raise ConfigError(f"{origin(key)}{error}") from None
     return cls(**kwargs)
+
+
+def _suggest(section: str, key: str, fields: typing.Iterable[str]) -> str:
+    """`` (did you mean 'lr'?)``: the nearest key, or ampddp's name for what another trainer calls it."""
+    aliases = KEY_ALIASES.get(section, {})
+    if key in aliases:
+        return f" (did you mean {aliases[key]!r}?)"
+    near = closest(key, fields)
+    if near:
+        return near
+    alias = difflib.get_close_matches(key, list(aliases), n=1, cutoff=0.75)
+    return f" (did you mean {aliases[alias[0]]!r}?)" if alias else ""
 
 
 def parse_overrides(overrides: list[str]) -> dict[str, dict[str, Any]]:
@@ -237,11 +255,17 @@ def read_recipe(path: str | Path) -> dict[str, Any]:
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Read a recipe (YAML) and apply overrides; raise ConfigError on the first bad key or value."""
     raw = read_recipe(path) if path is not None else {}
+    overridden: set[tuple[str, str]] = set()
     for section, values in parse_overrides(overrides or []).items():
         if section not in SECTIONS:
             raise ConfigError(f"unknown section {section!r}{closest(str(section), SECTIONS)}; valid sections: {', '.join(SECTIONS)}")
         raw[section] = {**raw.get(section, {}), **values}
-    return RunConfig(**{section: _build(section, SECTIONS[section], values) for section, values in raw.items()})
+        overridden.update((section, key) for key in values)
+
+    def origin(section: str) -> typing.Callable[[str], str]:
+        return lambda key: "" if path is None or (section, key) in overridden else f"{path}: "
+
+    return RunConfig(**{section: _build(section, SECTIONS[section], values, origin(section)) for section, values in raw.items()})
 
 
 def describe_keys() -> str:
