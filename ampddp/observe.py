@@ -303,7 +303,8 @@ EVAL_FIELDS = ("kind", "step", "epoch", "loss", "samples")
 
 def plot_metrics(run_dir: str | Path) -> list[Path]:
     """loss.png, eval_<metric>.png per evaluation metric (eval_accuracy.png by default) and
-    loss_scale.png (skipped steps marked) from metrics.jsonl.
+    loss_scale.png (skipped steps marked) from metrics.jsonl; loss_scale.png only when the scale
+    changed or a step was skipped (a bf16 or O0 run's would be a flat line at 1).
 
     Figures are made with matplotlib's object API, not pyplot: no backend is chosen for the whole
     process (a user's interactive backend stays) and no figure is left registered anywhere.
@@ -322,10 +323,12 @@ def plot_metrics(run_dir: str | Path) -> list[Path]:
     evals = [r for r in records if r.get("kind") == "eval"]
     outputs = []
     metrics = dict.fromkeys(key for r in evals for key, value in r.items() if key not in EVAL_FIELDS and isinstance(value, (int, float)))
+    scales = {r.get("loss_scale") for r in train}
+    scale_varies = len(scales) > 1 or any(r.get("skipped") for r in train)
     specs = [
         ("loss.png", train, "loss", "training loss"),
         *((f"eval_{key}.png", [r for r in evals if key in r], key, f"held-out {key}") for key in metrics),
-        ("loss_scale.png", train, "loss_scale", "loss scale"),
+        *([("loss_scale.png", train, "loss_scale", "loss scale")] if scale_varies else []),
     ]
     for name, rows, key, title in specs:
         figure = Figure(figsize=(6, 3.5))

@@ -47,3 +47,11 @@ def test_without_matplotlib_a_run_skips_the_plots_with_one_message_and_still_wri
     assert json.loads((tmp_path / SUMMARY_FILE).read_text())["steps"] == 2
     kinds = {json.loads(line)["kind"] for line in (tmp_path / METRICS_FILE).read_text().splitlines()}
     assert {"start", "train", "eval"} <= kinds
+
+
+def test_a_loss_scale_that_never_changed_gets_no_plot(tmp_path):
+    lines = [{"kind": "train", "step": step, "loss": 1 / step, "loss_scale": 1.0, "skipped": False} for step in range(1, 6)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert [path.name for path in plot_metrics(tmp_path)] == ["loss.png"]
+    assert not (tmp_path / "loss_scale.png").exists()
+
