@@ -33,3 +33,8 @@ DECODE_DEVICES = ("cpu", "cuda")
 
 LOGGER_NAMES = ("tensorboard", "csv", "wandb", "mlflow")
 """observe.loggers: where a run's records go besides metrics.jsonl (``ampddp.loggers``)."""
+
+LOG_LEVEL_VARIABLE = "AMPDDP_LOG_LEVEL"
+"""The environment variable that, set to ``DEBUG``, logs ampddp's debug records too (every setting
+of a precision set-up, ...) on every process of a run: ``ampddp train --verbose`` sets it, so the
+ranks it starts follow (kept here, beside the recipe's names, so the command line reads it without torch)."""

@@ -50,10 +50,13 @@ def _inspect(args: argparse.Namespace, early: EarlySignals) -> int:
 def _train(args: argparse.Namespace, early: EarlySignals) -> int:
     import logging
 
+    from ampddp.choices import LOG_LEVEL_VARIABLE
     from ampddp.finished_run import finished_run_summary
     from ampddp.recipe.reading import load_config
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.verbose:
+        os.environ[LOG_LEVEL_VARIABLE] = "DEBUG"  # inherited by the ranks this command starts
     config = load_config(args.recipe, args.overrides)
     early.release(keep=config.trainer.stop_signals)  # the others act as if never caught
     summary = finished_run_summary(config)  # a finished run answers before torch is imported
@@ -94,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("recipe", help="recipe YAML file (see recipes/)")
     train.add_argument("overrides", nargs="*", metavar="section.key=value", help="e.g. precision.mode=O2 trainer.max_steps=100")
+    train.add_argument("--verbose", action="store_true", help="also ampddp's debug records (every precision setting, ...)")
     train.set_defaults(handler=_train)
     inspect = commands.add_parser(
         "inspect",

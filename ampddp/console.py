@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 import warnings
 from collections.abc import Iterator
 
+from ampddp.choices import LOG_LEVEL_VARIABLE
 from ampddp.distributed.env import DistEnv
 
 FORMAT = "%(message)s"
@@ -56,6 +58,10 @@ def rank_console(env: DistEnv) -> Iterator[None]:
     if quiet is not None:
         for handler in root.handlers:
             handler.addFilter(quiet)
+    ours = logging.getLogger("ampddp")
+    ours_before = ours.level
+    if os.environ.get(LOG_LEVEL_VARIABLE, "").upper() == "DEBUG":
+        ours.setLevel(logging.DEBUG)
     captured_before = _capturing_warnings()
     logging.captureWarnings(True)
     try:
@@ -68,6 +74,7 @@ def rank_console(env: DistEnv) -> Iterator[None]:
         if added is not None:
             root.removeHandler(added)
         root.setLevel(previous_level)
+        ours.setLevel(ours_before)
 
 
 def _capturing_warnings() -> bool:

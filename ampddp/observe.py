@@ -112,12 +112,8 @@ class RunObserver:
             raise ConfigError("loggers write into the run dir: give one (CheckpointSettings(run_dir=...)) or no loggers")
         self._identity = RunDirIdentity(self.run_dir) if self.run_dir is not None else None
         self._started_loggers: list[MetricLogger] = []
-        if not self.active:
-            return
-        if progress in ("bar", "auto") and not self._lines:
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True)
+        self._wants_bar = self.active and progress in ("bar", "auto") and not self._lines
+        self._log_redirect: Any = None
 
     def _write(self, record: dict[str, Any]) -> None:
         if self.run_dir is not None:
@@ -188,6 +184,18 @@ class RunObserver:
         if self.active:
             self._write({"kind": "start", "step": step, "epoch": epoch})
             self._start_loggers(step)
+        if self._wants_bar and self._bar is None:
+            self._open_bar(step)
+
+    def _open_bar(self, step: int) -> None:
+        """The progress bar, from the step the run starts at; log lines print above it (not onto it)
+        until it closes."""
+        from tqdm import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        self._bar = tqdm(total=self._total_steps, initial=step, desc="train", unit="step", dynamic_ncols=True)
+        self._log_redirect = logging_redirect_tqdm()
+        self._log_redirect.__enter__()
 
     def compiled(self, step: int, epoch: int, seconds: float, mode: str, backend: Any) -> None:
         """torch.compile's first training forward and backward took ``seconds`` (in step ``step``)."""
@@ -238,15 +246,29 @@ class RunObserver:
             plot_metrics(self.run_dir)
         return summary
 
-    def _close_streams(self) -> None:
+    def abandon(self) -> None:
+        """The run raised: end the progress bar and metrics.jsonl, and mark the tracked runs failed."""
+        if self.active:
+            self._close_streams(failed=True)
+
+    def _close_streams(self, failed: bool = False) -> None:
         """End the progress bar, metrics.jsonl and every logger that started (each once)."""
+        if self._log_redirect is not None:
+            self._log_redirect.__exit__(None, None, None)
+            self._log_redirect = None
         if self._bar is not None:
             self._bar.close()
         if self._metrics is not None:
             self._metrics.close()
         started, self._started_loggers = self._started_loggers, []
         for sink in started:
-            sink.close()
+            if not failed:
+                sink.close()
+                continue
+            try:  # the run's own error is what propagates; a tracker failing to close is only reported
+                sink.close(failed=True)
+            except Exception as error:
+                logger.warning("logger %s did not close after the run failed: %s: %s", sink.name, type(error).__name__, error)
 
     def close_unchanged(self, progress: dict[str, Any] | None = None) -> dict[str, Any]:
         """Close without writing anything; returns the summary the finished run wrote: what a re-run

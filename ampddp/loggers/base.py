@@ -43,8 +43,8 @@ class MetricLogger(ABC):
     def log(self, kind: str, values: Mapping[str, float], step: int) -> None:
         """Record ``values`` (finite numbers, named without the kind) of a ``kind`` record at optimizer step ``step``."""
 
-    def close(self) -> None:  # noqa: B027 - loggers without anything to flush
-        """Flush and end (the run finished, or stopped to resume later)."""
+    def close(self, failed: bool = False) -> None:  # noqa: B027 - loggers without anything to flush
+        """Flush and end: the run finished or stopped to resume later, or (``failed``) raised."""
 
 
 def numbers(record: Mapping[str, Any]) -> dict[str, float]:

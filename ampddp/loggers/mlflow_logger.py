@@ -69,7 +69,7 @@ class MlflowLogger(MetricLogger):
         metrics = [self._metric(f"{kind}/{key}", value, now, step) for key, value in values.items()]
         self._client.log_batch(self._run_id, metrics=metrics)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         if self._run_id is not None:
-            self._client.set_terminated(self._run_id)
+            self._client.set_terminated(self._run_id, status="FAILED" if failed else "FINISHED")
             self._run_id = None

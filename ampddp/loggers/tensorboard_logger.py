@@ -29,7 +29,7 @@ class TensorBoardLogger(MetricLogger):
         for key, value in values.items():
             self._writer.add_scalar(f"{kind}/{key}", value, step)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         if self._writer is not None:
             self._writer.close()
             self._writer = None

@@ -46,7 +46,7 @@ class WandbLogger(MetricLogger):
     def log(self, kind: str, values: Mapping[str, float], step: int) -> None:
         self._run.log({"step": step, **{f"{kind}/{key}": value for key, value in values.items()}})
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         if self._run is not None:
-            self._run.finish()
+            self._run.finish(exit_code=1 if failed else 0)
             self._run = None

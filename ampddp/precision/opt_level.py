@@ -106,7 +106,8 @@ class OptLevelEngine(PrecisionEngine):
             self._buffer_guard = BufferGuard(models)
             self._handles += self._buffer_guard.install(models)
         if policy.verbosity > 0:
-            logger.info("ampddp %s: %s", policy.opt_level, policy.describe())
+            logger.info("precision %s", policy.summary())
+            logger.debug("precision %s settings: %s", policy.opt_level, policy.describe())
         return models, optimizers
 
     def add_optimizer(self, optimizer: Optimizer, fp32_data: dict[int, torch.Tensor] | None = None) -> None:

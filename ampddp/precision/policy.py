@@ -69,6 +69,28 @@ class PrecisionPolicy:
             return self.init_loss_scale
         return min(2.0**16, self.max_loss_scale)
 
+    def summary(self) -> str:
+        """One line saying what the level does (the log of a set-up; ``describe`` has every field)."""
+        if not self.enabled:
+            return f"{self.opt_level} disabled: fp32 throughout"
+        parts = []
+        if self.cast_model_type not in (None, torch.float32):
+            kept = " (BatchNorm fp32)" if self.keep_batchnorm_fp32 else ""
+            parts.append(f"{dtype_name(self.cast_model_type)} model{kept}")
+        if self.patch_torch_functions and self.op_cast_dtype is not None:
+            parts.append(f"{dtype_name(self.op_cast_dtype)} ops per apex's lists")
+        if not parts:
+            parts.append("fp32 throughout")
+        elif self.uses_master_weights:
+            parts.append("fp32 master weights")
+        else:
+            parts.append("fp32 weights" if self.cast_model_type in (None, torch.float32) else "no master weights")
+        if self.dynamic_loss_scale:
+            parts.append(f"dynamic loss scale from {self.first_loss_scale:g}")
+        elif float(self.loss_scale) != 1.0:
+            parts.append(f"static loss scale {float(self.loss_scale):g}")
+        return f"{self.opt_level}: {', '.join(parts)}"
+
     def describe(self) -> dict[str, Any]:
         """Plain-data view (dtypes as strings) for logs, checkpoints and `inspect`."""
         out = dataclasses.asdict(self)

@@ -37,9 +37,13 @@ class Callback:
         """A finished run was started again and trained nothing; return the summary to report."""
         return {}
 
+    def on_exception(self, progress: Progress, error: BaseException) -> None:
+        """Training raised ``error`` (it propagates after every callback has seen it): release what
+        ``on_start`` opened. Optional: a callback without it is skipped."""
 
-HOOKS = tuple(name for name in vars(Callback) if name.startswith("on_"))
-"""The hook names every callback has."""
+
+HOOKS = ("on_start", "on_compiled", "on_step", "on_evaluation", "on_end", "on_already_complete")
+"""The hooks every callback has (``on_exception`` is optional)."""
 
 
 class Callbacks(Callback):
@@ -76,6 +80,12 @@ class Callbacks(Callback):
             summary.update(callback.on_already_complete(progress))
         return summary
 
+    def on_exception(self, progress: Progress, error: BaseException) -> None:
+        for callback in self.callbacks:
+            hook = getattr(callback, "on_exception", None)
+            if hook is not None:
+                hook(progress, error)
+
 
 class ObserverCallback(Callback):
     """A ``RunObserver`` (progress, metrics.jsonl, summary.json, plots, loggers) as a callback."""
@@ -102,6 +112,9 @@ class ObserverCallback(Callback):
 
     def on_already_complete(self, progress: Progress) -> dict[str, Any]:
         return self.observer.close_unchanged(progress.state_dict())
+
+    def on_exception(self, progress: Progress, error: BaseException) -> None:
+        self.observer.abandon()
 
 
 def as_callbacks(items: Iterable[Callback]) -> list[Callback]:

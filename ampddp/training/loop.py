@@ -85,6 +85,9 @@ class TrainingLoop:
         agreed on the last step stops nothing: the run ends as an uninterrupted one, evaluated)."""
         try:
             return self._fit()
+        except BaseException as error:
+            self.callbacks.on_exception(self.progress, error)  # the progress bar, open loggers: released, marked failed
+            raise
         finally:
             self.loading.close()  # the training loader's workers: stopped with the run, never left to exit
 

@@ -54,4 +54,3 @@ def test_a_loss_scale_that_never_changed_gets_no_plot(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     assert [path.name for path in plot_metrics(tmp_path)] == ["loss.png"]
     assert not (tmp_path / "loss_scale.png").exists()
-

@@ -123,3 +123,18 @@ def test_policy_is_frozen_and_describes_itself_as_plain_data():
     described = policy.describe()
     assert described["cast_model_type"] == "float16" and described["opt_level"] == "O2"
     assert all(isinstance(v, (str, int, float, bool, type(None))) for v in described.values())
+
+
+@pytest.mark.parametrize(
+    ("level", "line"),
+    [
+        ("O0", "O0: fp32 throughout"),
+        ("O1", "O1: float16 ops per apex's lists, fp32 weights, dynamic loss scale from 65536"),
+        ("O2", "O2: float16 model (BatchNorm fp32), fp32 master weights, dynamic loss scale from 65536"),
+        ("O3", "O3: float16 model, no master weights"),
+        ("O4", "O4: bfloat16 ops per apex's lists, fp32 weights"),
+        ("O5", "O5: bfloat16 model (BatchNorm fp32), fp32 master weights"),
+    ],
+)
+def test_a_set_up_is_logged_as_one_line_saying_what_the_level_does(level, line):
+    assert resolve_policy(level).summary() == line
