@@ -146,7 +146,7 @@ class RunObserver:
         if self.active and self._bar is not None:
             self._bar.update(1)
 
-    def log_step(self, record: dict[str, Any], samples_seen: int) -> None:
+    def log_step(self, record: dict[str, Any], samples_seen: int, shown_epoch: float | None = None) -> None:
         """Record a logged step (the trainer logs every ``log_every`` steps and every skipped one)."""
         self.data_wait_s += record.get("data_wait_s") or 0.0
         if not self.active:
@@ -163,7 +163,8 @@ class RunObserver:
         if self._bar is not None:
             self._bar.set_postfix_str(" ".join(parts))
         elif self._lines:
-            print(f"step {record['step']} epoch {record['epoch']} {' '.join(parts)}{self._eta(record['step'], now)}", flush=True)
+            epoch = _epoch_text(record["epoch"], shown_epoch)
+            print(f"step {record['step']} epoch {epoch} {' '.join(parts)}{self._eta(record['step'], now)}", flush=True)
 
     def _eta(self, step: int, now: float) -> str:
         """`` eta 3m12s`` from the pace since this run started, when the total is known."""
@@ -202,7 +203,7 @@ class RunObserver:
         if self.active:
             self._write({"kind": "compile", "step": step, "epoch": epoch, "compile_s": seconds, "mode": mode, "backend": str(backend)})
 
-    def evaluation(self, step: int, epoch: int, result: dict[str, Any]) -> None:
+    def evaluation(self, step: int, epoch: int, result: dict[str, Any], shown_epoch: float | None = None) -> None:
         self.last_eval = result
         if result.get("accuracy") is not None:
             self.best_accuracy = max(self.best_accuracy or 0.0, result["accuracy"])
@@ -210,7 +211,7 @@ class RunObserver:
             return
         self._write({"kind": "eval", "step": step, "epoch": epoch, **result})
         values = " ".join(f"{name} {value:.4f}" for name, value in result.items() if name != "samples" and isinstance(value, float))
-        message = f"eval step {step} epoch {epoch}: {values} ({result.get('samples', 0)} samples)"
+        message = f"eval step {step} epoch {_epoch_text(epoch, shown_epoch)}: {values} ({result.get('samples', 0)} samples)"
         if self._bar is not None:
             self._bar.write(message)
         elif self._lines:
@@ -289,6 +290,12 @@ class RunObserver:
             self.run_dir / SUMMARY_FILE, METRICS_FILE,
         )  # fmt: skip
         return self.close(progress, timed=False)
+
+
+def _epoch_text(epoch: int, shown: float | None) -> str:
+    """The console's epoch: epochs done, with the part of the current one (``0.93``, then ``1.00`` at
+    its end), the same in training and evaluation lines; the records keep the whole ``epoch``."""
+    return f"{shown:.2f}" if shown is not None else str(epoch)
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:

@@ -150,7 +150,7 @@ class Trainer(TrainingLoop):
             total_steps=loop.max_steps or loop.max_epochs * epoch_steps, config=checkpoints.config,
             tracked_runs=state.tracked_runs, scales_loss=state.engine.scales_loss,
         )  # fmt: skip
-        return [ObserverCallback(observer)]
+        return [ObserverCallback(observer, epoch_samples=samples)]
 
     def _compiled(self, seconds: float) -> None:
         """The first compiled forward and backward ended (inside the step about to be counted)."""

@@ -90,8 +90,15 @@ class Callbacks(Callback):
 class ObserverCallback(Callback):
     """A ``RunObserver`` (progress, metrics.jsonl, summary.json, plots, loggers) as a callback."""
 
-    def __init__(self, observer: RunObserver) -> None:
+    def __init__(self, observer: RunObserver, epoch_samples: int | None = None) -> None:
+        """``epoch_samples``: samples per epoch, for the console's fractional epoch (None: whole epochs)."""
         self.observer = observer
+        self.epoch_samples = epoch_samples
+
+    def _shown_epoch(self, progress: Progress) -> float | None:
+        if not self.epoch_samples:
+            return None
+        return progress.epoch + min(progress.epoch_position / self.epoch_samples, 1.0)
 
     def on_start(self, progress: Progress) -> None:
         self.observer.started(progress.global_step, progress.epoch, progress.samples_seen)
@@ -102,10 +109,10 @@ class ObserverCallback(Callback):
     def on_step(self, progress: Progress, record: dict[str, Any] | None) -> None:
         self.observer.advance()
         if record is not None:
-            self.observer.log_step(record, progress.samples_seen)
+            self.observer.log_step(record, progress.samples_seen, self._shown_epoch(progress))
 
     def on_evaluation(self, progress: Progress, metrics: dict[str, float]) -> None:
-        self.observer.evaluation(progress.global_step, progress.epoch, metrics)
+        self.observer.evaluation(progress.global_step, progress.epoch, metrics, self._shown_epoch(progress))
 
     def on_end(self, progress: Progress) -> dict[str, Any]:
         return self.observer.close(progress.state_dict())

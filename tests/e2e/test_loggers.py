@@ -117,7 +117,8 @@ def test_the_library_trainer_reports_by_default_and_is_silent_when_asked(tmp_pat
 
     fit(tmp_path / "default")
     printed = capsys.readouterr().out
-    assert "step 2 epoch 0 loss" in printed and "lr 0.05" in printed and "scale" not in printed, printed
+    assert "step 1 epoch 0.50 loss" in printed and "step 2 epoch 1.00 loss" in printed, printed
+    assert "lr 0.05" in printed and "scale" not in printed, printed
     assert {"metrics.jsonl", "summary.json", "checkpoints"} <= {path.name for path in (tmp_path / "default").iterdir()}
     fit(tmp_path / "silent", report=None)
     assert capsys.readouterr().out == ""

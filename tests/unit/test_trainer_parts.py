@@ -267,7 +267,8 @@ def test_a_custom_metric_is_logged_and_printed_by_the_run_observer(tmp_path, cap
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     evaluation = [record for record in records if record["kind"] == "eval"]
     assert len(evaluation) == 1 and set(evaluation[0]) == {"kind", "step", "epoch", "loss", "top2", "samples"}
-    assert f"eval step 2 epoch 1: loss {evaluation[0]['loss']:.4f} top2 {evaluation[0]['top2']:.4f} (6 samples)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"eval step 2 epoch 1.00: loss {evaluation[0]['loss']:.4f} top2 {evaluation[0]['top2']:.4f} (6 samples)" in printed
     assert summary["final_eval_accuracy"] is None and summary["final_eval_loss"] == evaluation[0]["loss"]
     assert (tmp_path / "eval_top2.png").stat().st_size > 1000 and not (tmp_path / "eval_accuracy.png").exists()
 
