@@ -152,14 +152,19 @@ class RunObserver:
         if not self.active:
             return
         now = time.perf_counter()
-        rate = (samples_seen - self._last_samples) / max(now - self._last_time, 1e-9)
+        elapsed = max(now - self._last_time, 1e-9)
+        rate = (samples_seen - self._last_samples) / elapsed
         self._last_time, self._last_samples = now, samples_seen
-        record = {"kind": "train", **record, "samples_per_s": rate, "world_size": self.env.world_size}
+        tokens = record.pop("tokens", None)
+        token_rate = {"tokens_per_s": tokens / elapsed} if tokens else {}
+        record = {"kind": "train", **record, "samples_per_s": rate, **token_rate, "world_size": self.env.world_size}
         self._write(record)
         parts = [f"loss {record['loss']:.4f}", f"lr {record['lr']:.3g}"]
         if self._scales_loss:
             parts += [f"scale {record['loss_scale']:g}", f"skipped {record['skipped_steps']}"]
         parts.append(f"{rate:.0f} samples/s")
+        if token_rate:
+            parts.append(f"{token_rate['tokens_per_s']:.0f} tokens/s")
         if self._bar is not None:
             self._bar.set_postfix_str(" ".join(parts))
         elif self._lines:

@@ -75,12 +75,29 @@ class BatchAdapter:
             raise TypeError(f"cannot count the samples of a {type(batch).__name__} batch: it holds no tensor with a batch dimension")
         return int(tensor.shape[0])
 
+    def tokens(self, batch: Any) -> int:
+        """Tokens in a batch of token ids, for tokens/s (0 for other data): the ``attention_mask``'s
+        ones (padding left out) or the ``input_ids`` of a dict batch, else the elements of an integer
+        input tensor of shape batch x sequence."""
+        if isinstance(batch, Mapping):
+            mask, ids = batch.get("attention_mask"), batch.get("input_ids")
+            if isinstance(mask, torch.Tensor):
+                return int(mask.count_nonzero())
+            return ids.numel() if isinstance(ids, torch.Tensor) and _is_token_ids(ids) else 0
+        inputs = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
+        return inputs.numel() if isinstance(inputs, torch.Tensor) and _is_token_ids(inputs) else 0
+
     def forward(self, model: nn.Module, batch: Any) -> Any:
         if isinstance(batch, Mapping):
             return model(**batch)
         if isinstance(batch, (tuple, list)):
             return model(batch[0])
         return model(batch)
+
+
+def _is_token_ids(tensor: torch.Tensor) -> bool:
+    """int64 / int32 ids of shape batch x sequence (not class labels; not uint8 pixels)."""
+    return tensor.dim() == 2 and tensor.dtype in (torch.int64, torch.int32)
 
 
 def targets_of(batch: Any) -> torch.Tensor:

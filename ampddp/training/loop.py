@@ -52,6 +52,7 @@ class TrainingLoop:
         self.checkpointer, self.loss_fn, self.batches, self.evaluator = checkpointer, loss_fn, batches, evaluator
         self.loading = loading or DataLoading(LoaderSettings(), run.env.device, settings.seed, run.env.rank_seed(settings.seed))
         self.input_timer = InputTimer()
+        self._tokens_since_log = 0
         self.device = device or DeviceSettings()
         self.callbacks = callbacks or Callbacks()
         self.stop_signals = stop_signals
@@ -180,7 +181,8 @@ class TrainingLoop:
     def _optimizer_step(self, window: list[Any], first: int, ends_epoch: bool, stop: StopSignals | None = None) -> bool:
         """One optimizer step over ``window`` (batches ``first``... of this pass); returns True when
         every rank should stop (a signal)."""
-        total = self._global_samples(window)
+        total, tokens = self._global_counts(window)
+        self._tokens_since_log += int(tokens)
         loss_sum = self._forward_backward(window, first, total)
         loss_value, stop_agreed = self._agree(loss_sum, total, stop)
         self.guard.check(loss_value, self.progress.global_step + 1, lambda: self._diagnose(window, first))
@@ -194,9 +196,11 @@ class TrainingLoop:
         self._after_step(ends_epoch)
         return stop_agreed
 
-    def _global_samples(self, window: list[Any]) -> float:
-        local = sum(self.batches.count(batch) for batch in window)
-        return float(sum_across_ranks(local).item()) if self.run.env.distributed else float(local)
+    def _global_counts(self, window: list[Any]) -> tuple[float, float]:
+        """Samples and tokens (0 for data that is not token ids) of the window over every rank: one all-reduce."""
+        local = [sum(self.batches.count(batch) for batch in window), sum(self.batches.tokens(batch) for batch in window)]
+        samples, tokens = sum_across_ranks(torch.tensor(local, dtype=torch.float64)).tolist() if self.run.env.distributed else local
+        return float(samples), float(tokens)
 
     def _forward_backward(self, window: list[Any], first: int, total: float) -> torch.Tensor:
         """Backward of every micro-batch, each weighted by its share of the global batch (exact with
@@ -255,7 +259,13 @@ class TrainingLoop:
             "skipped": not stepped, "skipped_steps": progress.skipped_steps,
             "grad_norm": None if grad_norm is None or not stepped else float(grad_norm),
             "data_wait_s": self.input_timer.take(progress.global_step),
+            **({"tokens": self._take_tokens()} if self._tokens_since_log else {}),
         }  # fmt: skip
+
+    def _take_tokens(self) -> int:
+        """Tokens trained on since the last record (the observer turns them into tokens/s)."""
+        tokens, self._tokens_since_log = self._tokens_since_log, 0
+        return tokens
 
     def _after_step(self, ends_epoch: bool) -> None:
         """Epoch end and evaluation, then the checkpoint: the last step is evaluated before it is

@@ -309,3 +309,29 @@ def test_an_item_that_refuses_its_state_leaves_the_run_unloaded(tmp_path):
         again.load_checkpoint(CheckpointStore(tmp_path).latest())
     assert again.progress.global_step == 0 and again.engine.state_dict() == first.engine.__class__.state_dict(again.engine)
     assert all(torch.equal(a, b) for a, b in zip(before, again.run.module.parameters()))
+
+
+def test_tokens_are_counted_for_token_data_only():
+    adapter = BatchAdapter()
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert adapter.tokens({"input_ids": torch.ones(2, 3, dtype=torch.long), "attention_mask": mask}) == 3
+    assert adapter.tokens({"input_ids": torch.ones(2, 3, dtype=torch.long)}) == 6
+    assert adapter.tokens((torch.ones(4, 5, dtype=torch.int32), torch.zeros(4, dtype=torch.long))) == 20
+    assert adapter.tokens((torch.randn(4, 3, 8, 8), torch.zeros(4, dtype=torch.long))) == 0
+    assert adapter.tokens((torch.zeros(4, 64, dtype=torch.uint8), torch.zeros(4, dtype=torch.long))) == 0, "pixels are not tokens"
+
+
+def test_a_token_run_logs_tokens_per_second_and_an_image_run_does_not(tmp_path, capsys):
+    from ampddp.observe import Reporting
+
+    trainer = Trainer(TinyTextClassifier(), sgd, TokenDataset(16), precision="O0", batch_size=8, max_steps=2, log_every=1,
+                      checkpoints=CheckpointSettings(tmp_path), report=Reporting(progress="lines"))  # fmt: skip
+    trainer.fit()
+    train = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"train"' in line]
+    assert len(train) == 2 and all(record["tokens_per_s"] > 0 for record in train)
+    assert " tokens/s" in capsys.readouterr().out
+    pictures = torch.utils.data.TensorDataset(torch.randn(16, 16), torch.zeros(16, dtype=torch.long))
+    images = Trainer(nn.Sequential(nn.Flatten(), nn.Linear(16, 4)), sgd, pictures, precision="O0", batch_size=8, max_steps=1,
+                     log_every=1, checkpoints=CheckpointSettings(tmp_path / "images"))  # fmt: skip
+    images.fit()
+    assert "tokens_per_s" not in (tmp_path / "images" / "metrics.jsonl").read_text()
