@@ -19,7 +19,7 @@ from ampddp.checkpoint.inspect import summarize
 from ampddp.checkpoint.store import CheckpointStore
 from ampddp.cli import main
 from ampddp.errors import ConfigError
-from ampddp.loggers import CsvLogger, MetricLogger, WandbLogger
+from ampddp.loggers import CsvLogger, MetricLogger, MlflowLogger, WandbLogger
 from ampddp.observe import Reporting
 from ampddp.trainer import Trainer
 from ampddp.training import CheckpointSettings
@@ -126,20 +126,23 @@ def test_the_library_trainer_reports_by_default_and_is_silent_when_asked(tmp_pat
 
 
 @needs["wandb"]
-def test_the_library_trainer_continues_its_wandb_run_after_a_resume(tmp_path):
+@needs["mlflow"]
+def test_the_library_trainer_continues_its_wandb_and_mlflow_runs_after_a_resume(tmp_path):
     def fit(max_steps: int) -> None:
+        loggers = (WandbLogger(project="tests", mode="offline"), MlflowLogger(experiment="tests"))
         Trainer(make_model(), lambda p: torch.optim.SGD(p, lr=0.05), NoisyDigits(16), precision="native-bf16", batch_size=8,
                 max_steps=max_steps, max_epochs=10, log_every=1, checkpoint_every=1, checkpoints=CheckpointSettings(tmp_path),
-                report=Reporting(progress="off", loggers=(WandbLogger(project="tests", mode="offline"),))).fit()  # fmt: skip
+                report=Reporting(progress="off", loggers=loggers)).fit()  # fmt: skip
 
     fit(2)
-    run_id = saved_tracked_runs(tmp_path)["wandb"]
-
+    run_ids = saved_tracked_runs(tmp_path)
     fit(3)
-    assert saved_tracked_runs(tmp_path) == {"wandb": run_id}
-    rows = [row for row in wandb_rows(tmp_path, run_id) if "train/loss" in row]
+    assert saved_tracked_runs(tmp_path) == run_ids and set(run_ids) == {"wandb", "mlflow"}
+    rows = [row for row in wandb_rows(tmp_path, run_ids["wandb"]) if "train/loss" in row]
     assert [row["step"] for row in rows] == [1, 2, 3]
     assert not any("train/loss_scale" in row for row in rows), "bf16 does not scale the loss"
+    assert mlflow_history(tmp_path, run_ids["mlflow"], "train/loss") == [1, 2, 3]
+    assert mlflow_history(tmp_path, run_ids["mlflow"], "train/loss_scale") == []
 
 
 class NeedsMissingPackage(MetricLogger):
