@@ -47,12 +47,16 @@ class MetricLogger(ABC):
         """Flush and end: the run finished or stopped to resume later, or (``failed``) raised."""
 
 
+NOT_LOGGED = ("kind", "step", "epoch", "world_size")
+"""Record fields that are not values over time: the axes, and the process count (in the tracker's config)."""
+
+
 def numbers(record: Mapping[str, Any]) -> dict[str, float]:
-    """The finite numbers of a record, without its step and epoch (they are the axes)."""
+    """The finite numbers of a record that loggers plot (not ``NOT_LOGGED``)."""
     return {
         key: float(value)
         for key, value in record.items()
-        if key not in ("kind", "step", "epoch") and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if key not in NOT_LOGGED and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     }
 
 
