@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from ampddp.loggers.base import MetricLogger, import_extra
+
+logger = logging.getLogger("ampddp.loggers")
 
 MAX_PARAM_LENGTH = 6000
 """MLflow refuses longer parameter values; a longer setting is logged cut to this length."""
@@ -52,9 +55,7 @@ class MlflowLogger(MetricLogger):
 
         uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{run_dir.resolve() / 'mlflow.db'}"
         self._client, self._metric = MlflowClient(tracking_uri=uri), Metric
-        if run_id is not None:
-            self._client.update_run(run_id, status="RUNNING")
-            self._run_id = run_id
+        if run_id is not None and self._continue(run_id, uri):
             return run_id
         experiment = self._client.get_experiment_by_name(self.experiment)
         experiment_id = experiment.experiment_id if experiment is not None else self._client.create_experiment(self.experiment)
@@ -63,6 +64,18 @@ class MlflowLogger(MetricLogger):
         for first in range(0, len(params), 100):  # MLflow takes at most 100 parameters per batch
             self._client.log_batch(self._run_id, params=params[first : first + 100])
         return self._run_id
+
+    def _continue(self, run_id: str, uri: str) -> bool:
+        """Continue run ``run_id``; False (with a warning: a fresh run follows) when this store has no such run."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self._client.update_run(run_id, status="RUNNING")
+        except MlflowException as error:
+            logger.warning("MLflow run %s is not in %s (%s): logging to a new run", run_id, uri, str(error).splitlines()[0])
+            return False
+        self._run_id = run_id
+        return True
 
     def log(self, kind: str, values: Mapping[str, float], step: int) -> None:
         now = int(time.time() * 1000)

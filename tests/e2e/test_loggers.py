@@ -175,3 +175,15 @@ def main_error(tmp_path: Path, *overrides: str) -> None:
     from ampddp.recipe.reading import load_config
 
     load_config(QUICKSTART, [f"trainer.run_dir={tmp_path}", *overrides])
+
+
+@needs["mlflow"]
+def test_a_saved_mlflow_run_missing_from_the_store_gets_a_new_run_with_a_warning(tmp_path, caplog):
+    first = MlflowLogger()
+    run_id = first.start(tmp_path / "a", {"trainer": {"seed": 0}}, None, 0)
+    first.close()
+    moved = MlflowLogger()  # the same saved id against another store (a changed tracking URI)
+    with caplog.at_level("WARNING"):
+        other = moved.start(tmp_path / "b", None, run_id, 3)
+    moved.close()
+    assert other != run_id and f"MLflow run {run_id} is not in" in caplog.text
