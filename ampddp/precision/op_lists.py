@@ -19,7 +19,7 @@ LOW_PRECISION_OPS = (
 FP32_OPS = (
     # functional / activation / normalisation
     "interpolate", "grid_sample", "softplus", "softmin", "log_softmax", "softmax", "gelu",
-    "layer_norm", "group_norm", "local_response_norm", "normalize", "cosine_similarity",
+    "layer_norm", "group_norm", "local_response_norm", "normalize", "cosine_similarity", "rms_norm",
     # losses
     "poisson_nll_loss", "cosine_embedding_loss", "cross_entropy", "hinge_embedding_loss",
     "kl_div", "l1_loss", "mse_loss", "margin_ranking_loss", "multilabel_margin_loss",

@@ -57,6 +57,8 @@ def fp32_list_ops(h):
         "**": lambda: h**2,
         "torch.norm": lambda: torch.norm(h),
         "F.group_norm": lambda: F.group_norm(h[None], 2),
+        "F.rms_norm": lambda: F.rms_norm(h, (4,)),
+        "nn.RMSNorm": lambda: nn.RMSNorm(4)(h),
     }
 
 
