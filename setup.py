@@ -11,7 +11,7 @@ MMENGINE = ["mmengine>=0.10"]
 # Experiment trackers (observe.loggers): optional; the test extra installs them so the logger tests
 # run (offline W&B, a local SQLite MLflow store); without them those tests skip with the reason.
 TENSORBOARD = ["tensorboard"]
-WANDB = ["wandb>=0.19"]
+WANDB = ["wandb>=0.19.10"]
 MLFLOW = ["mlflow>=3.0"]
 # The docs site (mkdocs.yml): the task pages in docs/ and the API reference from the docstrings.
 DOCS = ["mkdocs>=1.6", "mkdocstrings[python]>=0.26"]

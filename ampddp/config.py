@@ -125,8 +125,10 @@ class DataConfig:
     user's function as package.module:function, called with data.kwargs, returning (train_set, eval_set or None).
     root, image_size, channels, augment and eval_fraction apply to the built-in datasets; crop, auto_augment and
     normalize to cifar10 and imagefolder; decode_device to imagefolder."""
-    root: str | None = field(default=None, metadata=PATH_SETTING)
-    """Directory of cifar10 (the extracted cifar-10-batches-py) or of an imagefolder (train/<class>/ and val/<class>/)."""
+    root: str | None = None
+    """Directory of cifar10 (the extracted cifar-10-batches-py) or of an imagefolder (train/<class>/ and val/<class>/).
+    ``~`` and ``$VARS`` are expanded when the data is read, not in the config a checkpoint keeps: a
+    requeued job whose $SLURM_TMPDIR moved resumes as the same run."""
     image_size: int = field(default=32, metadata=_at_least(1))
     channels: int = field(default=3, metadata=_at_least(1))
     batch_size: int = field(default=64, metadata=_at_least(1))

@@ -29,6 +29,7 @@ from ampddp.run_files import (
     run_file_errors,
 )
 
+LOGGERS_NEED_A_RUN_DIR = "loggers write into the run dir: give one (CheckpointSettings(run_dir=...)) or no loggers"
 PLOTS_SKIPPED = "plots skipped: matplotlib is not installed (pip install 'ampddp[plots]')"
 PROGRESS_CHOICES = ("auto", "bar", "lines", "off")
 SCALING_FIELDS = ("loss_scale", "skipped", "skipped_steps")
@@ -109,7 +110,7 @@ class RunObserver:
         self.tracked_runs = tracked_runs if tracked_runs is not None else TrackedRuns()
         self._loggers = list(loggers) if self.active and self.run_dir is not None else []
         if self.run_dir is None and loggers:
-            raise ConfigError("loggers write into the run dir: give one (CheckpointSettings(run_dir=...)) or no loggers")
+            raise ConfigError(LOGGERS_NEED_A_RUN_DIR)
         self._identity = RunDirIdentity(self.run_dir) if self.run_dir is not None else None
         self._started_loggers: list[MetricLogger] = []
         self._wants_bar = self.active and progress in ("bar", "auto") and not self._lines
@@ -130,13 +131,26 @@ class RunObserver:
         values = numbers(record)
         if not self._scales_loss:
             values = {key: value for key, value in values.items() if key not in SCALING_FIELDS}
-        for sink in self._started_loggers:
-            sink.log(record["kind"], values, record["step"])
+        for sink in list(self._started_loggers):
+            try:
+                sink.log(record["kind"], values, record["step"])
+            except Exception as error:  # a tracker's failure (a server gone, a name it refuses) never ends the training
+                self._drop(sink, error)
+
+    def _drop(self, sink: MetricLogger, error: Exception) -> None:
+        """Stop logging to ``sink`` for the rest of the run, with one warning; the others go on."""
+        logger.warning("logger %s failed (%s: %s); the run goes on without it", sink.name, type(error).__name__, error)
+        self._started_loggers.remove(sink)
+        _close_quietly(sink, failed=True)
 
     def _start_loggers(self, step: int) -> None:
         """Open every logger, continuing the tracked runs this run logged to before a resume."""
         for sink in self._loggers:
-            run_id = sink.start(self.run_dir, self._config, self.tracked_runs.ids.get(sink.name), step)
+            try:
+                run_id = sink.start(self.run_dir, self._config, self.tracked_runs.ids.get(sink.name), step)
+            except BaseException:
+                _close_quietly(sink, failed=True)  # what it opened before failing (an MLflow run) is not left running
+                raise
             self._started_loggers.append(sink)
             if run_id is not None:
                 self.tracked_runs.ids[sink.name] = run_id
@@ -155,6 +169,7 @@ class RunObserver:
         elapsed = max(now - self._last_time, 1e-9)
         rate = (samples_seen - self._last_samples) / elapsed
         self._last_time, self._last_samples = now, samples_seen
+        record = dict(record)  # the callbacks after this one see the record as the loop made it
         tokens = record.pop("tokens", None)
         token_rate = {"tokens_per_s": tokens / elapsed} if tokens else {}
         record = {"kind": "train", **record, "samples_per_s": rate, **token_rate, "world_size": self.env.world_size}
@@ -267,14 +282,8 @@ class RunObserver:
         if self._metrics is not None:
             self._metrics.close()
         started, self._started_loggers = self._started_loggers, []
-        for sink in started:
-            if not failed:
-                sink.close()
-                continue
-            try:  # the run's own error is what propagates; a tracker failing to close is only reported
-                sink.close(failed=True)
-            except Exception as error:
-                logger.warning("logger %s did not close after the run failed: %s: %s", sink.name, type(error).__name__, error)
+        for sink in started:  # every logger gets its close, whichever fails; a tracker never fails a finished run
+            _close_quietly(sink, failed)
 
     def close_unchanged(self, progress: dict[str, Any] | None = None) -> dict[str, Any]:
         """Close without writing anything; returns the summary the finished run wrote: what a re-run
@@ -295,6 +304,14 @@ class RunObserver:
             self.run_dir / SUMMARY_FILE, METRICS_FILE,
         )  # fmt: skip
         return self.close(progress, timed=False)
+
+
+def _close_quietly(sink: MetricLogger, failed: bool) -> None:
+    """Close a logger that already failed; a second failure is only logged."""
+    try:
+        sink.close(failed=failed)
+    except Exception as error:
+        logger.warning("logger %s did not close: %s: %s", sink.name, type(error).__name__, error)
 
 
 def _epoch_text(epoch: int, shown: float | None) -> str:

@@ -21,7 +21,7 @@ from ampddp.distributed.data import ResumableSampler
 from ampddp.distributed.env import DistEnv, detect_env, seed_everything
 from ampddp.distributed.parallel import Parallel
 from ampddp.errors import ConfigError
-from ampddp.observe import Reporting, RunObserver
+from ampddp.observe import LOGGERS_NEED_A_RUN_DIR, Reporting, RunObserver
 from ampddp.precision.choice import Precision
 from ampddp.preemption import DEFAULT_STOP_SIGNALS, StopSignals, parse_signals
 from ampddp.prepare import MOVED_ARGUMENTS, refuse_moved_arguments
@@ -111,6 +111,8 @@ class Trainer(TrainingLoop):
         hooks = as_callbacks(callbacks)
         if report is not None and not isinstance(report, Reporting):
             raise ConfigError(f"report={report!r} is not valid; valid: Reporting(progress=..., loggers=[...], plots=...) or None (silent)")
+        if report is not None and report.loggers and checkpoints.run_dir is None:
+            raise ConfigError(LOGGERS_NEED_A_RUN_DIR)
         if loop.checkpoint_every is not None and checkpoints.run_dir is None:
             raise ConfigError("checkpoint_every needs a run_dir to write checkpoints into: checkpoints=CheckpointSettings(run_dir=...)")
         if not isinstance(stop_signals, StopSignals):

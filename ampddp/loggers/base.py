@@ -32,7 +32,7 @@ class MetricLogger(ABC):
         """ConfigError saying which extra to install, when the package this logger needs is missing."""
         if self.requires is not None and importlib.util.find_spec(self.requires[0]) is None:
             package, extra = self.requires
-            raise ConfigError(f"observe.loggers: {self.name} needs the {package} package: pip install 'ampddp[{extra}]'")
+            raise ConfigError(f"logger {self.name} needs the {package} package: pip install 'ampddp[{extra}]'")
 
     def start(self, run_dir: Path, config: Mapping[str, Any] | None, run_id: str | None, step: int) -> str | None:
         """Open for a run that starts (or resumes) at ``step``; ``run_id``: the tracked run to continue

@@ -32,6 +32,7 @@ from ampddp.recipe.factories import (
     SHUFFLE,
     build_datasets_from,
     build_model_from,
+    data_root,
     device_settings,
     loader_settings,
     model_compiler,
@@ -96,7 +97,7 @@ def _check_model(config: RunConfig) -> nn.Module:
         return model
     classes = DATASET_CLASSES.get(data.name)
     if data.name == "imagefolder" and data.root is not None:
-        classes = len(find_classes(Path(data.root) / "train"))
+        classes = len(find_classes(Path(data_root(config)) / "train"))
     if classes is not None and model_cfg.num_classes < classes:
         raise ConfigError(
             f"model.num_classes={model_cfg.num_classes} is too small for data.name={data.name}, which has {classes} classes; "
@@ -164,7 +165,7 @@ def _check_data_root(config: RunConfig) -> None:
     layout = CIFAR_LAYOUT if data.name == "cifar10" else IMAGEFOLDER_LAYOUT
     if data.root is None:
         raise ConfigError(f"data.name={data.name} needs data.root (ampddp never downloads data); expected layout: {layout}")
-    root = Path(data.root)
+    root = Path(data_root(config))
     if not root.is_dir():
         raise ConfigError(f"data.root={data.root}: no such directory; {data.name} expects {layout}")
     if data.name == "cifar10" and not (root / "cifar-10-batches-py").is_dir():

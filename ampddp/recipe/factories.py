@@ -32,6 +32,7 @@ from ampddp.errors import ConfigError, closest, spelled
 from ampddp.loggers import MlflowLogger, WandbLogger
 from ampddp.models import build_model
 from ampddp.observe import Reporting
+from ampddp.paths import expand_path
 from ampddp.precision.choice import Precision
 from ampddp.precision.engine import NATIVE_MODES
 from ampddp.precision.native import NATIVE_SETTINGS
@@ -194,7 +195,7 @@ def build_datasets_from(config: RunConfig, augment: bool) -> tuple[Dataset, Data
     refuse_kwargs("data", data.name, data.kwargs)
     if not is_import_path(data.name):
         return build_datasets(
-            data.name, data.root, data.image_size, data.channels, data.eval_fraction, config.trainer.seed, augment,
+            data.name, data_root(config), data.image_size, data.channels, data.eval_fraction, config.trainer.seed, augment,
             auto_augment=data.auto_augment, normalize=data.normalize, decode_device=data.decode_device, crop=data.crop,
         )  # fmt: skip
     seed_everything(config.trainer.seed)
@@ -338,3 +339,9 @@ def reporting_from(config: RunConfig) -> Reporting:
     }
     loggers = tuple(configured[name]() if name in configured else name for name in names)
     return Reporting(progress=config.trainer.progress, loggers=loggers, plots=observe.plots)
+
+
+def data_root(config: RunConfig) -> str | None:
+    """data.root with ``~`` and ``$VARS`` expanded now (the config keeps it as written; see DataConfig.root)."""
+    root = config.data.root
+    return None if root is None else expand_path(root, "data.root")

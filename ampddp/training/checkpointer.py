@@ -198,10 +198,18 @@ class Checkpointer:
             state.scheduler.load_state_dict(shared[keys.SCHEDULER])
         plan.apply(state.optimizer, state.scheduler)
         state.progress.load_state_dict(saved_progress.state_dict())
-        state.tracked_runs.load_state_dict(shared.get(keys.TRACKED_RUNS) or {})
+        self._continue_tracked_runs(ref, shared.get(keys.TRACKED_RUNS) or {})
         self.saved_step = ref.step
         self._restore_rng(rng, ref, shared[keys.WORLD_SIZE])
         logger.info("resumed from %s at step %d (epoch %d)", ref.path, state.progress.global_step, state.progress.epoch)
+
+    def _continue_tracked_runs(self, ref: CheckpointRef, saved: dict[str, str]) -> None:
+        """The trackers' runs continue when the checkpoint is this run dir's own; one taken from another
+        run dir (``resume_from``) starts fresh tracked runs rather than logging into that run's."""
+        own = self.store is not None and ref.path.parent.resolve() == self.store.root.resolve()
+        if saved and not own:
+            logger.info("%s belongs to another run dir: its tracked runs (%s) are not continued", ref.path, ", ".join(saved))
+        self.state.tracked_runs.load_state_dict(saved if own else {})
 
     def _load_extra(self, saved: dict[str, Any], where: str) -> None:
         for name, item in self.state.extra.items():

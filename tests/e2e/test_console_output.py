@@ -23,7 +23,7 @@ SHORT = ["trainer.max_steps=1", "data.batch_size=8", "data.eval_fraction=0.05", 
 
 @pytest.mark.parametrize("verbose", [False, True])
 def test_a_set_up_prints_one_line_and_every_setting_only_when_verbose(tmp_path, caplog, monkeypatch, verbose):
-    monkeypatch.delenv("AMPDDP_LOG_LEVEL", raising=False)  # --verbose sets it for the ranks it starts: undone after the test
+    monkeypatch.setenv("AMPDDP_LOG_LEVEL", "")  # --verbose sets it for the ranks it starts: monkeypatch undoes it after the test
     caplog.set_level(logging.INFO)  # the root's level, as the command sets it
     caplog.handler.setLevel(logging.DEBUG)  # and a handler that would print debug records, were any made
     assert main(["train", str(QUICKSTART), f"trainer.run_dir={tmp_path}", *SHORT, *(["--verbose"] if verbose else [])]) == 0

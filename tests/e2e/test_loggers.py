@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -34,11 +35,15 @@ needs = {name: pytest.mark.skipif(importlib.util.find_spec(name) is None, reason
 
 @pytest.fixture(autouse=True)
 def offline_trackers(tmp_path, monkeypatch):
-    """No tracker leaves the test's folder or reaches the network."""
+    """No tracker leaves the test's folder or reaches the network, nor leaves settings behind."""
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
     monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "wandb-cache"))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    service_before = os.environ.get("WANDB_SERVICE")
+    yield
+    if service_before is None:
+        os.environ.pop("WANDB_SERVICE", None)  # W&B records its service process here for later runs of this process
 
 
 def saved_tracked_runs(run_dir: Path) -> dict:
@@ -187,3 +192,53 @@ def test_a_saved_mlflow_run_missing_from_the_store_gets_a_new_run_with_a_warning
         other = moved.start(tmp_path / "b", None, run_id, 3)
     moved.close()
     assert other != run_id and f"MLflow run {run_id} is not in" in caplog.text
+
+
+class Tracker(MetricLogger):
+    """A tracker with runs of its own: records what it was asked to continue; fails on ``fail_at``."""
+
+    name = "tracker"
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.continued: list[str | None] = []
+        self.steps: list[int] = []
+        self.closed: list[bool] = []
+        self.fail_at = fail_at
+
+    def start(self, run_dir, config, run_id, step):
+        self.continued.append(run_id)
+        return run_id or f"run-of-{run_dir.name}"
+
+    def log(self, kind, values, step) -> None:
+        if step == self.fail_at:
+            raise ConnectionError("tracking server gone")
+        self.steps.append(step)
+
+    def close(self, failed: bool = False) -> None:
+        self.closed.append(failed)
+
+
+def fit_with(run_dir: Path, *loggers: MetricLogger, max_steps: int = 2, **checkpoints) -> None:
+    Trainer(make_model(), lambda p: torch.optim.SGD(p, lr=0.05), NoisyDigits(16), precision="O0", batch_size=8, max_steps=max_steps,
+            max_epochs=10, log_every=1, checkpoint_every=1, checkpoints=CheckpointSettings(run_dir, **checkpoints),
+            report=Reporting(progress="off", loggers=loggers)).fit()  # fmt: skip
+
+
+def test_a_logger_that_fails_during_the_run_is_dropped_and_training_goes_on(tmp_path, caplog):
+    failing = Tracker(fail_at=2)
+    with caplog.at_level("WARNING"):
+        fit_with(tmp_path, failing, CsvLogger(), max_steps=3)
+    assert failing.steps == [1] and failing.closed == [True]
+    assert "logger tracker failed (ConnectionError: tracking server gone); the run goes on without it" in caplog.text
+    assert [int(row["step"]) for row in csv_rows(tmp_path, "train")] == [1, 2, 3]
+
+
+def test_only_a_resume_in_the_same_run_dir_continues_the_tracked_runs(tmp_path):
+    first = Tracker()
+    fit_with(tmp_path / "a", first)
+    same = Tracker()
+    fit_with(tmp_path / "a", same, max_steps=3)
+    other = Tracker()
+    fit_with(tmp_path / "b", other, max_steps=4, resume=str(CheckpointStore(tmp_path / "a").latest().path))
+    assert first.continued == [None] and same.continued == ["run-of-a"] and other.continued == [None]
+    assert saved_tracked_runs(tmp_path / "b") == {"tracker": "run-of-b"}

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
+from image_folders import make_image_folder
 
+from ampddp.checkpoint.store import CheckpointStore
 from ampddp.cli import main
 from ampddp.errors import ConfigError
+from ampddp.recipe.factories import data_root
 from ampddp.recipe.reading import load_config
 from ampddp.training import CheckpointSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
-SHORT = ["trainer.max_steps=2", "data.batch_size=8", "data.eval_fraction=0.05", "trainer.progress=off"]
+SHORT = ["trainer.max_steps=2", "data.batch_size=8", "data.eval_fraction=0.05", "trainer.progress=off", "observe.plots=false"]
 
 
 @pytest.fixture
@@ -32,7 +36,8 @@ def test_every_path_setting_expands_home_and_variables(home, tmp_path):
         "checkpoint.init_from=${AMPDDP_TEST_DATA}/w.pt", "checkpoint.resume_from=~/runs/old",
     ])  # fmt: skip
     assert config.trainer.run_dir == str(home / "runs" / "q")
-    assert config.data.root == str(tmp_path / "data" / "cifar")
+    assert config.data.root == "$AMPDDP_TEST_DATA/cifar", "kept as written: a checkpoint compares it so"
+    assert data_root(config) == str(tmp_path / "data" / "cifar")
     assert config.checkpoint.init_from == str(tmp_path / "data" / "w.pt")
     assert config.checkpoint.resume_from == str(home / "runs" / "old")
 
@@ -65,3 +70,18 @@ def test_the_library_checkpoint_settings_expand_paths_too(home):
     assert settings.init_from.endswith("data/w.pt") and "$" not in settings.init_from
     with pytest.raises(ConfigError, match="folder named '~'"):
         CheckpointSettings(run_dir="runs/~")
+
+
+@pytest.mark.timeout(300)
+def test_a_requeued_job_whose_data_variable_moved_resumes_as_the_same_run(home, tmp_path, monkeypatch):
+    first, second = make_image_folder(tmp_path / "node-a" / "images"), tmp_path / "node-b" / "images"
+    shutil.copytree(first, second)
+    run = ["train", str(QUICKSTART), f"trainer.run_dir={tmp_path / 'run'}", "data.name=imagefolder", "data.root=$JOB_TMP/images",
+           "data.image_size=16", "data.channels=3", "data.batch_size=8", "precision.mode=O0", "optimizer.scheduler=none",
+           "trainer.progress=off", "observe.plots=false", "data.num_workers=0", "distributed.nproc_per_node=1",
+           "checkpoint.every_steps=1"]  # fmt: skip
+    monkeypatch.setenv("JOB_TMP", str(tmp_path / "node-a"))
+    assert main([*run, "trainer.max_steps=2"]) == 0
+    monkeypatch.setenv("JOB_TMP", str(tmp_path / "node-b"))
+    assert main([*run, "trainer.max_steps=3"]) == 0
+    assert CheckpointStore(tmp_path / "run").latest().step == 3

@@ -92,7 +92,8 @@ class AmpHandle:
         if self._context is None:
             yield
             return
-        modes = [*self._context.entered_modes(), *([self._held.cast_mode] if self._held.mode_pushed else [])]
+        held_here = self._held.mode_pushed and threading.get_ident() == self._thread  # held on the thread that called init only
+        modes = [*self._context.entered_modes(), *([self._held.cast_mode] if held_here else [])]
         with suspend_thread_casts(modes, self._context.device_types):
             yield
 
