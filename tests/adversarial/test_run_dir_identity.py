@@ -34,8 +34,8 @@ def test_a_run_whose_dir_is_moved_mid_run_stops_with_one_line_and_nothing_recrea
     run_dir, moved = tmp_path / "run", tmp_path / "moved"
     real_log_step = RunObserver.log_step
 
-    def move_after_step_2(self, record, samples_seen):
-        real_log_step(self, record, samples_seen)
+    def move_after_step_2(self, record, samples_seen, *shown):
+        real_log_step(self, record, samples_seen, *shown)
         if record.get("step") == 2 and run_dir.exists():
             shutil.move(run_dir, moved)
 
