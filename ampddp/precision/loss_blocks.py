@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager
-from typing import Protocol
 
 import torch
 from torch.optim import Optimizer
@@ -25,20 +23,7 @@ from ampddp.precision.opt_level import OptLevelEngine
 from ampddp.precision.scaler import LossScaler
 
 
-class LossBlocks(Protocol):
-    """What opens a ``scale_loss`` block for an engine."""
-
-    def scale_loss(
-        self,
-        loss: torch.Tensor,
-        optimizers: Sequence[Optimizer],
-        loss_id: int = 0,
-        delay_unscale: bool = False,
-        delay_overflow_check: bool = False,
-    ) -> AbstractContextManager[torch.Tensor]: ...
-
-
-def loss_blocks(engine: PrecisionEngine) -> LossBlocks:
+def loss_blocks(engine: PrecisionEngine) -> OptLevelLossBlocks | ApexEngine:
     """The ``scale_loss`` blocks of ``engine``; AmpUsageError for the native modes, which have none."""
     if isinstance(engine, OptLevelEngine):
         return OptLevelLossBlocks(engine)
