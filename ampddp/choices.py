@@ -12,7 +12,9 @@ NATIVE_MODE_NAMES = ("native-fp16", "native-bf16")
 PRECISION_MODES = (*OPT_LEVEL_NAMES, *NATIVE_MODE_NAMES)
 IMPLS = ("builtin", "apex")
 
-STRATEGIES = ("ddp", "apex-ddp", "dp", "none")
+STRATEGIES = ("ddp", "apex-ddp", "fsdp2", "dp", "none")
+"""How a model is spread over processes: torch DDP, apex's DDP, FSDP2 sharding (``fully_shard``),
+nn.DataParallel (one process), or not at all."""
 COMM_HOOKS = ("none", "fp16", "bf16")
 """DDP communication hooks: none (all-reduce in the gradients' dtype) or compress to fp16 / bf16."""
 SYNC_BN_IMPLS = ("auto", "torch", "apex", "portable")

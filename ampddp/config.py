@@ -90,6 +90,9 @@ class PrecisionConfig:
     cast_model_type: str | None = None
     patch_torch_functions: bool | None = None
     keep_batchnorm_fp32: bool | str | None = None
+    fp32_islands: bool | None = None
+    """With distributed.strategy fsdp2, O2/O5: run apex's fp32-list ops (softmax, norms, losses) in fp32
+    over the low-precision params (null: on); false: apex's pure O2/O5. Refused elsewhere."""
     master_weights: bool | None = None
     loss_scale: float | str | None = field(default=None, metadata=_above(0))
     """A fixed scale, or "dynamic"; None keeps the mode's default."""
@@ -259,6 +262,14 @@ class DistributedConfig:
     """torch DDP: all-reduce bucket size in MiB; null keeps torch's default (25)."""
     comm_hook: str = field(default="none", metadata=_choices(*COMM_HOOKS))
     """torch DDP: all-reduce gradients compressed to fp16 or bf16 (half the traffic), or none."""
+    fsdp_blocks: list[str] = field(default_factory=list)
+    """fsdp2: class names of the modules sharded as one unit each (e.g. [Block]); empty: the model's repeated layers."""
+    fsdp_reshard_after_forward: bool = True
+    """fsdp2: free a block's gathered params after its forward (less memory) or keep them for the backward (faster)."""
+    fsdp_reduce_in_fp32: bool = True
+    """fsdp2: reduce gradients in fp32 (false: in the compute dtype, half the traffic)."""
+    fsdp_activation_checkpointing: bool = False
+    """fsdp2: recompute each block's activations in the backward instead of keeping them (less memory, ~1/3 more compute)."""
 
 
 @dataclass

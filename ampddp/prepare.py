@@ -1,4 +1,5 @@
-"""The one fixed set-up order for a training run: SyncBN -> device -> optimizer -> precision -> DDP.
+"""The one fixed set-up order for a training run: SyncBN -> device -> optimizer -> precision -> DDP
+(FSDP2: SyncBN -> device -> stored dtypes -> sharding -> optimizer -> precision).
 
 Precision conversion and the fp32 master copy are one step (``engine.setup``) so that masters are
 taken from the exact fp32 weights; it runs after the optimizer exists and before DDP wraps the
@@ -72,6 +73,11 @@ def refuse_moved_arguments(caller: str, arguments: Iterable[str], table: Mapping
         raise ConfigError(f"{caller} no longer takes {', '.join(moved)}: each is now part of an object ({where})")
 
 
+def engine_for(precision: Precision, parallel: Parallel) -> PrecisionEngine:
+    """The precision engine for this strategy: FSDP2 (sharded params) maps O2/O5 onto its own mixed precision."""
+    return precision.build_sharded_engine() if parallel.shards_params else precision.build_engine()
+
+
 def prepare(
     model: nn.Module,
     make_optimizer: Callable[[Iterable[nn.Parameter]], Optimizer],
@@ -90,11 +96,26 @@ def prepare(
     refuse_moved_arguments("prepare", moved)
     if moved:
         raise TypeError(f"prepare() got unexpected keyword argument(s) {', '.join(sorted(moved))}")
-    engine = Precision.of(precision).build_engine()
     parallel = parallel if parallel is not None else Parallel()
+    precision = Precision.of(precision)
     model = parallel.synchronise_batchnorm(model, env.device).to(env.device)
     broadcast_from_main(model, env)
+    if parallel.shards_params:
+        return _prepare_sharded(model, make_optimizer, env, precision, parallel)
+    engine = engine_for(precision, parallel)
     optimizer = make_optimizer(model.parameters())
     engine.setup([model], [optimizer])
     wrapped = parallel.wrap(model, env)
     return Prepared(wrapped, model, optimizer, engine, GradSync(wrapped), env)
+
+
+def _prepare_sharded(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter]], Optimizer], env: DistEnv,
+                     precision: Precision, parallel: Parallel) -> Prepared:  # fmt: skip
+    """FSDP2's order: the stored dtypes first (O3: fp16, what FSDP2 shards), then the sharding, whose
+    new (DTensor) params the optimizer is built over, then the engine over those."""
+    engine = engine_for(precision, parallel)
+    engine.convert_storage(model)
+    model = parallel.wrap(model, env, engine.sharded_param_dtype)
+    optimizer = make_optimizer(model.parameters())
+    engine.setup([model], [optimizer])
+    return Prepared(model, model, optimizer, engine, GradSync(model), env)

@@ -17,6 +17,7 @@ from torch import nn
 
 from ampddp.choices import STRATEGIES, SYNC_BN_CHOICES
 from ampddp.distributed.env import DistEnv
+from ampddp.distributed.fsdp2 import FSDPOptions, shard_model
 from ampddp.distributed.sync_bn import convert_sync_batchnorm
 from ampddp.distributed.wrap import DDPOptions, wrap_model
 from ampddp.errors import ConfigError, choice_error
@@ -24,15 +25,17 @@ from ampddp.errors import ConfigError, choice_error
 
 @dataclass(frozen=True)
 class Parallel:
-    """``strategy``: ddp | apex-ddp | dp | none (``ddp`` and ``apex-ddp`` leave a single process's
-    model bare). ``sync_bn``: off | auto | torch | apex | portable. ``ddp``: torch DDP's settings
-    (refused with another strategy). ``wrap_options``: the wrapper's other keyword arguments
-    (apex-ddp's own, nn.DataParallel's, torch DDP's others)."""
+    """``strategy``: ddp | apex-ddp | fsdp2 | dp | none (``ddp`` and ``apex-ddp`` leave a single
+    process's model bare; ``fsdp2`` needs 2+ processes). ``sync_bn``: off | auto | torch | apex |
+    portable. ``ddp``: torch DDP's settings (refused with another strategy). ``fsdp``: FSDP2's
+    settings (refused with another strategy). ``wrap_options``: the wrapper's other keyword
+    arguments (apex-ddp's own, nn.DataParallel's, torch DDP's others)."""
 
     strategy: str = "ddp"
     sync_bn: str = "off"
     ddp: DDPOptions = field(default_factory=DDPOptions)
     wrap_options: Mapping[str, Any] = field(default_factory=dict)
+    fsdp: FSDPOptions = field(default_factory=FSDPOptions)
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -44,12 +47,27 @@ class Parallel:
         if not isinstance(self.wrap_options, Mapping):
             raise ConfigError(f"Parallel wrap_options={self.wrap_options!r} is not valid; it must be a mapping of keyword arguments")
         self.ddp.check_strategy(self.strategy)
+        if not isinstance(self.fsdp, FSDPOptions):
+            raise ConfigError(f"Parallel fsdp={self.fsdp!r} is not valid; it must be an FSDPOptions")
+        self.fsdp.check_strategy(self.strategy)
+        if self.strategy == "fsdp2" and self.wrap_options:
+            raise ConfigError(
+                f"wrap_options {sorted(self.wrap_options)} do not apply to strategy fsdp2; its settings are Parallel(fsdp=FSDPOptions(...))"
+            )
         object.__setattr__(self, "wrap_options", dict(self.wrap_options))
 
     def synchronise_batchnorm(self, model: nn.Module, device: torch.device) -> nn.Module:
         """``model`` with its BatchNorms synchronised as ``sync_bn`` says (itself when ``off``)."""
         return model if self.sync_bn == "off" else convert_sync_batchnorm(model, self.sync_bn, device=device)
 
-    def wrap(self, model: nn.Module, env: DistEnv) -> nn.Module:
-        """``model`` (placed, cast and bound to its optimizer) in the strategy's wrapper."""
+    @property
+    def shards_params(self) -> bool:
+        """Whether the strategy shards the params (FSDP2): the precision set-up then maps onto it."""
+        return self.strategy == "fsdp2"
+
+    def wrap(self, model: nn.Module, env: DistEnv, sharded_param_dtype: torch.dtype | None = None) -> nn.Module:
+        """``model`` (placed, cast and bound to its optimizer) in the strategy's wrapper;
+        ``sharded_param_dtype``: under FSDP2, the dtype the params compute in (the engine's word)."""
+        if self.shards_params:
+            return shard_model(model, env, self.fsdp, sharded_param_dtype)
         return wrap_model(model, self.strategy, env, self.ddp, **self.wrap_options)

@@ -18,6 +18,7 @@ from ampddp.choices import COMM_HOOKS, STRATEGIES
 from ampddp.distributed.apex_ddp import DistributedDataParallel as ApexDistributedDataParallel
 from ampddp.distributed.data import sum_across_ranks
 from ampddp.distributed.env import DistEnv
+from ampddp.distributed.fsdp2 import gradient_sync_off, is_sharded
 from ampddp.distributed.installed_apex import installed_apex_parallel
 from ampddp.distributed.model_agreement import check_models_agree
 from ampddp.errors import ConfigError, choice_error
@@ -120,6 +121,11 @@ def wrap_model(model: nn.Module, strategy: str, env: DistEnv, ddp: DDPOptions | 
     argument holds torch DDP's settings (refused with another strategy); ``options`` are the
     wrapper's other keyword arguments (apex-ddp's own, nn.DataParallel's, torch DDP's others).
     """
+    if strategy == "fsdp2":
+        raise ConfigError(
+            "strategy fsdp2 shards through prepare(..., parallel=Parallel(strategy='fsdp2')), which maps the precision "
+            "mode onto FSDP2's; wrap_model wraps whole models (ddp, apex-ddp, dp, none)"
+        )
     if strategy not in WRAPPERS:
         raise choice_error("distributed strategy", strategy, STRATEGIES)
     ddp = ddp if ddp is not None else DDPOptions()
@@ -137,18 +143,20 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 class GradSync:
     """Skip gradient all-reduce on the micro-steps of an accumulation window but the last.
 
-    ``with sync.micro_step(is_last):`` runs backward under DDP's ``no_sync`` unless ``is_last``;
-    models without ``no_sync`` (single process, DataParallel) are unaffected.
+    ``with sync.micro_step(is_last):`` runs backward under DDP's ``no_sync`` (FSDP2: gradient sync
+    off) unless ``is_last``; models without either (single process, DataParallel) are unaffected.
     """
 
     def __init__(self, model: nn.Module) -> None:
         self._model = model
 
     def micro_step(self, is_last: bool) -> AbstractContextManager[Any]:
-        no_sync = getattr(self._model, "no_sync", None)
-        if is_last or no_sync is None:
+        if is_last:
             return contextlib.nullcontext()
-        return no_sync()
+        if is_sharded(self._model):
+            return gradient_sync_off(self._model)
+        no_sync = getattr(self._model, "no_sync", None)
+        return contextlib.nullcontext() if no_sync is None else no_sync()
 
 
 def global_batch_loss_weight(local_samples: int, env: DistEnv) -> float:

@@ -17,6 +17,8 @@ from ampddp.choices import IMPLS, PRECISION_MODES
 from ampddp.errors import ConfigError, choice_error
 from ampddp.precision.engine import PrecisionEngine
 from ampddp.precision.factory import build_engine
+from ampddp.precision.opt_level import OptLevelEngine
+from ampddp.precision.policy import resolve_policy
 from ampddp.precision.registry import OpRegistry
 
 
@@ -25,12 +27,15 @@ class Precision:
     """``mode``: O0-O5, native-fp16 or native-bf16. ``impl``: builtin, or apex (NVIDIA apex's own
     amp, where an old build is installed; O-levels only). ``overrides``: apex ``initialize`` keywords
     for O-levels (``loss_scale``, ``keep_batchnorm_fp32``, ...), GradScaler settings for native
-    modes. ``registry``: functions registered to run in fp32 / fp16 / the widest input type."""
+    modes. ``registry``: functions registered to run in fp32 / fp16 / the widest input type.
+    ``fp32_islands``: under FSDP2, whether O2/O5 run apex's fp32-list ops in fp32 (None: yes; False:
+    apex's pure O2/O5); refused where it decides nothing (other modes, or no FSDP2)."""
 
     mode: str = "O1"
     impl: str = "builtin"
     overrides: Mapping[str, Any] = field(default_factory=dict)
     registry: OpRegistry | None = None
+    fp32_islands: bool | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in PRECISION_MODES:
@@ -39,6 +44,8 @@ class Precision:
             raise choice_error("precision impl", self.impl, IMPLS)
         if not isinstance(self.overrides, Mapping):
             raise ConfigError(f"Precision overrides={self.overrides!r} is not valid; it must be a mapping of setting names to values")
+        if self.fp32_islands not in (None, True, False):
+            raise ConfigError(f"fp32_islands={self.fp32_islands!r} is not valid; valid: true, false, or null (on under FSDP2)")
         object.__setattr__(self, "overrides", dict(self.overrides))
 
     @classmethod
@@ -52,4 +59,31 @@ class Precision:
 
     def build_engine(self) -> PrecisionEngine:
         """A fresh engine for this choice (one per set-up: an engine holds its models' state)."""
+        if self.fp32_islands is not None:
+            raise ConfigError(
+                f"fp32_islands={self.fp32_islands} applies only under distributed strategy fsdp2 (O2/O5 there); "
+                "without FSDP2, O2/O5 follow apex (model cast, no op lists): for fp32 islands use O1 (float16) or O4 (bfloat16)"
+            )
         return build_engine(self.mode, impl=self.impl, registry=self.registry, **self.overrides)
+
+    def build_sharded_engine(self) -> PrecisionEngine:
+        """A fresh engine for a model FSDP2 shards: O2/O5 keep fp32 sharded params (the masters) that
+        FSDP2 hands to the forward in fp16/bf16, with apex's fp32 islands unless ``fp32_islands`` is
+        False; every other mode is its single-process self (O3's params are fp16 shards)."""
+        if self.impl != "builtin":
+            raise ConfigError(
+                f"precision impl={self.impl} cannot shard: NVIDIA apex's amp predates FSDP2; use impl builtin with strategy fsdp2"
+            )
+        if self.fp32_islands is not None and self.mode not in SHARDED_MASTER_MODES:
+            raise ConfigError(
+                f"fp32_islands={self.fp32_islands} applies to {' and '.join(SHARDED_MASTER_MODES)} under fsdp2, not to {self.mode} "
+                "(O1/O4 and the native modes always run their fp32 ops in fp32; O3 is pure fp16): remove it"
+            )
+        if self.mode not in SHARDED_MASTER_MODES:
+            return build_engine(self.mode, impl=self.impl, registry=self.registry, **self.overrides)
+        policy = resolve_policy(self.mode, **self.overrides)
+        return OptLevelEngine(policy.for_sharded_params(self.fp32_islands is not False), registry=self.registry)
+
+
+SHARDED_MASTER_MODES = ("O2", "O5")
+"""The modes whose fp32 masters become FSDP2's fp32 shards (and where fp32 islands are a choice)."""

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from ampddp.errors import AmpUsageError
@@ -73,10 +74,17 @@ def check_loss(loss: Any, api: str) -> None:
         )
 
 
+def whole(norm: torch.Tensor) -> torch.Tensor:
+    """A norm over sharded (FSDP2) gradients comes back as a DTensor: its value as a plain tensor."""
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
 def policy_compute_dtype(policy: PrecisionPolicy) -> torch.dtype | None:
     """The low-precision dtype an opt level computes in: its model cast, else its op casts (None: fp32)."""
     if not policy.enabled:
         return None
+    if policy.sharded_param_dtype is not None:
+        return policy.sharded_param_dtype
     if policy.cast_model_type not in (None, torch.float32):
         return policy.cast_model_type
     return policy.op_cast_dtype
@@ -92,6 +100,10 @@ class PrecisionEngine(ABC):
     @abstractmethod
     def setup(self, models: list[nn.Module], optimizers: list[Optimizer]) -> tuple[list[nn.Module], list[Optimizer]]:
         """Convert models and optimizers in place for this mode; returns the objects to use."""
+
+    def convert_storage(self, model: nn.Module) -> None:  # noqa: B027 - most modes store fp32
+        """Cast ``model`` to the dtypes this mode stores it in, ahead of ``setup`` (FSDP2 shards what
+        is stored, and a sharded model cannot be cast afterwards); ``setup`` then finds it cast."""
 
     @abstractmethod
     def forward_context(self) -> AbstractContextManager[Any]:
@@ -140,6 +152,11 @@ class PrecisionEngine(ABC):
         return False
 
     @property
+    def sharded_param_dtype(self) -> torch.dtype | None:
+        """The dtype FSDP2 hands the sharded params to the forward in (None: as they are stored)."""
+        return None
+
+    @property
     def steps_fp32_masters(self) -> bool:
         """Whether the optimizers step fp32 copies of low-precision model params (O2/O5), not the params."""
         return False
@@ -184,13 +201,13 @@ class PrecisionEngine(ABC):
 
     def clip_grad_norm_(self, optimizers: Iterable[Optimizer], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Unscale, then clip the global norm over the params the optimizers step."""
-        return torch.nn.utils.clip_grad_norm_(self._unscaled_params(optimizers), max_norm, norm_type=norm_type, foreach=True)
+        return whole(torch.nn.utils.clip_grad_norm_(self._unscaled_params(optimizers), max_norm, norm_type=norm_type, foreach=True))
 
     def grad_norm(self, optimizers: Iterable[Optimizer], norm_type: float = 2.0) -> torch.Tensor:
         """Unscale, then measure the global gradient norm without touching the gradients (for logging:
         clipping at an infinite limit would still rewrite every gradient)."""
         grads = [p.grad for p in self._unscaled_params(optimizers)]
-        return torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=True)
+        return whole(torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=True))
 
     def _unscaled_params(self, optimizers: Iterable[Optimizer]) -> list[nn.Parameter]:
         params = []

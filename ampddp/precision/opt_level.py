@@ -72,6 +72,11 @@ class OptLevelEngine(PrecisionEngine):
         self._pending: _PendingStep | None = None
 
     # ---- set-up -------------------------------------------------------------------------------
+    def convert_storage(self, model: nn.Module) -> None:
+        if self.policy.enabled and self.policy.cast_model_type not in (None, torch.float32):
+            convert_model(model, self.policy.cast_model_type, bool(self.policy.keep_batchnorm_fp32))
+            self._allow_low_precision_models = True
+
     def setup(self, models: list[nn.Module], optimizers: list[Optimizer]) -> tuple[list[nn.Module], list[Optimizer]]:
         check_models_and_optimizers(models, optimizers, self._allow_low_precision_models)
         self.teardown()
@@ -325,6 +330,10 @@ class OptLevelEngine(PrecisionEngine):
     @property
     def compute_dtype(self) -> torch.dtype | None:
         return policy_compute_dtype(self.policy)
+
+    @property
+    def sharded_param_dtype(self) -> torch.dtype | None:
+        return self.policy.sharded_param_dtype if self.policy.enabled else None
 
     def grad_scaler_state_dict(self, loss_id: int = 0) -> dict[str, Any]:
         return self.scaler_for(loss_id).grad_scaler_state_dict()

@@ -51,6 +51,9 @@ class PrecisionPolicy:
     """Overflows tolerated before the scale backs off (1: every overflow, as in apex)."""
     verbosity: int = 1
     enabled: bool = True
+    sharded_param_dtype: torch.dtype | None = None
+    """Under FSDP2 (O2/O5, see :meth:`for_sharded_params`): the dtype FSDP2 gives the params for
+    compute; the fp32 shards the optimizer steps are the master weights."""
 
     @property
     def dynamic_loss_scale(self) -> bool:
@@ -69,21 +72,40 @@ class PrecisionPolicy:
             return self.init_loss_scale
         return min(2.0**16, self.max_loss_scale)
 
+    def for_sharded_params(self, fp32_islands: bool = True) -> PrecisionPolicy:
+        """This level when FSDP2 holds the params (other levels are returned as they are).
+
+        O2/O5 cast the model and step fp32 masters; under FSDP2 the sharded params stay fp32 (they
+        are the masters) and FSDP2 hands them to the forward in the level's dtype. ``fp32_islands``:
+        the ops on apex's fp32 lists (softmax, norms, losses, ...) still run in fp32, as in O1/O4 --
+        what plain FSDP2 loses; False keeps apex's pure O2/O5 (every op in the low dtype).
+        """
+        if not (self.enabled and self.uses_master_weights and self.cast_model_type not in (None, torch.float32)):
+            return self
+        low = self.cast_model_type
+        return dataclasses.replace(
+            self, cast_model_type=None, keep_batchnorm_fp32=None, master_weights=None, sharded_param_dtype=low,
+            patch_torch_functions=fp32_islands, op_cast_dtype=low if fp32_islands else None,
+        )  # fmt: skip
+
     def summary(self) -> str:
         """One line saying what the level does (the log of a set-up; ``describe`` has every field)."""
         if not self.enabled:
             return f"{self.opt_level} disabled: fp32 throughout"
         parts = []
+        if self.sharded_param_dtype is not None:
+            islands = ", apex's fp32 ops in fp32" if self.patch_torch_functions else ", every op in it (no fp32 islands)"
+            parts.append(f"FSDP2 {dtype_name(self.sharded_param_dtype)} params in compute{islands}, fp32 sharded masters")
         if self.cast_model_type not in (None, torch.float32):
             kept = " (BatchNorm fp32)" if self.keep_batchnorm_fp32 else ""
             parts.append(f"{dtype_name(self.cast_model_type)} model{kept}")
-        if self.patch_torch_functions and self.op_cast_dtype is not None:
+        if self.patch_torch_functions and self.op_cast_dtype is not None and self.sharded_param_dtype is None:
             parts.append(f"{dtype_name(self.op_cast_dtype)} ops per apex's lists")
         if not parts:
             parts.append("fp32 throughout")
         elif self.uses_master_weights:
             parts.append("fp32 master weights")
-        else:
+        elif self.sharded_param_dtype is None:  # sharded: the params are the masters, said above
             parts.append("fp32 weights" if self.cast_model_type in (None, torch.float32) else "no master weights")
         if self.dynamic_loss_scale:
             parts.append(f"dynamic loss scale from {self.first_loss_scale:g}")
@@ -94,7 +116,7 @@ class PrecisionPolicy:
     def describe(self) -> dict[str, Any]:
         """Plain-data view (dtypes as strings) for logs, checkpoints and `inspect`."""
         out = dataclasses.asdict(self)
-        for key in ("cast_model_type", "op_cast_dtype", "cast_model_outputs"):
+        for key in ("cast_model_type", "op_cast_dtype", "cast_model_outputs", "sharded_param_dtype"):
             out[key] = dtype_name(out[key])
         return out
 

@@ -26,6 +26,7 @@ from ampddp.errors import CheckpointError, ConfigError
 from ampddp.paths import refuse_tilde_folder
 from ampddp.precision.engine import PrecisionEngine
 from ampddp.preemption import parse_signals
+from ampddp.prepare import engine_for
 from ampddp.progress import Progress, finished
 from ampddp.recipe.factories import (
     DROP_LAST,
@@ -336,7 +337,8 @@ def validate(config: RunConfig) -> Built:
     loader_settings(config)
     device_settings(config)
     _check_schedule(config)
-    engine = precision_from(config).build_engine()
+    parallel = parallel_from(config)
+    engine = engine_for(precision_from(config), parallel)
     datasets = _Datasets(config)
     _check_data(config, datasets)
     model = _check_model(config)
@@ -345,10 +347,14 @@ def validate(config: RunConfig) -> Built:
     reporting_from(config)
     _check_optimizer(config, model)
     dist_cfg = config.distributed
-    parallel_from(config)
     env = detect_env(device=dist_cfg.device, backend=dist_cfg.backend, timeout_s=dist_cfg.timeout_s)
     _check_checkpoints(config, model, engine, env.rank)
     launched = dist_cfg.nproc_per_node if env.launcher == "none" and dist_cfg.nproc_per_node > 1 else env.world_size
+    if parallel.shards_params and launched < 2:
+        raise ConfigError(
+            "distributed.strategy=fsdp2 shards over processes and this run has one: set distributed.nproc_per_node >= 2 "
+            "(or launch with torchrun), or use strategy ddp or none (a checkpoint of an fsdp2 run resumes under either)"
+        )
     _check_epoch_schedule(config, launched, datasets)
     _check_resume_settings(config, model, launched, datasets)
     check_run_dir(config.trainer.run_dir)

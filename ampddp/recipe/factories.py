@@ -26,6 +26,7 @@ from ampddp.compile_model import ModelCompiler
 from ampddp.config import IMPORT_PATH_FORM, PrecisionConfig, RunConfig, is_import_path
 from ampddp.data import build_datasets
 from ampddp.distributed.env import seed_everything
+from ampddp.distributed.fsdp2 import FSDPOptions
 from ampddp.distributed.parallel import Parallel
 from ampddp.distributed.wrap import DDPOptions
 from ampddp.errors import ConfigError, closest, spelled
@@ -54,7 +55,7 @@ LAMB = "lamb"
 def precision_overrides(config: RunConfig) -> dict[str, Any]:
     """The precision.* keys the user set, checked against what the chosen mode accepts."""
     values = dataclasses.asdict(config.precision)
-    set_keys = {k: v for k, v in values.items() if k not in ("mode", "impl", *REGISTRATION_KEYS) and v is not None}
+    set_keys = {k: v for k, v in values.items() if k not in ("mode", "impl", "fp32_islands", *REGISTRATION_KEYS) and v is not None}
     if config.precision.mode in NATIVE_MODES:
         for key in set_keys:
             if key not in NATIVE_KEYS:
@@ -111,7 +112,10 @@ def build_registry(config: RunConfig) -> OpRegistry:
 
 def precision_from(config: RunConfig) -> Precision:
     """The precision section as the one object the trainer and ``prepare`` take."""
-    return Precision(config.precision.mode, config.precision.impl, precision_overrides(config), build_registry(config))
+    precision = config.precision
+    return Precision(
+        precision.mode, precision.impl, precision_overrides(config), build_registry(config), fp32_islands=precision.fp32_islands
+    )
 
 
 def model_compiler(config: RunConfig) -> ModelCompiler | None:
@@ -296,13 +300,23 @@ def ddp_options(config: RunConfig) -> DDPOptions:
     )  # fmt: skip
 
 
-def parallel_from(config: RunConfig) -> Parallel:
-    """The distributed section's strategy, sync-BN and torch DDP settings as one object (a DDP setting
-    with another strategy is refused naming the recipe key)."""
+def fsdp_options(config: RunConfig) -> FSDPOptions:
+    """distributed.fsdp_blocks / fsdp_reshard_after_forward / fsdp_reduce_in_fp32 / fsdp_activation_checkpointing."""
     dist_cfg = config.distributed
-    ddp = ddp_options(config)
+    return FSDPOptions(
+        blocks=tuple(dist_cfg.fsdp_blocks), reshard_after_forward=dist_cfg.fsdp_reshard_after_forward,
+        reduce_in_fp32=dist_cfg.fsdp_reduce_in_fp32, activation_checkpointing=dist_cfg.fsdp_activation_checkpointing,
+    )  # fmt: skip
+
+
+def parallel_from(config: RunConfig) -> Parallel:
+    """The distributed section's strategy, sync-BN, torch DDP and FSDP2 settings as one object (a DDP
+    or FSDP2 setting with another strategy is refused naming the recipe key)."""
+    dist_cfg = config.distributed
+    ddp, fsdp = ddp_options(config), fsdp_options(config)
     ddp.check_strategy(dist_cfg.strategy, where="distributed.")
-    return Parallel(strategy=dist_cfg.strategy, sync_bn=dist_cfg.sync_bn, ddp=ddp)
+    fsdp.check_strategy(dist_cfg.strategy, where="distributed.fsdp_")
+    return Parallel(strategy=dist_cfg.strategy, sync_bn=dist_cfg.sync_bn, ddp=ddp, fsdp=fsdp)
 
 
 def loader_settings(config: RunConfig) -> LoaderSettings:

@@ -28,6 +28,7 @@ from ampddp.checkpoint.rng import capture_rng, derive_rng, restore_rng
 from ampddp.checkpoint.store import CheckpointRef, CheckpointStore, find_checkpoint, plan_resume
 from ampddp.distributed.data import ResumableSampler, broadcast_from_main, sum_across_ranks
 from ampddp.distributed.env import DistEnv
+from ampddp.distributed.full_state import gathered, sharded_model_state, sharded_optimizer_state
 from ampddp.errors import CheckpointError, ConfigError
 from ampddp.observe import TrackedRuns
 from ampddp.precision.engine import PrecisionEngine
@@ -103,8 +104,8 @@ class Checkpointer:
             keys.FORMAT: keys.FORMAT_VERSION,
             keys.VERSIONS: _versions(),
             keys.CONFIG: self.config,
-            keys.MODEL: state.module.state_dict(),
-            keys.OPTIMIZER: state.optimizer.state_dict(),
+            keys.MODEL: gathered(state.module.state_dict()),  # whole tensors under FSDP2: one layout for every strategy
+            keys.OPTIMIZER: gathered(state.optimizer.state_dict()),
             keys.PRECISION: state.engine.state_dict(),
             keys.SCHEDULER: state.scheduler.state_dict() if state.scheduler is not None else None,
             keys.PROGRESS: state.progress.state_dict(),
@@ -191,9 +192,9 @@ class Checkpointer:
             logger.warning(line)
         self._load_extra(shared.get(EXTRA, {}), str(ref.shared_file))  # first: a user item that refuses its state changes nothing else
         restore_precision(state.engine, shared[keys.PRECISION], str(ref.shared_file))
-        state.module.load_state_dict(shared[keys.MODEL])
+        state.module.load_state_dict(sharded_model_state(shared[keys.MODEL], state.module.state_dict()))
         if plan.load_optimizer:
-            state.optimizer.load_state_dict(shared[keys.OPTIMIZER])
+            state.optimizer.load_state_dict(sharded_optimizer_state(shared[keys.OPTIMIZER], state.optimizer))
         if plan.load_scheduler and shared.get(keys.SCHEDULER) is not None:
             state.scheduler.load_state_dict(shared[keys.SCHEDULER])
         plan.apply(state.optimizer, state.scheduler)

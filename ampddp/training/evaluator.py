@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from ampddp.checkpoint.rng import capture_rng, restore_rng
 from ampddp.distributed.data import eval_sampler, sum_across_ranks
 from ampddp.distributed.env import DistEnv
+from ampddp.distributed.fsdp2 import is_sharded
 from ampddp.errors import BadSamplesError, ConfigError
 from ampddp.training.batches import BatchAdapter, LossFn, MetricsFn
 from ampddp.training.loading import DataLoading, LoaderSettings, loader_pass, name_batch_rows
@@ -60,6 +61,8 @@ class Evaluator:
             self._loader = self.loading.eval_loader(self.eval_set, self._sampler, self.batch_size)
         sums: dict[str, float] = {}
         seen = 0.0
+        idle_forwards = self._idle_forwards(model, len(self._loader))
+        batch = None
         with closing(loader_pass(self._loader)) as batches:  # a failing batch stops the workers here and now
             for number, batch in enumerate(batches):
                 batch = self.batches.to_device(batch, self.env.device)
@@ -74,7 +77,21 @@ class Evaluator:
                 for name, value in values.items():
                     sums[name] = sums.get(name, 0.0) + float(value)
                 seen += count
+        if idle_forwards:
+            filler = batch if batch is not None else self.batches.to_device(self._loader.collate_fn([self.eval_set[0]]), self.env.device)
+            for _ in range(idle_forwards):  # counted nowhere: only to take part in the sharded model's gathers
+                with forward_context():
+                    self.batches.forward(model, filler)
         return sums, seen
+
+    def _idle_forwards(self, model: nn.Module, batches_here: int) -> int:
+        """Forwards this rank runs after its shard so that every rank runs as many: a sharded (FSDP2)
+        model gathers its params in each forward, with every rank; the shards of an unpadded split differ."""
+        if not self.env.distributed or not any(is_sharded(module) for module in model.modules()):
+            return 0
+        most = torch.tensor([batches_here], dtype=torch.int64, device=self.env.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        return int(most.item()) - batches_here
 
     def _samples(self, batch_number: int, rows: tuple[int, ...]) -> str:
         """``rows`` of evaluation batch ``batch_number`` named by their dataset indices."""

@@ -1,0 +1,147 @@
+"""FSDP2 (``fully_shard``): a model's params, gradients and optimizer state sharded over the ranks.
+
+The model is sharded per block (transformer blocks, residual stages: one all-gather per block in
+the forward, freed again after it), then the root. The precision engine decides the dtype FSDP2
+hands the params to the forward in (O2/O5: fp16/bf16 over fp32 shards); gradients are reduced in
+fp32 unless asked otherwise. Everything here runs where ``prepare`` wraps a model, after the
+precision set-up, so O3's fp16 params are what is sharded and the optimizer steps the shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ampddp.distributed.env import DistEnv
+from ampddp.errors import ConfigError, closest
+
+logger = logging.getLogger("ampddp.distributed")
+
+
+@dataclass(frozen=True)
+class FSDPOptions:
+    """FSDP2's settings that people tune; checked when made.
+
+    ``blocks``: class names of the modules sharded as one unit each (``Block``, or qualified as
+    ``package.module.Block``); empty: found in the model (the class of two or more same-class
+    children of a ModuleList/Sequential that hold parameters). ``reshard_after_forward``: free a
+    block's gathered params after its forward (less memory; gathered again for the backward) or keep
+    them until then (one all-gather less per block). ``reduce_in_fp32``: reduce gradients in fp32
+    (False: in the compute dtype, half the traffic, as DDP's compress hooks). ``activation_checkpointing``:
+    recompute each block's activations in the backward instead of keeping them.
+    """
+
+    blocks: tuple[str, ...] = ()
+    reshard_after_forward: bool = True
+    reduce_in_fp32: bool = True
+    activation_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.blocks, str) or not all(isinstance(name, str) and name for name in self.blocks):
+            raise ConfigError(f"fsdp blocks={self.blocks!r} is not valid; give a list of module class names, e.g. [Block]")
+        object.__setattr__(self, "blocks", tuple(self.blocks))
+        for name in ("reshard_after_forward", "reduce_in_fp32", "activation_checkpointing"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"fsdp {name}={getattr(self, name)!r} is not valid; it must be true or false")
+
+    def check_strategy(self, strategy: str, where: str = "") -> None:
+        """Refuse these settings unless ``strategy`` is fsdp2; ``where``: their prefix in messages."""
+        changed = [f"{where}{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]
+        if strategy != "fsdp2" and changed:
+            raise ConfigError(f"{', '.join(changed)}: FSDP2 settings, but strategy={strategy}; unset them or use strategy fsdp2")
+
+
+def _class_names(module: nn.Module) -> tuple[str, str]:
+    kind = type(module)
+    return kind.__name__, f"{kind.__module__}.{kind.__qualname__}"
+
+
+def repeated_blocks(model: nn.Module) -> list[type[nn.Module]]:
+    """The classes of the model's repeated layers: two or more same-class children of a ModuleList
+    or Sequential, each holding parameters (a GPT's blocks, a ResNet's residual blocks)."""
+    found: dict[type[nn.Module], None] = {}
+    for container in model.modules():
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = list(container.children())
+        kinds = {type(child) for child in children}
+        if len(children) >= 2 and len(kinds) == 1 and all(any(True for _ in child.parameters()) for child in children):
+            found[kinds.pop()] = None
+    return list(found)
+
+
+def block_classes(model: nn.Module, names: tuple[str, ...]) -> list[type[nn.Module]]:
+    """The block classes ``names`` asks for (every name must be a class in the model), or the model's
+    repeated layers when ``names`` is empty."""
+    if not names:
+        return repeated_blocks(model)
+    by_name: dict[str, type[nn.Module]] = {}
+    for module in model.modules():
+        for name in _class_names(module):
+            by_name[name] = type(module)
+    unknown = [name for name in names if name not in by_name]
+    if unknown:
+        holding = sorted({_class_names(m)[0] for m in model.modules() if any(True for _ in m.parameters(recurse=False))})
+        raise ConfigError(
+            f"fsdp block class {unknown[0]!r} is not in the model{closest(unknown[0], list(by_name))}; "
+            f"its classes holding parameters: {', '.join(holding)}"
+        )
+    return list(dict.fromkeys(by_name[name] for name in names))
+
+
+def shard_model(model: nn.Module, env: DistEnv, options: FSDPOptions, param_dtype: torch.dtype | None) -> nn.Module:
+    """``model`` sharded in place over every rank of ``env``: each block, then the root.
+
+    ``param_dtype``: the dtype FSDP2 gives the params to the forward in (None: as stored). The model
+    keeps its class (FSDP2 adds its own as a base) and its parameter names.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if not env.distributed:
+        raise ConfigError(
+            "distributed strategy fsdp2 shards over processes and this run has one: launch 2 or more (nproc_per_node, "
+            "torchrun), or use strategy ddp or none (a checkpoint of an fsdp2 run resumes under either)"
+        )
+    classes = block_classes(model, options.blocks)
+    try:
+        mesh = init_device_mesh(env.device.type, (env.world_size,))
+    except (RuntimeError, ValueError) as error:
+        raise ConfigError(f"FSDP2 cannot build a device mesh of {env.world_size} ranks on {env.device.type}: {error}") from error
+    reduce_dtype = torch.float32 if options.reduce_in_fp32 and param_dtype is not None else None
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    blocks = [module for module in reversed(list(model.modules())) if type(module) in classes and module is not model]
+    for block in blocks:  # innermost first: a block inside another is its own unit
+        if options.activation_checkpointing:
+            from torch.distributed._composable import checkpoint
+
+            checkpoint(block)
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=options.reshard_after_forward)
+    # The root's params (embeddings, the head) are needed again at once by the backward: kept gathered.
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    names = ", ".join(sorted({type(block).__name__ for block in blocks})) or "none found: the model is one unit"
+    logger.info("FSDP2 over %d ranks: %d block(s) (%s), then the root", env.world_size, len(blocks), names)
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether FSDP2 shards ``model`` (its class gained FSDP2's base)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+@contextlib.contextmanager
+def gradient_sync_off(model: nn.Module) -> Iterator[None]:
+    """FSDP2's ``no_sync``: gradients accumulate unsharded, reduced by the next synchronising backward."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)

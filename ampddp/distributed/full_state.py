@@ -1,0 +1,71 @@
+"""Whole-tensor views of sharded (FSDP2) state, and back: one checkpoint layout for every strategy.
+
+An FSDP2 model's ``state_dict`` and its optimizer's hold DTensor shards. Gathered into whole CPU
+tensors they have exactly the layout a DDP or single-process run saves, so a checkpoint resumes
+under any strategy and on any number of ranks (the shards are cut again for the live run's mesh).
+Gathering is collective: every rank calls it, in the same order (the same model on every rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.optim import Optimizer
+
+
+def gathered(state: Any) -> Any:
+    """``state`` (nested dicts/lists of tensors) with every DTensor replaced by its whole value, on
+    the CPU (one tensor on the device at a time); a container without DTensors is returned as it is
+    (a module's state keeps its ``_metadata``)."""
+    if isinstance(state, DTensor):
+        return state.full_tensor().cpu()
+    if isinstance(state, dict):
+        values = {key: gathered(value) for key, value in state.items()}
+        if all(values[key] is value for key, value in state.items()):
+            return state
+        whole = type(state)(values)
+        if hasattr(state, "_metadata"):
+            whole._metadata = state._metadata
+        return whole
+    if isinstance(state, (list, tuple)):
+        values = [gathered(value) for value in state]
+        return state if all(new is old for new, old in zip(values, state)) else type(state)(values)
+    return state
+
+
+def shard_like(value: Any, live: Any) -> Any:
+    """``value`` (a whole tensor) cut as ``live`` is sharded when ``live`` is a DTensor; otherwise ``value``."""
+    if not isinstance(live, DTensor) or not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+        return value
+    whole = value.to(device=live.device_mesh.device_type, dtype=live.dtype)
+    return distribute_tensor(whole, live.device_mesh, live.placements, src_data_rank=None)
+
+
+def sharded_model_state(state: Mapping[str, Any], live: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A whole model state cut as the live model's (``module.state_dict()``) entries are sharded
+    (``state`` itself, metadata and all, when nothing is)."""
+    if not any(isinstance(value, DTensor) for value in live.values()):
+        return state
+    return {key: shard_like(value, live.get(key)) for key, value in state.items()}
+
+
+def sharded_optimizer_state(state: Mapping[str, Any], optimizer: Optimizer) -> Mapping[str, Any]:
+    """A whole optimizer state (torch's layout: per-parameter entries by index) with each entry
+    shaped like its parameter cut as that (DTensor) parameter is sharded."""
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    if not any(isinstance(param, DTensor) for param in params):
+        return state
+    per_param = {}
+    for index, entries in state["state"].items():
+        param = params[index] if isinstance(index, int) and 0 <= index < len(params) else None
+        if not isinstance(param, DTensor) or not isinstance(entries, Mapping):
+            per_param[index] = entries
+            continue
+        per_param[index] = {
+            name: shard_like(value, param) if isinstance(value, torch.Tensor) and value.shape == param.shape else value
+            for name, value in entries.items()
+        }
+    return {**state, "state": per_param}
