@@ -117,6 +117,7 @@ def shard_model(model: nn.Module, env: DistEnv, options: FSDPOptions, param_dtyp
     reduce_dtype = torch.float32 if options.reduce_in_fp32 and param_dtype is not None else None
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     blocks = [module for module in reversed(list(model.modules())) if type(module) in classes and module is not model]
+    names = ", ".join(sorted({type(block).__name__ for block in blocks})) or "none found: the model is one unit"
     for block in blocks:  # innermost first: a block inside another is its own unit
         if options.activation_checkpointing:
             from torch.distributed._composable import checkpoint
@@ -125,7 +126,6 @@ def shard_model(model: nn.Module, env: DistEnv, options: FSDPOptions, param_dtyp
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=options.reshard_after_forward)
     # The root's params (embeddings, the head) are needed again at once by the backward: kept gathered.
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
-    names = ", ".join(sorted({type(block).__name__ for block in blocks})) or "none found: the model is one unit"
     logger.info("FSDP2 over %d ranks: %d block(s) (%s), then the root", env.world_size, len(blocks), names)
     return model
 

@@ -166,5 +166,9 @@ def _labels_outside(logits: torch.Tensor, targets: torch.Tensor) -> BadSamplesEr
 
 
 def accuracy(outputs: Any, batch: Any) -> dict[str, torch.Tensor]:
-    """The default metric: the number of samples whose arg-max class is the target."""
-    return {"accuracy": (logits_of(outputs).argmax(-1) == targets_of(batch)).sum()}
+    """The default metric: the number of samples whose arg-max class is the target (with a target per
+    position, each sample counts the fraction of its positions that are right)."""
+    correct = logits_of(outputs).argmax(-1) == targets_of(batch)
+    if correct.dim() > 1:  # a target per position (a language model's next tokens): each sample's share right
+        return {"accuracy": correct.flatten(1).double().mean(1).sum()}
+    return {"accuracy": correct.sum()}

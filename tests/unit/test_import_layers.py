@@ -24,6 +24,7 @@ LAYERS = [
             "ampddp.preemption",
             "ampddp.data",
             "ampddp.models",
+            "ampddp.text",
             "ampddp.run_lock",
             "ampddp.torch_compat",
             "ampddp.choices",
