@@ -32,6 +32,7 @@ import modes
 import op_cost
 import optimizer_step
 import overhead
+import sharding
 import startup
 import torch
 from harness import Budget
@@ -44,6 +45,7 @@ BENCHMARKS = {
     "fused-optimizers": fused_optimizers.run,
     "checkpoint": checkpoint_io.run,
     "ddp": ddp_scaling.run,
+    "sharding": sharding.run,
     "compile": compile_modes.run,
     "op-cost": op_cost.run,
     "input": input_pipeline.run,

@@ -1,0 +1,118 @@
+"""FSDP2 (strategy fsdp2) vs DDP on 2 CPU processes (gloo, one thread each), both in O5 on a GPT:
+training-state bytes per parameter held by each rank (params, gradients, optimizer state), step time,
+and the cost of a checkpoint's whole-tensor gather."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from harness import Budget, Row, paired_ratio, spread
+from torch.distributed.tensor import DTensor
+
+from ampddp import Parallel
+from ampddp.distributed import launch_local
+from ampddp.distributed.full_state import gathered
+from ampddp.models import GPT
+from ampddp.prepare import prepare
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _state_bytes(run) -> dict[str, int]:
+    """Bytes this rank holds for the model's params (and O5's fp32 masters), their gradients and the
+    optimizer state, each storage counted once."""
+    seen: set[int] = set()
+
+    def size(tensors) -> int:
+        total = 0
+        for tensor in tensors:
+            local = _local(tensor)
+            if local is None or local.untyped_storage().data_ptr() in seen:
+                continue
+            seen.add(local.untyped_storage().data_ptr())
+            total += local.untyped_storage().nbytes()
+        return total
+
+    stepped = [param for group in run.optimizer.param_groups for param in group["params"]]
+    params = [*run.module.parameters(), *stepped]
+    return {
+        "params": size(params),
+        "grads": size(param.grad for param in params if param.grad is not None),
+        "optimizer": size(value for entry in run.optimizer.state.values() for value in entry.values() if isinstance(value, torch.Tensor)),
+    }
+
+
+def _cloned(state):
+    if isinstance(state, dict):
+        return {key: _cloned(value) for key, value in state.items()}
+    return state.detach().cpu().clone() if isinstance(state, torch.Tensor) else state
+
+
+def _measure(env, strategy: str, width: int, steps: int, repeats: int) -> dict:
+    torch.manual_seed(0)
+    model = GPT(256, layers=4, width=width, heads=4, context=64)
+    count = sum(param.numel() for param in model.parameters())
+    run = prepare(model, lambda params: torch.optim.AdamW(params, lr=1e-3), env, precision="O5", parallel=Parallel(strategy))
+    generator = torch.Generator().manual_seed(env.rank)
+    ids = torch.randint(256, (8, 64), generator=generator)
+
+    def step() -> None:
+        with run.engine.forward_context():
+            loss = run.model(input_ids=ids, labels=ids)["loss"]
+        run.engine.backward(loss)
+        run.engine.step(run.optimizer)
+
+    step()  # warm-up, and the optimizer's state exists
+    run.engine.backward(run.model(input_ids=ids, labels=ids)["loss"])  # gradients present while measured
+    held = _state_bytes(run)
+    run.engine.zero_grad(run.optimizer)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+            run.engine.zero_grad(run.optimizer)
+        times.append((time.perf_counter() - start) / steps)
+    start = time.perf_counter()
+    for state in (run.module.state_dict(), run.optimizer.state_dict()["state"]):
+        _cloned(gathered(state))  # a checkpoint's whole-tensor copy: gathered under FSDP2, copied under DDP
+    gather_s = time.perf_counter() - start
+    run.engine.teardown()
+    return {"count": count, "held": held, "times": times, "gather_s": gather_s}
+
+
+def _spawned(env, width: int, steps: int, repeats: int) -> dict:
+    torch.set_num_threads(1)
+    return {strategy: _measure(env, strategy, width, steps, repeats) for strategy in ("fsdp2", "ddp")}
+
+
+def run(device: str, budget: Budget) -> list[Row]:
+    if device != "cpu":
+        return []
+    width, steps, repeats = budget.pick((64, 1, 1), (256, 5, 5), (384, 10, 7))
+    result = launch_local(_spawned, 2, (width, steps, repeats), device="cpu", timeout_s=600)[0]
+    fsdp2, ddp = result["fsdp2"], result["ddp"]
+    count = fsdp2["count"]
+    rows = []
+    for part in ("params", "grads", "optimizer"):
+        ours, theirs = fsdp2["held"][part] / count, ddp["held"][part] / count
+        rows.append(Row(f"sharding/2-processes/{part}-bytes-per-param-fsdp2-vs-ddp-O5", ours, theirs, "bytes/param/rank",
+                        theirs / ours if ours else float("inf"), 1, 0.0,
+                        f"{count / 1e6:.2f}M-param GPT; DDP O5 keeps bf16 params + fp32 masters, FSDP2 O5 fp32 shards only"))  # fmt: skip
+    total_ours = sum(fsdp2["held"].values()) / count
+    total_theirs = sum(ddp["held"].values()) / count
+    rows.append(Row("sharding/2-processes/training-state-bytes-per-param-fsdp2-vs-ddp-O5", total_ours, total_theirs, "bytes/param/rank",
+                    total_theirs / total_ours, 1, 0.0, "params + gradients + AdamW state one rank holds (1/world: FSDP2)"))  # fmt: skip
+    rate = {name: 16 / statistics.median(side["times"]) for name, side in result.items()}
+    rows.append(Row("sharding/2-processes/step-fsdp2-vs-ddp-O5", rate["fsdp2"], rate["ddp"], "samples/s",
+                    paired_ratio(fsdp2["times"], ddp["times"]), repeats, spread(fsdp2["times"]),
+                    "FSDP2 gathers each block's params in forward and backward: slower where DDP fits (below 1 expected)"))  # fmt: skip
+    megabytes = count * 4 * 3 / 2**20  # fp32 params and AdamW's two moments
+    rows.append(Row("sharding/2-processes/checkpoint-state-copy-fsdp2-vs-ddp", megabytes / fsdp2["gather_s"], megabytes / ddp["gather_s"],
+                    "MiB/s", ddp["gather_s"] / fsdp2["gather_s"], 1, 0.0,
+                    "whole-tensor copy of model + optimizer state for a checkpoint: FSDP2 gathers shards, DDP copies"))  # fmt: skip
+    return rows
