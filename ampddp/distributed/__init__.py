@@ -14,6 +14,7 @@ from ampddp.distributed.data import (
     sum_across_ranks,
 )
 from ampddp.distributed.env import DistEnv, detect_env, init_distributed, seed_everything, setup_distributed, shutdown_distributed
+from ampddp.distributed.fsdp2 import FSDPOptions
 from ampddp.distributed.launch import LaunchError, free_port, launch_local
 from ampddp.distributed.parallel import Parallel
 from ampddp.distributed.portable_sync_bn import PortableSyncBatchNorm
@@ -26,6 +27,7 @@ __all__ = [
     "STRATEGIES",
     "DDPOptions",
     "DistEnv",
+    "FSDPOptions",
     "EvalShardSampler",
     "GradSync",
     "LaunchError",

@@ -198,7 +198,8 @@ def fit_worker(env, run_dir: str, strategy: str, steps: int, batch_size: int = 4
     return gpt_trainer(Path(run_dir), strategy, steps, env, batch_size).fit()["eval"]
 
 
-def test_a_sharded_run_resumes_bit_exactly_and_under_ddp_on_one_process(tmp_path):
+@pytest.mark.smoke
+def test_a_sharded_run_resumes_bit_exactly_and_on_other_world_sizes_and_strategies(tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     launch_local(fit_worker, 2, (str(straight), "fsdp2", 8), device="cpu", timeout_s=300)
     launch_local(fit_worker, 2, (str(resumed), "fsdp2", 4), device="cpu", timeout_s=300)
@@ -211,6 +212,9 @@ def test_a_sharded_run_resumes_bit_exactly_and_under_ddp_on_one_process(tmp_path
     assert final_state(straight)["progress"]["global_step"] == 10 and single["loss"] < 5.0
     launch_local(fit_worker, 2, (str(straight), "fsdp2", 12), device="cpu", timeout_s=300)
     assert final_state(straight)["progress"]["global_step"] == 12
+    # On 4 ranks (batch 2 each: the same global batch), each rank's shard cut from the whole tensors.
+    launch_local(fit_worker, 4, (str(straight), "fsdp2", 14, 2), device="cpu", timeout_s=300)
+    assert final_state(straight)["progress"]["global_step"] == 14
 
 
 def test_uneven_evaluation_shards_meet_in_every_gather(tmp_path):
