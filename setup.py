@@ -2,7 +2,8 @@ from pathlib import Path
 
 from setuptools import find_packages, setup
 
-# numpy: its RNG is seeded and checkpointed for exact resume. matplotlib is optional (plots only):
+# numpy: its RNG is seeded and checkpointed for exact resume. safetensors: `ampddp export` writes model
+# weights in it (a format read without executing code). matplotlib is optional (plots only):
 # without it a run logs that the plots were skipped. The test extra includes it so the plot tests run.
 PLOTS = ["matplotlib>=3.7"]
 # mmengine: not needed by ampddp; its ApexOptimWrapper runs under `python -m ampddp.apex`, and the test
@@ -29,7 +30,7 @@ setup(
     python_requires=">=3.10",
     # torch: the oldest release CI proves (ampddp.torch_compat.MIN_TORCH refuses older ones at import);
     # no upper cap, so a new torch installs at once: CI also runs the newest on the registry.
-    install_requires=["torch>=2.10", "torchvision>=0.25", "numpy", "scikit-learn", "PyYAML", "tqdm", "xxhash>=3.0"],
+    install_requires=["torch>=2.10", "torchvision>=0.25", "numpy", "scikit-learn", "PyYAML", "tqdm", "xxhash>=3.0", "safetensors>=0.4"],
     extras_require={
         "plots": PLOTS,
         "tensorboard": TENSORBOARD,

@@ -33,6 +33,9 @@ center crop) or padded (CIFAR's random crop of a zero-padded image, eval on the 
 NORMALIZATIONS = ("imagenet", "computed")
 DECODE_DEVICES = ("cpu", "cuda")
 
+EXPORT_DTYPE_NAMES = ("saved", "fp32", "bf16", "fp16")
+"""``ampddp export --dtype``: the floating tensors as the checkpoint holds them, or cast to one dtype."""
+
 LOGGER_NAMES = ("tensorboard", "csv", "wandb", "mlflow")
 """observe.loggers: where a run's records go besides metrics.jsonl (``ampddp.loggers``)."""
 

@@ -1,4 +1,5 @@
-"""``ampddp`` command line: ``ampddp train RECIPE [key=value ...]`` and ``ampddp inspect PATH [--json]``.
+"""``ampddp`` command line: ``ampddp train RECIPE [key=value ...]``, ``ampddp inspect PATH [--json]`` and
+``ampddp export PATH --to FILE.safetensors``.
 
 Only light modules are imported at the top: ``main`` catches the stop signals before torch loads, and
 ``--help`` / ``--version`` answer without importing torch at all (the choices they list live in
@@ -12,6 +13,7 @@ import json
 import os
 import sys
 
+from ampddp.choices import EXPORT_DTYPE_NAMES
 from ampddp.errors import (
     AmpUsageError,
     CheckpointError,
@@ -44,6 +46,14 @@ def _inspect(args: argparse.Namespace, early: EarlySignals) -> int:
 
     summary = summarize(args.path)
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+    return 0
+
+
+def _export(args: argparse.Namespace, early: EarlySignals) -> int:
+    early.release()
+    from ampddp.checkpoint.export import export_weights, format_export
+
+    print(format_export(export_weights(args.path, args.to, dtype=args.dtype, force=args.force)))
     return 0
 
 
@@ -107,6 +117,17 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("path", help="a checkpoint folder (or a file in it), or a run dir for its latest complete checkpoint")
     inspect.add_argument("--json", action="store_true", help="print JSON (with model_sha256) instead of text")
     inspect.set_defaults(handler=_inspect)
+    export = commands.add_parser(
+        "export",
+        help="write a checkpoint's model weights as safetensors",
+        description="Write the model weights of a verified checkpoint (whole tensors, from any strategy and world size) "
+        "to a safetensors file whose metadata holds the precision mode and policy, the step and the versions.",
+    )
+    export.add_argument("path", help="a checkpoint folder (or a file in it), or a run dir for its latest complete checkpoint")
+    export.add_argument("--to", required=True, metavar="FILE.safetensors", help="the file to write (atomically)")
+    export.add_argument("--dtype", default="saved", choices=EXPORT_DTYPE_NAMES, help="floating tensors as saved (default) or cast")
+    export.add_argument("--force", action="store_true", help="replace FILE if it exists")
+    export.set_defaults(handler=_export)
     return parser
 
 
@@ -128,11 +149,8 @@ def _run(args: argparse.Namespace, early: EarlySignals) -> int:
     try:
         return args.handler(args, early)
     except RunIOError as error:  # before CheckpointError: a checkpoint that could not be written is this kind
-        print(
-            f"ampddp {args.command}: error: {_one_line(error)}; fix the file system or free space, then the same command "
-            "resumes from the newest complete checkpoint",
-            file=sys.stderr,
-        )
+        then = "the same command resumes from the newest complete checkpoint" if args.command == "train" else "run it again"
+        print(f"ampddp {args.command}: error: {_one_line(error)}; fix the file system or free space, then {then}", file=sys.stderr)
         return EXIT_IO
     except (CheckpointError, ConfigError, AmpUsageError, UnsupportedTorchError, DataError) as error:
         print(f"ampddp {args.command}: error: {_one_line(error)}", file=sys.stderr)
