@@ -33,6 +33,10 @@ center crop) or padded (CIFAR's random crop of a zero-padded image, eval on the 
 NORMALIZATIONS = ("imagenet", "computed")
 DECODE_DEVICES = ("cpu", "cuda")
 
+CHECKPOINT_LAYOUTS = ("auto", "whole", "sharded")
+"""checkpoint.layout: whole tensors in one shared file, each rank writing its own shards, or auto
+(sharded when FSDP2 shards the model)."""
+
 EXPORT_DTYPE_NAMES = ("saved", "fp32", "bf16", "fp16")
 """``ampddp export --dtype``: the floating tensors as the checkpoint holds them, or cast to one dtype."""
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from ampddp.choices import (
     AUTO_AUGMENTS,
+    CHECKPOINT_LAYOUTS,
     COMM_HOOKS,
     COMPILE_CHOICES,
     CROPS,
@@ -240,6 +241,8 @@ class CheckpointConfig:
     """Weights to start from: an ampddp checkpoint, an apex-era dict or a plain state dict file."""
     allow_changes: bool = False
     """Resume even when the model, data set, split (eval_fraction, seed) or image size changed."""
+    layout: str = field(default="auto", metadata=_choices(*CHECKPOINT_LAYOUTS))
+    """whole (one file of whole tensors), sharded (every rank writes its own shards), or auto: sharded under fsdp2."""
 
 
 @dataclass

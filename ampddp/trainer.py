@@ -133,7 +133,8 @@ class Trainer(TrainingLoop):
         evaluator = None if eval_set is None else Evaluator(eval_set, loop.batch_size, env, **scoring)
         super().__init__(
             run, train_set, loop,
-            checkpointer=Checkpointer(state, store, env, resume=checkpoints.resume, config=checkpoints.config, seed=loop.seed),
+            checkpointer=Checkpointer(state, store, env, resume=checkpoints.resume, config=checkpoints.config, seed=loop.seed,
+                                      layout=checkpoints.layout),
             loss_fn=loss_fn, batches=batches, loading=data,
             evaluator=evaluator,
             callbacks=Callbacks([*self._observer(report, checkpoints, env, loop, len(train_set), state), *hooks]),

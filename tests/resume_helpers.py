@@ -11,7 +11,7 @@ from torch.utils.data import Dataset
 from ampddp import Parallel, Precision
 from ampddp.checkpoint import keys
 from ampddp.checkpoint.files import load_safely
-from ampddp.checkpoint.store import CheckpointStore
+from ampddp.checkpoint.store import CheckpointStore, find_checkpoint
 from ampddp.trainer import Trainer
 from ampddp.training import CheckpointSettings
 
@@ -36,7 +36,7 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 4))
 
 
-CHECKPOINT_FIELDS = ("keep_last", "resume", "init_from", "config")
+CHECKPOINT_FIELDS = ("keep_last", "resume", "init_from", "config", "layout")
 
 
 def make_trainer(run_dir, mode: str, max_steps: int, env=None, **overrides) -> Trainer:
@@ -65,7 +65,11 @@ def final_state(run_dir) -> dict:
 
 
 def state_of(step_folder: Path) -> dict:
-    shared = load_safely(Path(step_folder) / keys.SHARED_FILE)
+    """The checkpoint's state with whole tensors (a sharded one's shards read and verified)."""
+    folder = Path(step_folder)
+    shared = load_safely(folder / keys.SHARED_FILE)
+    if shared.get(keys.SHARDS) is not None:
+        shared = CheckpointStore.load_whole(find_checkpoint(folder))
     return {
         "model": shared[keys.MODEL],
         "optimizer": shared[keys.OPTIMIZER]["state"],

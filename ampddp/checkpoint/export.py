@@ -47,7 +47,7 @@ def export_weights(location: str | Path, out: str | Path, dtype: str = "saved", 
         raise ConfigError(f"--to {out}: no such directory {out.parent}")
     ref = find_checkpoint(location)
     manifest = ref.manifest()
-    shared = CheckpointStore.load_shared(ref, manifest)
+    shared = CheckpointStore.load_whole(ref, manifest)
     model = shared.get(keys.MODEL)
     if not isinstance(model, dict) or not all(isinstance(value, torch.Tensor) for value in model.values()):
         raise CheckpointError(f"{ref.shared_file}: no model state of tensors in this checkpoint (keys: {sorted(shared)})")

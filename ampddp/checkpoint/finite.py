@@ -50,8 +50,13 @@ def refuse_non_finite(state: Mapping[str, Any], step: int, last_saved: int | Non
     loss-scaler state holds inf/NaN; the newest complete checkpoint then stays the last good one."""
     poisoned = first_non_finite({name: state[name] for name in (keys.MODEL, keys.OPTIMIZER, keys.PRECISION)})
     if poisoned is not None:
-        last = f"step {last_saved}" if last_saved else "none yet"
-        raise NonFiniteGradientsError(
-            f"{poisoned} is inf/NaN at step {step}, so no checkpoint was written (the newest complete checkpoint, "
-            f"{last}, stays the last good one); lower the learning rate or check that module's inputs"
-        )
+        raise non_finite_error(poisoned, step, last_saved)
+
+
+def non_finite_error(poisoned: str, step: int, last_saved: int | None) -> NonFiniteGradientsError:
+    """The refusal to save a state whose entry ``poisoned`` holds inf/NaN."""
+    last = f"step {last_saved}" if last_saved else "none yet"
+    return NonFiniteGradientsError(
+        f"{poisoned} is inf/NaN at step {step}, so no checkpoint was written (the newest complete checkpoint, "
+        f"{last}, stays the last good one); lower the learning rate or check that module's inputs"
+    )

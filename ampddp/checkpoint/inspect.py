@@ -46,7 +46,7 @@ def summarize(location: str | Path) -> dict[str, Any]:
     ref = find_checkpoint(location)
     manifest = ref.manifest()
     integrity = ref.verify(manifest)
-    shared = CheckpointStore.load_shared(ref, manifest)
+    shared = CheckpointStore.load_whole(ref, manifest)
     model = shared.get(keys.MODEL)
     if not isinstance(model, dict):
         raise CheckpointError(f"{ref.shared_file}: no model state in this checkpoint (keys: {sorted(shared)})")
@@ -57,6 +57,7 @@ def summarize(location: str | Path) -> dict[str, Any]:
         "integrity": integrity,
         "files": {name: digest.size for name, digest in (manifest.digests or {}).items()} or list(manifest.names),
         "format_version": shared[keys.FORMAT],
+        "layout": "sharded" if shared.get(keys.SHARDS) is not None else "whole",
         "step": progress.get("global_step", ref.step),
         "epoch": progress.get("epoch"),
         "samples_seen": progress.get("samples_seen"),
@@ -80,7 +81,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     return "\n".join(
         [
             f"checkpoint   {summary['path']}",
-            f"integrity    {summary['integrity']} ({len(summary['files'])} files)",
+            f"integrity    {summary['integrity']} ({len(summary['files'])} files{', sharded' if summary['layout'] == 'sharded' else ''})",
             f"progress     step {summary['step']}, epoch {summary['epoch']}, {summary['samples_seen']} samples seen",
             f"precision    {summary['mode']} ({summary['impl']}), loss scale {scales}, {summary['skipped_steps']} skipped steps",
             f"world size   {summary['world_size']}",

@@ -20,6 +20,13 @@ overwritten. Files hold only tensors and plain containers, numbers and strings, 
 """
 
 FORMAT_VERSION = 1
+SHARDED_FORMAT_VERSION = 2
+"""A sharded checkpoint (``checkpoint.sharded``): its model and optimizer tensors are in DCP's files
+(``__<rank>_<n>.distcp``, ``.metadata``) beside ``shared.pt``, whose ``MODEL`` is None, whose
+``OPTIMIZER`` keeps everything but the tensors and whose ``SHARDS`` records each tensor's shape and
+dtype. An ampddp that reads format 1 only refuses it by its version."""
+FORMATS = (FORMAT_VERSION, SHARDED_FORMAT_VERSION)
+SHARDS = "shards"
 
 FORMAT = "format_version"
 VERSIONS = "versions"

@@ -116,6 +116,10 @@ def initial_weights(path: str | Path) -> dict[str, Any]:
     """Model weights from an ampddp checkpoint file, an apex-era ``{"model", "optimizer", "amp"}`` dict,
     or a plain ``torch.save(model.state_dict())`` file — for starting a new run from them."""
     state = load_safely(Path(path))
+    if state.get(keys.SHARDS) is not None:  # a sharded checkpoint's shared file: its shards hold the weights
+        from ampddp.checkpoint.store import CheckpointStore, find_checkpoint
+
+        state = CheckpointStore.load_whole(find_checkpoint(path))
     if keys.MODEL in state and isinstance(state[keys.MODEL], dict):
         return state[keys.MODEL]
     if state and all(isinstance(v, torch.Tensor) for v in state.values()):

@@ -103,10 +103,12 @@ class CheckpointStore:
         return complete[-1] if complete else None
 
     def save(
-        self, step: int, shared: dict[str, Any], rank_state: dict[str, Any], env: DistEnv, run: dict[str, Any] | None = None
-    ) -> CheckpointRef:
+        self, step: int, shared: dict[str, Any], rank_state: dict[str, Any], env: DistEnv, run: dict[str, Any] | None = None,
+        shards: dict[str, Any] | None = None,
+    ) -> CheckpointRef:  # fmt: skip
         """Write one checkpoint collectively (every rank calls this with its own ``rank_state``);
-        ``run``: plain facts about the run recorded in the manifest (see ``Manifest.run``).
+        ``run``: plain facts about the run recorded in the manifest (see ``Manifest.run``);
+        ``shards``: tensors every rank writes its own part of (a sharded checkpoint, see ``sharded``).
 
         Rank 0 decides whether the step already has a complete checkpoint, and after each phase all
         ranks agree on whether every write succeeded, so a failure on one rank raises
@@ -120,7 +122,7 @@ class CheckpointStore:
             return ref
         digests: dict[str, dict[str, Any]] = {}
         self._run_everywhere(lambda: self._prepare_folder(folder) if env.is_main else self._run_dir.check(), folder, env)
-        self._run_everywhere(lambda: digests.update(self._write_parts(ref, shared, rank_state, env)), folder, env)
+        self._run_everywhere(lambda: digests.update(self._write_parts(ref, shared, rank_state, env, shards)), folder, env)
         every_rank = gather_objects(digests, env)
         files = {name: entry for part in every_rank for name, entry in part.items()}
         self._run_everywhere(lambda: self._finish(folder, step, env, files, run) if env.is_main else None, folder, env)
@@ -139,8 +141,14 @@ class CheckpointStore:
         return True
 
     @staticmethod
-    def _write_parts(ref: CheckpointRef, shared: dict[str, Any], rank_state: dict[str, Any], env: DistEnv) -> dict[str, dict[str, Any]]:
-        names = {keys.RANK_FILE.format(rank=env.rank): save_atomic({**rank_state, keys.RANK: env.rank}, ref.rank_file(env.rank))}
+    def _write_parts(ref: CheckpointRef, shared: dict[str, Any], rank_state: dict[str, Any], env: DistEnv,
+                     shards: dict[str, Any] | None) -> dict[str, dict[str, Any]]:  # fmt: skip
+        names = {}
+        if shards is not None:  # first: collective, and DCP raises a failure on every rank
+            from ampddp.checkpoint.sharded import write_shards
+
+            names.update(write_shards(ref.path, shards, env))
+        names[keys.RANK_FILE.format(rank=env.rank)] = save_atomic({**rank_state, keys.RANK: env.rank}, ref.rank_file(env.rank))
         if env.is_main:
             names[keys.SHARED_FILE] = save_atomic(shared, ref.shared_file)
         return {name: digest.to_json() for name, digest in names.items()}
@@ -233,11 +241,24 @@ class CheckpointStore:
         """The shared file, verified against the manifest (size and checksum) before it is unpickled."""
         state = ref.load_file(keys.SHARED_FILE, manifest)
         version = state.get(keys.FORMAT)
-        if version != keys.FORMAT_VERSION:
+        if version not in keys.FORMATS:
+            readable = " and ".join(map(str, keys.FORMATS))
             raise CheckpointError(
-                f"{ref.shared_file}: checkpoint format {version!r} is not supported (this ampddp reads format {keys.FORMAT_VERSION})"
+                f"{ref.shared_file}: checkpoint format {version!r} is not supported (this ampddp reads formats {readable})"
             )
         return state
+
+    @staticmethod
+    def load_whole(ref: CheckpointRef, manifest: Manifest | None = None) -> dict[str, Any]:
+        """The shared file with whole model and optimizer tensors, also for a sharded checkpoint (its
+        shards verified and read in this process alone): for ``inspect``, ``export`` and ``init_from``."""
+        manifest = manifest or ref.manifest()
+        shared = CheckpointStore.load_shared(ref, manifest)
+        if shared.get(keys.SHARDS) is None:
+            return shared
+        from ampddp.checkpoint.sharded import whole_view
+
+        return whole_view(ref.path, shared, manifest)
 
     @staticmethod
     def load_rank(ref: CheckpointRef, rank: int, manifest: Manifest | None = None) -> dict[str, Any] | None:

@@ -339,7 +339,7 @@ def checkpoint_settings(config: RunConfig) -> CheckpointSettings:
     checkpoint = config.checkpoint
     return CheckpointSettings(
         run_dir=config.trainer.run_dir, keep_last=checkpoint.keep_last, resume=checkpoint.resume_from or checkpoint.resume,
-        init_from=checkpoint.init_from, config=config.to_dict(),
+        init_from=checkpoint.init_from, config=config.to_dict(), layout=checkpoint.layout,
     )  # fmt: skip
 
 

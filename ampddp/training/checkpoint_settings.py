@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from ampddp.checkpoint.store import CheckpointStore, check_keep_last
-from ampddp.errors import ConfigError
+from ampddp.choices import CHECKPOINT_LAYOUTS
+from ampddp.errors import ConfigError, choice_error
 from ampddp.paths import expand_path, refuse_tilde_folder
 from ampddp.training.checkpointer import RESUME_CHOICES, check_resume_choice
 
@@ -19,8 +20,10 @@ class CheckpointSettings:
     checkpoints retention keeps (None: all). ``resume``: ``"auto"`` (the newest checkpoint in
     ``run_dir`` that verifies), ``"never"``, or the path of a checkpoint or run dir. ``init_from``: a
     checkpoint or weights file whose model weights the run starts from (nothing else is taken).
-    ``config``: the run's settings, saved with every checkpoint and compared on resume. ``~`` and
-    ``$VARS`` in the paths are expanded (a run dir with a folder named ``~`` is refused).
+    ``config``: the run's settings, saved with every checkpoint and compared on resume. ``layout``:
+    ``"whole"`` (one shared file of whole tensors), ``"sharded"`` (every rank writes its own shards)
+    or ``"auto"`` (sharded when FSDP2 shards the model); every layout resumes under any strategy and
+    world size. ``~`` and ``$VARS`` in the paths are expanded (a run dir with a folder named ``~`` is refused).
 
     Checked when made, so a bad value is refused before any part of the run is built.
     """
@@ -30,6 +33,7 @@ class CheckpointSettings:
     resume: str | Path = "auto"
     init_from: str | Path | None = None
     config: Mapping[str, Any] | None = field(default=None, compare=False)
+    layout: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("run_dir", "init_from"):
@@ -42,6 +46,8 @@ class CheckpointSettings:
             refuse_tilde_folder(self.run_dir, "run_dir")
         if isinstance(self.resume, (str, Path)) and str(self.resume) not in RESUME_CHOICES:
             object.__setattr__(self, "resume", expand_path(self.resume, "resume"))
+        if self.layout not in CHECKPOINT_LAYOUTS:
+            raise choice_error("checkpoint layout", self.layout, CHECKPOINT_LAYOUTS)
         check_keep_last(self.keep_last)
         check_resume_choice(self.resume)
         if self.config is not None and not isinstance(self.config, Mapping):

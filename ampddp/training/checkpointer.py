@@ -25,9 +25,11 @@ from ampddp.checkpoint.finite import refuse_non_finite
 from ampddp.checkpoint.manifest import config_digest
 from ampddp.checkpoint.restore import check_model_state, check_optimizer_state, check_sampler_state, restore_precision
 from ampddp.checkpoint.rng import capture_rng, derive_rng, restore_rng
+from ampddp.checkpoint.sharded import read_into_live, refuse_non_finite_shards, shape_view, split_state, verify_shards
 from ampddp.checkpoint.store import CheckpointRef, CheckpointStore, find_checkpoint, plan_resume
 from ampddp.distributed.data import ResumableSampler, broadcast_from_main, sum_across_ranks
 from ampddp.distributed.env import DistEnv
+from ampddp.distributed.fsdp2 import is_sharded
 from ampddp.distributed.full_state import gathered, sharded_model_state, sharded_optimizer_state
 from ampddp.errors import CheckpointError, ConfigError
 from ampddp.observe import TrackedRuns
@@ -76,9 +78,10 @@ class Checkpointer:
     """
 
     def __init__(self, state: TrainingState, store: CheckpointStore | None, env: DistEnv, *, resume: str | Path = "auto",
-                 config: dict[str, Any] | None = None, seed: int = 0) -> None:  # fmt: skip
+                 config: dict[str, Any] | None = None, seed: int = 0, layout: str = "auto") -> None:  # fmt: skip
         self.state, self.store, self.env = state, store, env
         self.resume, self.config, self.seed = resume, dict(config or {}), seed
+        self.sharded = layout == "sharded" or (layout == "auto" and is_sharded(state.module))
         self.saved_step: int | None = None
 
     def register(self, name: str, item: Stateful) -> None:
@@ -98,14 +101,18 @@ class Checkpointer:
         self.state.extra[name] = item
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything shared by the ranks, in checkpoint layout (see ampddp.checkpoint.keys)."""
+        """Everything shared by the ranks, in checkpoint layout (see ampddp.checkpoint.keys), with whole
+        tensors (FSDP2's shards gathered: the layout every strategy reads)."""
+        return self._state_dict(gathered(self.state.module.state_dict()), gathered(self.state.optimizer.state_dict()))
+
+    def _state_dict(self, model: dict[str, Any] | None, optimizer: dict[str, Any]) -> dict[str, Any]:
         state = self.state
         shared = {
             keys.FORMAT: keys.FORMAT_VERSION,
             keys.VERSIONS: _versions(),
             keys.CONFIG: self.config,
-            keys.MODEL: gathered(state.module.state_dict()),  # whole tensors under FSDP2: one layout for every strategy
-            keys.OPTIMIZER: gathered(state.optimizer.state_dict()),
+            keys.MODEL: model,
+            keys.OPTIMIZER: optimizer,
             keys.PRECISION: state.engine.state_dict(),
             keys.SCHEDULER: state.scheduler.state_dict() if state.scheduler is not None else None,
             keys.PROGRESS: state.progress.state_dict(),
@@ -122,10 +129,16 @@ class Checkpointer:
         if self.store is None:
             return None
         step = self.state.progress.global_step
-        shared = self.state_dict()
+        shards = None
+        if self.sharded:  # each rank writes what it holds: no gather
+            shards, optimizer, record = split_state(self.state.module.state_dict(), self.state.optimizer.state_dict())
+            shared = {**self._state_dict(None, optimizer), keys.FORMAT: keys.SHARDED_FORMAT_VERSION, keys.SHARDS: record}
+            refuse_non_finite_shards(shards, self.env, step, self.saved_step)
+        else:
+            shared = self.state_dict()
         refuse_non_finite(shared, step, self.saved_step)
         run = {"progress": shared[keys.PROGRESS], "config_sha256": config_digest(self.config), "ampddp": shared[keys.VERSIONS]["ampddp"]}
-        ref = self.store.save(step, shared, {keys.RNG: capture_rng()}, self.env, run=run)
+        ref = self.store.save(step, shared, {keys.RNG: capture_rng()}, self.env, run=run, shards=shards)
         self.saved_step = step
         return ref
 
@@ -153,6 +166,9 @@ class Checkpointer:
             shared = CheckpointStore.load_shared(ref, manifest)
             rank_state = CheckpointStore.load_rank(ref, self.env.rank, manifest)
             rng = rank_state[keys.RNG] if rank_state is not None else None
+            if shared.get(keys.SHARDS) is not None:  # checked by shape and dtype; this rank verifies its share of the files
+                verify_shards(ref.path, manifest, self.env)
+                shared = shape_view(shared, where)
             check_model_state(shared[keys.MODEL], self.state.module, where)
             check_optimizer_state(shared[keys.OPTIMIZER], self.state.optimizer, where)
             check_sampler_state(shared[keys.SAMPLER], self.state.sampler.state_dict(), where)
@@ -179,6 +195,8 @@ class Checkpointer:
         """
         shared, rng = self._read_and_check(ref)
         state = self.state
+        if shared.get(keys.SHARDS) is not None:  # collective: each rank reads its part, cut as it holds the tensors
+            shared = read_into_live(ref.path, shared, state.module.state_dict(), state.optimizer, self.env)
         changed = check_resume_settings(shared.get(keys.CONFIG), self.config, str(ref.path))
         saved_progress = Progress()
         saved_progress.load_state_dict(shared[keys.PROGRESS])

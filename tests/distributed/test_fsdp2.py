@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import Subset
 
 from ampddp import Parallel, Precision
+from ampddp.checkpoint.store import CheckpointStore
 from ampddp.distributed import launch_local
 from ampddp.models import GPT
 from ampddp.prepare import prepare
@@ -184,37 +185,44 @@ def test_the_o2_scaler_skips_on_every_rank_when_one_shard_overflows():
         assert result["groups"] == {"torch.float32"}
 
 
-def gpt_trainer(run_dir, strategy: str, max_steps: int, env, batch_size: int = 4, mode: str = "O5") -> Trainer:
+def gpt_trainer(run_dir, strategy: str, max_steps: int, env, batch_size: int = 4, mode: str = "O5", layout: str = "auto") -> Trainer:
     train, held_out = python_docs(sequence_length=16, eval_fraction=0.05)
     return Trainer(
         tiny_gpt(), lambda params: torch.optim.AdamW(params, lr=3e-3), Subset(train, range(256)),
         eval_set=Subset(held_out, range(13)), precision=mode, parallel=Parallel(strategy), batch_size=batch_size,
         grad_accum_steps=2, clip_grad_norm=1.0, max_epochs=100, max_steps=max_steps, seed=5, env=env,
-        checkpoints=CheckpointSettings(run_dir, keep_last=None), report=None, eval_every=3,
+        checkpoints=CheckpointSettings(run_dir, keep_last=None, layout=layout), report=None, eval_every=3,
     )  # fmt: skip
 
 
-def fit_worker(env, run_dir: str, strategy: str, steps: int, batch_size: int = 4) -> dict[str, float]:
-    return gpt_trainer(Path(run_dir), strategy, steps, env, batch_size).fit()["eval"]
+def fit_worker(env, run_dir: str, strategy: str, steps: int, batch_size: int = 4, layout: str = "auto") -> dict[str, float]:
+    return gpt_trainer(Path(run_dir), strategy, steps, env, batch_size, layout=layout).fit()["eval"]
 
 
 @pytest.mark.smoke
-def test_a_sharded_run_resumes_bit_exactly_and_on_other_world_sizes_and_strategies(tmp_path):
+@pytest.mark.parametrize("layout", ["sharded", "whole"])
+def test_a_sharded_run_resumes_bit_exactly_and_on_other_world_sizes_and_strategies(tmp_path, layout):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    launch_local(fit_worker, 2, (str(straight), "fsdp2", 8), device="cpu", timeout_s=300)
-    launch_local(fit_worker, 2, (str(resumed), "fsdp2", 4), device="cpu", timeout_s=300)
-    launch_local(fit_worker, 2, (str(resumed), "fsdp2", 8), device="cpu", timeout_s=300)
+    launch_local(fit_worker, 2, (str(straight), "fsdp2", 8, 4, layout), device="cpu", timeout_s=300)
+    launch_local(fit_worker, 2, (str(resumed), "fsdp2", 4, 4, layout), device="cpu", timeout_s=300)
+    launch_local(fit_worker, 2, (str(resumed), "fsdp2", 8, 4, layout), device="cpu", timeout_s=300)
     assert_identical(final_state(straight), final_state(resumed))
-    state = final_state(straight)
-    assert all(value.device.type == "cpu" and not hasattr(value, "placements") for value in state["model"].values())
+    names = CheckpointStore(straight).latest().manifest().names
+    assert (".metadata" in names and "__0_0.distcp" in names and "__1_0.distcp" in names) == (layout == "sharded"), names
     # The same checkpoint on one process under DDP (twice the batch: the same global batch), and back.
-    single = launch_local(fit_worker, 1, (str(straight), "ddp", 10, 8), device="cpu", timeout_s=300)[0]
+    single = launch_local(fit_worker, 1, (str(straight), "ddp", 10, 8, "whole"), device="cpu", timeout_s=300)[0]
     assert final_state(straight)["progress"]["global_step"] == 10 and single["loss"] < 5.0
-    launch_local(fit_worker, 2, (str(straight), "fsdp2", 12), device="cpu", timeout_s=300)
+    launch_local(fit_worker, 2, (str(straight), "fsdp2", 12, 4, layout), device="cpu", timeout_s=300)
     assert final_state(straight)["progress"]["global_step"] == 12
-    # On 4 ranks (batch 2 each: the same global batch), each rank's shard cut from the whole tensors.
-    launch_local(fit_worker, 4, (str(straight), "fsdp2", 14, 2), device="cpu", timeout_s=300)
+    # On 4 ranks (batch 2 each: the same global batch), each rank's shard cut from what was saved.
+    launch_local(fit_worker, 4, (str(straight), "fsdp2", 14, 2, layout), device="cpu", timeout_s=300)
     assert final_state(straight)["progress"]["global_step"] == 14
+
+
+def test_both_layouts_hold_the_same_training(tmp_path):
+    for layout in ("sharded", "whole"):
+        launch_local(fit_worker, 2, (str(tmp_path / layout), "fsdp2", 4, 4, layout), device="cpu", timeout_s=300)
+    assert_identical(final_state(tmp_path / "sharded"), final_state(tmp_path / "whole"))
 
 
 def test_uneven_evaluation_shards_meet_in_every_gather(tmp_path):

@@ -34,8 +34,9 @@ RUN_DEFINING = (
     "trainer.seed",
 )
 """Keys (or section prefixes ending in '.') whose change makes the run a different one."""
-HOW_TO_RESUME = ("checkpoint.resume", "checkpoint.resume_from", "checkpoint.allow_changes", "checkpoint.init_from", "trainer.run_dir")
-"""Keys that say where and how to resume, not what to train: never reported."""
+HOW_TO_RESUME = ("checkpoint.resume", "checkpoint.resume_from", "checkpoint.allow_changes", "checkpoint.init_from", "checkpoint.layout",
+                 "trainer.run_dir")  # fmt: skip
+"""Keys that say where and how to resume (or how checkpoints are written), not what to train: never reported."""
 ALLOW_KEY = "checkpoint.allow_changes"
 NORMALIZE_KEY = "data.normalize"
 

@@ -1,0 +1,246 @@
+"""Sharded checkpoints: every rank writes its own shards of the model and optimizer state.
+
+Gathering an FSDP2 model into whole tensors costs time and rank 0's host memory; with the sharded
+layout each rank writes only what it holds, through ``torch.distributed.checkpoint`` (DCP: files
+``__<rank>_<n>.distcp`` and ``.metadata`` in the step folder), and ampddp's guarantees stay: every
+file is hashed into the manifest and verified before it is read, the ``COMPLETE`` marker is written
+last, non-finite shards are refused on every rank. Reading cuts the saved tensors as the live run
+holds them, so a checkpoint saved by N ranks resumes on M, under FSDP2 or as whole tensors (DDP, one
+process, ``inspect``, ``export``).
+
+The shared file keeps everything else; its optimizer entry keeps torch's layout (per-parameter
+entries by index) without the tensors, and ``SHARDS`` records each sharded tensor's shape and
+dtype, so the checks of a resume read no shard. DCP's ``.metadata`` is a pickle: it is read with an
+unpickler that knows only DCP's metadata classes, and shard files hold tensors only (loaded with
+``weights_only``), so reading a hostile checkpoint cannot run code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import pickle
+import warnings
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from ampddp.checkpoint import keys
+from ampddp.checkpoint.finite import first_non_finite, non_finite_error
+from ampddp.checkpoint.manifest import FileDigest, Manifest, hash_open_file, verify_file
+from ampddp.distributed.data import sum_across_ranks
+from ampddp.distributed.env import DistEnv
+from ampddp.errors import CheckpointError
+from ampddp.precision.dtypes import dtype_name
+
+MODEL_PREFIX, OPTIMIZER_PREFIX = "model/", "optimizer/"
+METADATA_FILE = ".metadata"
+
+
+def is_sharded_file(name: str) -> bool:
+    """Whether ``name`` is one of DCP's files of a sharded checkpoint."""
+    return name == METADATA_FILE or (name.startswith("__") and name.endswith(".distcp"))
+
+
+# ---- saving -------------------------------------------------------------------------------------
+def split_state(
+    model_state: Mapping[str, Any], optimizer_state: Mapping[str, Any]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+    """(the tensors each rank writes, keyed ``model/<name>`` and ``optimizer/<index>/<entry>``; the
+    optimizer state without them; the record of each tensor's shape and dtype for the shared file)."""
+    tensors: dict[str, torch.Tensor] = {f"{MODEL_PREFIX}{name}": value for name, value in model_state.items()}
+    rest: dict[int, dict[str, Any]] = {}
+    for index, entries in optimizer_state["state"].items():
+        rest[index] = {}
+        for entry, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{OPTIMIZER_PREFIX}{index}/{entry}"] = value
+            else:
+                rest[index][entry] = value
+    record = {name: {"shape": list(value.shape), "dtype": dtype_name(value.dtype)} for name, value in tensors.items()}
+    return tensors, {**optimizer_state, "state": rest}, record
+
+
+def local_shards(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What this rank holds of each tensor (a DTensor's local shard), for checks that must not gather."""
+    return {name: value.to_local() if isinstance(value, DTensor) else value for name, value in tensors.items()}
+
+
+def write_shards(folder: Path, tensors: Mapping[str, torch.Tensor], env: DistEnv) -> dict[str, FileDigest]:
+    """Write ``tensors`` into ``folder`` collectively (every rank its shards; rank 0 the metadata);
+    returns the digests of the files this rank wrote."""
+    import torch.distributed.checkpoint as dcp
+
+    writer = FileSystemWriter(folder, single_file_per_rank=True, sync_files=True)
+    with _one_process_quietly(not env.distributed):
+        dcp.save(dict(tensors), storage_writer=writer, no_dist=not env.distributed)
+    mine = (f"__{env.rank}_", METADATA_FILE) if env.is_main else (f"__{env.rank}_",)
+    written = sorted(path for path in folder.iterdir() if is_sharded_file(path.name) and path.name.startswith(mine))
+    digests = {}
+    for path in written:
+        with open(path, "rb") as handle:
+            size = path.stat().st_size
+            digests[path.name] = FileDigest(size, hash_open_file(handle, size))
+    return digests
+
+
+# ---- reading ------------------------------------------------------------------------------------
+_METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in ("Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata", "StorageMeta", "MetadataIndex",
+                 "_MEM_FORMAT_ENCODING")
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+     ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("collections", "OrderedDict")}  # fmt: skip
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Only DCP's metadata classes and torch's dtypes: anything else (a function to call, a bytes
+    entry we never write) is refused before it is imported."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_CLASSES or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise CheckpointError(f"sharded checkpoint metadata refers to {module}.{name}, which no ampddp checkpoint holds; refused unread")
+
+
+class _SafeReader(FileSystemReader):
+    """DCP's file reader, with the metadata read by the restricted unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        path = Path(self.path) / METADATA_FILE
+        try:
+            data = path.read_bytes()
+        except OSError as error:
+            raise CheckpointError(f"{path}: cannot read ({error.strerror or error})") from None
+        try:
+            metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+        except CheckpointError as error:
+            raise CheckpointError(f"{path}: {error}") from None
+        except Exception as error:  # a damaged pickle: any of pickle's many errors
+            raise CheckpointError(f"{path}: unreadable sharded checkpoint metadata ({type(error).__name__})") from None
+        if type(metadata).__name__ != "Metadata":
+            raise CheckpointError(f"{path}: not a sharded checkpoint's metadata (found a {type(metadata).__name__})")
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def verify_shards(folder: Path, manifest: Manifest, env: DistEnv | None = None) -> None:
+    """Check the sharded files against the manifest: all of them, or (``env``) this rank's share of
+    them (file i by rank i mod world); the caller agrees over the ranks."""
+    names = sorted(name for name in manifest.names if is_sharded_file(name))
+    if METADATA_FILE not in names:
+        raise CheckpointError(f"{folder / keys.COMPLETE_FILE}: a sharded checkpoint without {METADATA_FILE} listed: incomplete")
+    if manifest.digests is None:
+        raise CheckpointError(f"{folder / keys.COMPLETE_FILE}: a sharded checkpoint must list checksums")
+    for index, name in enumerate(names):
+        if env is None or index % env.world_size == env.rank:
+            verify_file(folder / name, manifest.digests[name])
+
+
+def _record(shared: Mapping[str, Any], where: str) -> dict[str, dict[str, Any]]:
+    record = shared.get(keys.SHARDS)
+    if not isinstance(record, dict) or not all(
+        isinstance(entry, dict) and "shape" in entry and "dtype" in entry for entry in record.values()
+    ):
+        raise CheckpointError(f"{where}: malformed {keys.SHARDS!r} entry of a sharded checkpoint")
+    return record
+
+
+def _dtype(name: str, where: str) -> torch.dtype:
+    value = getattr(torch, str(name), None)
+    if not isinstance(value, torch.dtype):
+        raise CheckpointError(f"{where}: unknown dtype {name!r} in its {keys.SHARDS!r} record")
+    return value
+
+
+def _merged(shared: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """``shared`` with the model and optimizer entries holding ``tensors`` again, in torch's layout."""
+    model = {name.removeprefix(MODEL_PREFIX): value for name, value in tensors.items() if name.startswith(MODEL_PREFIX)}
+    optimizer = dict(shared[keys.OPTIMIZER])
+    state = {index: dict(entries) for index, entries in optimizer["state"].items()}
+    for name, value in tensors.items():
+        if name.startswith(OPTIMIZER_PREFIX):
+            index, entry = name.removeprefix(OPTIMIZER_PREFIX).split("/", 1)
+            state.setdefault(int(index), {})[entry] = value
+    optimizer["state"] = state
+    return {**shared, keys.MODEL: model, keys.OPTIMIZER: optimizer}
+
+
+def shape_view(shared: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``shared`` with meta tensors (shape and dtype, no data) in place of the shards: what the checks
+    of a resume compare with the live run, without reading a shard."""
+    record = _record(shared, where)
+    meta = {name: torch.empty(entry["shape"], dtype=_dtype(entry["dtype"], where), device="meta") for name, entry in record.items()}
+    return _merged(shared, meta)
+
+
+def whole_view(folder: Path, shared: Mapping[str, Any], manifest: Manifest) -> dict[str, Any]:
+    """``shared`` with whole CPU tensors read from the shards (verified first), in this process alone
+    (no process group needed): for ``inspect``, ``export`` and starting a run from these weights."""
+    import torch.distributed.checkpoint as dcp
+
+    where = str(folder / keys.SHARED_FILE)
+    verify_shards(folder, manifest)
+    tensors = {name: torch.empty(entry["shape"], dtype=_dtype(entry["dtype"], where)) for name, entry in _record(shared, where).items()}
+    _load(dcp, tensors, folder, no_dist=True)
+    return _merged(shared, tensors)
+
+
+@contextlib.contextmanager
+def _one_process_quietly(no_dist: bool) -> Iterator[None]:
+    """DCP warns that it works in one process, which is what ``no_dist`` asks for: not worth a line."""
+    with warnings.catch_warnings():
+        if no_dist:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _load(dcp: Any, tensors: dict[str, torch.Tensor], folder: Path, no_dist: bool) -> None:
+    reader = _SafeReader(folder)
+    reader.read_metadata()  # refused here, in one line, before DCP (which would wrap the error in its own)
+    try:
+        with _one_process_quietly(no_dist):
+            dcp.load(tensors, storage_reader=reader, no_dist=no_dist)
+    except Exception as error:  # DCP wraps the readers' failures (a missing key, a short file) in its own exception
+        reason = " ".join(str(error).split())[:300]
+        raise CheckpointError(f"{folder}: cannot read the sharded checkpoint ({reason})") from None
+
+
+def read_into_live(
+    folder: Path, shared: Mapping[str, Any], live_model: Mapping[str, Any], optimizer: Optimizer, env: DistEnv
+) -> dict[str, Any]:
+    """``shared`` with the model and optimizer tensors read from the shards, each cut as the live run
+    holds it (an FSDP2 rank reads its own part, a DDP rank the whole); collective over the ranks."""
+    import torch.distributed.checkpoint as dcp
+
+    where = str(folder / keys.SHARED_FILE)
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    templates: dict[str, torch.Tensor] = {}
+    for name, entry in _record(shared, where).items():
+        dtype, shape = _dtype(entry["dtype"], where), torch.Size(entry["shape"])
+        like = live_model.get(name.removeprefix(MODEL_PREFIX)) if name.startswith(MODEL_PREFIX) else None
+        if name.startswith(OPTIMIZER_PREFIX):
+            index = int(name.removeprefix(OPTIMIZER_PREFIX).split("/", 1)[0])
+            like = params[index] if index < len(params) else None
+        if isinstance(like, torch.Tensor) and like.shape == shape:
+            templates[name] = torch.empty_like(like, dtype=dtype)
+        else:
+            templates[name] = torch.empty(shape, dtype=dtype)
+    _load(dcp, templates, folder, no_dist=not env.distributed)
+    return _merged(shared, templates)
+
+
+def refuse_non_finite_shards(tensors: Mapping[str, torch.Tensor], env: DistEnv, step: int, last_saved: int | None) -> None:
+    """Refuse, on every rank alike (one all-reduce), to save shards of which any rank's hold inf/NaN."""
+    poisoned = first_non_finite(local_shards(tensors))
+    if int(sum_across_ranks(float(poisoned is not None)).item()):
+        raise non_finite_error(poisoned or "a tensor in another rank's shards", step, last_saved)

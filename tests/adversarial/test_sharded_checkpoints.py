@@ -1,0 +1,101 @@
+"""Sharded checkpoints (each rank's DCP files beside shared.pt) keep every guarantee of the whole layout:
+exact resume, every file verified before it is read, and no code run from a hostile metadata pickle."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from resume_helpers import assert_identical, final_state, make_trainer
+
+from ampddp.checkpoint.inspect import summarize
+from ampddp.checkpoint.manifest import FileDigest, hash_open_file
+from ampddp.checkpoint.store import CheckpointStore
+from ampddp.cli import EXIT_USAGE, main
+from ampddp.errors import CheckpointError
+
+
+def sharded_run(run_dir: Path, steps: int = 4) -> Path:
+    make_trainer(run_dir, "O2", max_steps=steps, layout="sharded").fit()
+    return CheckpointStore(run_dir).latest().path
+
+
+def test_a_sharded_layout_resumes_exactly_as_the_whole_one(tmp_path, monkeypatch):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    make_trainer(straight, "O2", 6, layout="sharded").fit()
+    make_trainer(resumed, "O2", 3, layout="sharded").fit()
+    make_trainer(resumed, "O2", 6, layout="sharded").fit()
+    assert_identical(final_state(straight), final_state(resumed))
+    whole = tmp_path / "whole"
+    make_trainer(whole, "O2", 6).fit()
+    assert_identical(final_state(straight), final_state(whole))
+    assert summarize(straight)["model_sha256"] == summarize(whole)["model_sha256"]
+    assert summarize(straight)["layout"] == "sharded" and summarize(whole)["layout"] == "whole"
+    # A whole run continues with sharded checkpoints and back (the layout is how a run writes, not what it is).
+    make_trainer(whole, "O2", 8, layout="sharded").fit()
+    make_trainer(whole, "O2", 9).fit()
+    assert final_state(whole)["progress"]["global_step"] == 9
+
+
+def _replace_listed(folder: Path, name: str, data: bytes) -> None:
+    """Write ``data`` as ``name`` and list its real size and checksum in COMPLETE (an attacker who controls the folder)."""
+    (folder / name).write_bytes(data)
+    with open(folder / name, "rb") as handle:
+        digest = FileDigest(len(data), hash_open_file(handle, len(data)))
+    marker = json.loads((folder / "COMPLETE").read_text())
+    marker["files"][name] = digest.to_json()
+    (folder / "COMPLETE").write_text(json.dumps(marker))
+
+
+class Planted:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_hostile_metadata_pickle_never_runs(tmp_path, capsys):
+    step = sharded_run(tmp_path / "run")
+    ran = tmp_path / "code-ran"
+    _replace_listed(step, ".metadata", pickle.dumps(Planted(str(ran))))
+    with pytest.raises(CheckpointError, match=r"\.metadata: sharded checkpoint metadata refers to posix\.system.*refused unread"):
+        make_trainer(tmp_path / "run", "O2", max_steps=6, layout="sharded").fit()
+    assert main(["inspect", str(step)]) == EXIT_USAGE
+    assert main(["export", str(step), "--to", str(tmp_path / "m.safetensors")]) == EXIT_USAGE
+    assert "refers to posix.system" in capsys.readouterr().err
+    assert not ran.exists() and not (tmp_path / "m.safetensors").exists()
+
+
+def test_a_corrupted_or_missing_shard_is_named_and_resume_falls_back(tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    make_trainer(run_dir, "O2", max_steps=2, layout="sharded", checkpoint_every=1).fit()
+    newest = CheckpointStore(run_dir).latest().path
+    shard = newest / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp: checksum mismatch"):
+        summarize(newest)
+    trainer = make_trainer(run_dir, "O2", max_steps=3, layout="sharded", checkpoint_every=1)
+    trainer.fit()
+    assert "checkpoint step 2 does not verify" in caplog.text
+    assert trainer.progress.global_step == 3
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp: missing"):
+        summarize(newest)
+
+
+def test_a_shape_record_that_does_not_fit_the_model_is_refused_before_loading(tmp_path):
+    step = sharded_run(tmp_path / "run", steps=2)
+    shared = torch.load(step / "shared.pt", weights_only=True)
+    shared["shards"]["model/0.weight"]["shape"] = [7, 7]
+    buffer = Path(tmp_path / "shared.pt")
+    torch.save(shared, buffer)
+    _replace_listed(step, "shared.pt", buffer.read_bytes())
+    with pytest.raises(CheckpointError, match=r"checkpoint is for a different model.*0\.weight \(checkpoint 7x7, model 32x16\)"):
+        make_trainer(tmp_path / "run", "O2", max_steps=4, layout="sharded").fit()
