@@ -6,6 +6,8 @@ A checkpoint is a directory ``<run_dir>/checkpoints/step-<N>/`` holding
   master values under O2/O5), ``OPTIMIZER``, ``PRECISION`` (mode, policy, loss scalers),
   ``SCHEDULER``, ``PROGRESS``, ``SAMPLER``, ``WORLD_SIZE``, ``TRACKED_RUNS``;
 - ``rank-<r>.pt`` (written by rank r): ``RNG`` (python, numpy, torch CPU and CUDA generator states);
+- in a sharded checkpoint (format 2, ``SHARDED_FORMAT_VERSION``), DCP's ``__<r>_<n>.distcp`` (rank
+  r's shards of the model and optimizer tensors) and ``.metadata`` (written by rank 0);
 - ``COMPLETE`` (JSON, written last by rank 0): only a directory with it is a checkpoint. It is the
   manifest: ``{"step", "world_size", "time", "checksum": "xxh3_128", "files": {name: {"size": bytes,
   "xxh3_128": hex}}, "run": {"progress", "config_sha256", "ampddp"}}``, every file of every rank;
