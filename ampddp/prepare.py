@@ -115,7 +115,7 @@ def _prepare_sharded(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Par
     new (DTensor) params the optimizer is built over, then the engine over those."""
     engine = engine_for(precision, parallel)
     engine.convert_storage(model)
-    model = parallel.wrap(model, env, engine.sharded_param_dtype)
+    model = parallel.wrap(model, env, engine.sharded_param_dtype, engine.forward_context)
     optimizer = make_optimizer(model.parameters())
     engine.setup([model], [optimizer])
     return Prepared(model, model, optimizer, engine, GradSync(model), env)

@@ -12,8 +12,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -95,15 +97,23 @@ def block_classes(model: nn.Module, names: tuple[str, ...]) -> list[type[nn.Modu
     return list(dict.fromkeys(by_name[name] for name in names))
 
 
-def shard_model(model: nn.Module, env: DistEnv, options: FSDPOptions, param_dtype: torch.dtype | None) -> nn.Module:
+def shard_model(model: nn.Module, env: DistEnv, options: FSDPOptions, param_dtype: torch.dtype | None,
+                recompute_context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext) -> nn.Module:  # fmt: skip
     """``model`` sharded in place over every rank of ``env``: each block, then the root.
 
-    ``param_dtype``: the dtype FSDP2 gives the params to the forward in (None: as stored). The model
-    keeps its class (FSDP2 adds its own as a base) and its parameter names.
+    ``param_dtype``: the dtype FSDP2 gives the params to the forward in (None: as stored).
+    ``recompute_context``: what a checkpointed block's recomputation runs in (the precision engine's
+    forward context), so that it computes in the dtypes its forward did. The model keeps its class
+    (FSDP2 adds its own as a base) and its parameter names.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+        raise ConfigError(
+            f"strategy fsdp2 got a model already wrapped in {type(model).__name__}: pass the bare model; FSDP2 replaces "
+            "DDP and cannot shard inside nn.DataParallel"
+        )
     if not env.distributed:
         raise ConfigError(
             "distributed strategy fsdp2 shards over processes and this run has one: launch 2 or more (nproc_per_node, "
@@ -122,7 +132,7 @@ def shard_model(model: nn.Module, env: DistEnv, options: FSDPOptions, param_dtyp
         if options.activation_checkpointing:
             from torch.distributed._composable import checkpoint
 
-            checkpoint(block)
+            checkpoint(block, context_fn=lambda: (contextlib.nullcontext(), recompute_context()))
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=options.reshard_after_forward)
     # The root's params (embeddings, the head) are needed again at once by the backward: kept gathered.
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)

@@ -8,7 +8,9 @@ synchronise the BatchNorms before the model is placed, wrap it once the optimize
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,9 +67,11 @@ class Parallel:
         """Whether the strategy shards the params (FSDP2): the precision set-up then maps onto it."""
         return self.strategy == "fsdp2"
 
-    def wrap(self, model: nn.Module, env: DistEnv, sharded_param_dtype: torch.dtype | None = None) -> nn.Module:
-        """``model`` (placed, cast and bound to its optimizer) in the strategy's wrapper;
-        ``sharded_param_dtype``: under FSDP2, the dtype the params compute in (the engine's word)."""
+    def wrap(self, model: nn.Module, env: DistEnv, sharded_param_dtype: torch.dtype | None = None,
+             recompute_context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext) -> nn.Module:  # fmt: skip
+        """``model`` (placed, cast and bound to its optimizer) in the strategy's wrapper. Under FSDP2,
+        the precision engine's word: ``sharded_param_dtype``, the dtype the params compute in, and
+        ``recompute_context``, its forward context for recomputed (activation-checkpointed) blocks."""
         if self.shards_params:
-            return shard_model(model, env, self.fsdp, sharded_param_dtype)
+            return shard_model(model, env, self.fsdp, sharded_param_dtype, recompute_context)
         return wrap_model(model, self.strategy, env, self.ddp, **self.wrap_options)

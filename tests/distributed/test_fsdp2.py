@@ -16,7 +16,7 @@ from torch.utils.data import Subset
 
 from ampddp import Parallel, Precision
 from ampddp.checkpoint.store import CheckpointStore
-from ampddp.distributed import launch_local
+from ampddp.distributed import FSDPOptions, launch_local
 from ampddp.models import GPT
 from ampddp.prepare import prepare
 from ampddp.text import ByteWindows, corpus_bytes, python_docs
@@ -48,15 +48,16 @@ def mean_over_ranks(value: torch.Tensor) -> float:
     return value.item() / dist.get_world_size()
 
 
-def train_losses(env, mode: str, strategy: str, islands: bool | None = None) -> list[float]:
+def train_losses(env, mode: str, strategy: str, islands: bool | None = None, fsdp: FSDPOptions | None = None) -> list[float]:
     precision = Precision(mode, fp32_islands=islands)
+    parallel = Parallel(strategy, fsdp=fsdp or FSDPOptions())
     # Pure fp16 (O3) has no masters and no loss scale: Adam's second moment underflows there, SGD trains.
     optimizer = (
         (lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
         if mode == "O3"
         else (lambda params: torch.optim.AdamW(params, lr=3e-3))
     )
-    run = prepare(tiny_gpt(), optimizer, env, precision=precision, parallel=Parallel(strategy))
+    run = prepare(tiny_gpt(), optimizer, env, precision=precision, parallel=parallel)
     losses = []
     for batch in step_batches(env.rank, env.world_size, STEPS):
         with run.engine.forward_context():
@@ -76,7 +77,18 @@ def modes_worker(env) -> dict[str, list[float]]:
     runs = {f"ddp {mode}": train_losses(env, mode, "ddp") for mode in MODES}
     runs.update({f"fsdp2 {mode}": train_losses(env, mode, "fsdp2") for mode in MODES})
     runs["fsdp2 O5 pure"] = train_losses(env, "O5", "fsdp2", islands=False)
+    for name, options in SETTINGS.items():
+        runs[f"fsdp2 O5 {name}"] = train_losses(env, "O5", "fsdp2", fsdp=options)
     return runs
+
+
+SETTINGS = {
+    "checkpointed": FSDPOptions(activation_checkpointing=True),
+    "kept gathered": FSDPOptions(reshard_after_forward=False),
+    "bf16 reduce": FSDPOptions(reduce_in_fp32=False),
+    "named blocks": FSDPOptions(blocks=("Block", "Embedding")),
+}
+"""FSDP2's settings change where memory and traffic go, not the math (a bf16 reduction: its rounding)."""
 
 
 def largest_gap(a: list[float], b: list[float]) -> float:
@@ -103,6 +115,9 @@ def test_fsdp2_follows_ddp_in_every_mode():
     for mode, tolerance in SAME_MODE.items():
         gap = largest_gap(runs[f"ddp {mode}"], runs[f"fsdp2 {mode}"])
         assert gap <= tolerance, f"FSDP2 {mode} strays {gap:.3g} from DDP {mode} (allowed {tolerance})"
+    for name in ("checkpointed", "kept gathered", "named blocks"):
+        assert runs[f"fsdp2 O5 {name}"] == runs["fsdp2 O5"], name
+    assert 0 < largest_gap(runs["fsdp2 O5 bf16 reduce"], runs["fsdp2 O5"]) <= 1e-2
 
 
 class OpDtypes(TorchDispatchMode):

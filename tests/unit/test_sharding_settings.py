@@ -81,9 +81,11 @@ def test_blocks_are_found_or_named():
         block_classes(model, ("Blok",))
 
 
-def test_fsdp2_on_one_process_is_refused_naming_what_to_do():
+def test_fsdp2_on_one_process_or_a_wrapped_model_is_refused_naming_what_to_do():
     with pytest.raises(ConfigError, match=r"fsdp2 shards over processes and this run has one: launch 2 or more"):
         shard_model(nn.Linear(2, 2), DistEnv(), FSDPOptions(), None)
+    with pytest.raises(ConfigError, match=r"fsdp2 got a model already wrapped in DataParallel: pass the bare model"):
+        shard_model(nn.DataParallel(nn.Linear(2, 2)), DistEnv(world_size=2), FSDPOptions(), None)
 
 
 def test_the_recipe_refuses_fsdp2_on_one_process_and_fsdp_keys_without_it(tmp_path):
