@@ -4,6 +4,12 @@ checkpoints that resume bit-exactly and under another strategy and world size.""
 
 from __future__ import annotations
 
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import ClassVar
 
@@ -200,13 +206,15 @@ def test_the_o2_scaler_skips_on_every_rank_when_one_shard_overflows():
         assert result["groups"] == {"torch.float32"}
 
 
-def gpt_trainer(run_dir, strategy: str, max_steps: int, env, batch_size: int = 4, mode: str = "O5", layout: str = "auto") -> Trainer:
+def gpt_trainer(run_dir, strategy: str, max_steps: int, env, batch_size: int = 4, mode: str = "O5", layout: str = "auto",
+                checkpoint_every: int | None = None) -> Trainer:  # fmt: skip
     train, held_out = python_docs(sequence_length=16, eval_fraction=0.05)
     return Trainer(
         tiny_gpt(), lambda params: torch.optim.AdamW(params, lr=3e-3), Subset(train, range(256)),
         eval_set=Subset(held_out, range(13)), precision=mode, parallel=Parallel(strategy), batch_size=batch_size,
         grad_accum_steps=2, clip_grad_norm=1.0, max_epochs=100, max_steps=max_steps, seed=5, env=env,
-        checkpoints=CheckpointSettings(run_dir, keep_last=None, layout=layout), report=None, eval_every=3,
+        checkpoints=CheckpointSettings(run_dir, keep_last=2 if checkpoint_every else None, layout=layout), report=None,
+        eval_every=3, checkpoint_every=checkpoint_every,
     )  # fmt: skip
 
 
@@ -246,3 +254,45 @@ def test_uneven_evaluation_shards_meet_in_every_gather(tmp_path):
     result = launch_local(fit_worker, 2, (str(tmp_path), "fsdp2", 3, 3), device="cpu", timeout_s=300)[0]
     assert result["samples"] == 13
     assert final_state(tmp_path)["progress"]["global_step"] == 3
+
+
+def saving_worker(env, run_dir: str) -> None:
+    gpt_trainer(Path(run_dir), "fsdp2", 10**6, env, checkpoint_every=1).fit()
+
+
+SAVER = """
+import sys
+sys.path[:0] = [{tests!r}, {here!r}]
+from test_fsdp2 import saving_worker
+from ampddp.distributed import launch_local
+if __name__ == "__main__":
+    print("ready", flush=True)
+    launch_local(saving_worker, 2, ({run!r},), device="cpu", timeout_s=120)
+"""
+
+
+def test_sigkill_during_sharded_saves_leaves_the_previous_checkpoint_whole(tmp_path):
+    rng = random.Random(0)
+    run = tmp_path / "run"
+    launch_local(fit_worker, 2, (str(run), "fsdp2", 1), device="cpu", timeout_s=300)
+    script = tmp_path / "saver.py"
+    here = Path(__file__).resolve()
+    script.write_text(SAVER.format(tests=str(here.parents[1]), here=str(here.parent), run=str(run)))
+    killed_at = []
+    for _ in range(4):
+        before = CheckpointStore(run).latest().step
+        process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, start_new_session=True)
+        assert process.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 240
+        while CheckpointStore(run).latest().step <= before and time.monotonic() < deadline:
+            time.sleep(0.1)  # until the ranks are saving a step after another
+        time.sleep(rng.uniform(0.0, 1.0))
+        os.killpg(process.pid, signal.SIGKILL)  # the launcher and both ranks, wherever they are
+        process.wait()
+        latest = CheckpointStore(run).latest()
+        latest.verify()
+        killed_at.append(latest.step)
+        assert final_state(run)["progress"]["global_step"] == latest.step
+    assert killed_at == sorted(set(killed_at)) and killed_at[0] > 1, killed_at  # each kill came while steps were being saved
+    launch_local(fit_worker, 2, (str(run), "fsdp2", killed_at[-1] + 1), device="cpu", timeout_s=300)
+    assert final_state(run)["progress"]["global_step"] == killed_at[-1] + 1
