@@ -5,15 +5,20 @@ and the cost of a checkpoint's whole-tensor gather."""
 from __future__ import annotations
 
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from harness import Budget, Row, paired_ratio, spread
 from torch.distributed.tensor import DTensor
 
 from ampddp import Parallel
+from ampddp.checkpoint import keys
+from ampddp.checkpoint.sharded import read_into_live, split_state, verify_shards
+from ampddp.checkpoint.store import CheckpointStore
 from ampddp.distributed import launch_local
-from ampddp.distributed.full_state import gathered
+from ampddp.distributed.full_state import gathered, sharded_model_state, sharded_optimizer_state
 from ampddp.models import GPT
 from ampddp.prepare import prepare
 
@@ -52,7 +57,7 @@ def _cloned(state):
     return state.detach().cpu().clone() if isinstance(state, torch.Tensor) else state
 
 
-def _measure(env, strategy: str, width: int, steps: int, repeats: int) -> dict:
+def _measure(env, strategy: str, width: int, steps: int, repeats: int, folder: str) -> dict:
     torch.manual_seed(0)
     model = GPT(256, layers=4, width=width, heads=4, context=64)
     count = sum(param.numel() for param in model.parameters())
@@ -81,20 +86,52 @@ def _measure(env, strategy: str, width: int, steps: int, repeats: int) -> dict:
     for state in (run.module.state_dict(), run.optimizer.state_dict()["state"]):
         _cloned(gathered(state))  # a checkpoint's whole-tensor copy: gathered under FSDP2, copied under DDP
     gather_s = time.perf_counter() - start
+    saves = _checkpoint_times(env, run, folder, repeats) if strategy == "fsdp2" else {}
     run.engine.teardown()
-    return {"count": count, "held": held, "times": times, "gather_s": gather_s}
+    return {"count": count, "held": held, "times": times, "gather_s": gather_s, **saves}
 
 
-def _spawned(env, width: int, steps: int, repeats: int) -> dict:
+def _checkpoint_times(env, run, folder: str, repeats: int) -> dict[str, list[float]]:
+    """Seconds to write a checkpoint of the FSDP2 model and optimizer, and to read it back into the
+    live (sharded) run, in each layout: every rank its shards, or rank 0 the gathered whole."""
+    store = CheckpointStore(Path(folder) / f"run-{repeats}", keep_last=None)
+    found: dict[str, list[float]] = {"save_sharded": [], "save_whole": [], "load_sharded": [], "load_whole": []}
+    for step in range(repeats):
+        model, optimizer = run.module.state_dict(), run.optimizer.state_dict()
+        start = time.perf_counter()
+        tensors, rest, record = split_state(model, optimizer)
+        sharded = store.save(2 * step + 1, {keys.FORMAT: keys.SHARDED_FORMAT_VERSION, keys.OPTIMIZER: rest, keys.SHARDS: record}, {},
+                             env, shards=tensors)  # fmt: skip
+        found["save_sharded"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        whole = store.save(2 * step + 2, {keys.FORMAT: keys.FORMAT_VERSION, keys.MODEL: gathered(model),
+                                          keys.OPTIMIZER: gathered(optimizer)}, {}, env)  # fmt: skip
+        found["save_whole"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        shared = CheckpointStore.load_shared(sharded)
+        verify_shards(sharded.path, sharded.manifest(), env)  # as a resume does: each rank hashes its share of the files
+        read_into_live(sharded.path, shared, run.module.state_dict(), run.optimizer, env)
+        found["load_sharded"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        shared = CheckpointStore.load_shared(whole)
+        sharded_model_state(shared[keys.MODEL], run.module.state_dict())
+        sharded_optimizer_state(shared[keys.OPTIMIZER], run.optimizer)
+        found["load_whole"].append(time.perf_counter() - start)
+    return found
+
+
+def _spawned(env, width: int, steps: int, repeats: int, folder: str) -> dict:
     torch.set_num_threads(1)
-    return {strategy: _measure(env, strategy, width, steps, repeats) for strategy in ("fsdp2", "ddp")}
+    return {strategy: _measure(env, strategy, width, steps, repeats, folder) for strategy in ("fsdp2", "ddp")}
 
 
 def run(device: str, budget: Budget) -> list[Row]:
     if device != "cpu":
         return []
     width, steps, repeats = budget.pick((64, 1, 1), (256, 5, 5), (384, 10, 7))
-    result = launch_local(_spawned, 2, (width, steps, repeats), device="cpu", timeout_s=600)[0]
+    # Beside the results, not in /tmp: /tmp is often a RAM file system, where fsync costs nothing.
+    with tempfile.TemporaryDirectory(dir=Path.cwd(), prefix=".ampddp-bench-") as folder:
+        result = launch_local(_spawned, 2, (width, steps, repeats, folder), device="cpu", timeout_s=600)[0]
     fsdp2, ddp = result["fsdp2"], result["ddp"]
     count = fsdp2["count"]
     rows = []
@@ -115,4 +152,10 @@ def run(device: str, budget: Budget) -> list[Row]:
     rows.append(Row("sharding/2-processes/checkpoint-state-copy-fsdp2-vs-ddp", megabytes / fsdp2["gather_s"], megabytes / ddp["gather_s"],
                     "MiB/s", ddp["gather_s"] / fsdp2["gather_s"], 1, 0.0,
                     "whole-tensor copy of model + optimizer state for a checkpoint: FSDP2 gathers shards, DDP copies"))  # fmt: skip
+    for kind in ("save", "load"):
+        ours, theirs = fsdp2[f"{kind}_sharded"], fsdp2[f"{kind}_whole"]
+        rows.append(Row(f"sharding/2-processes/checkpoint-{kind}-sharded-vs-whole", megabytes / statistics.median(ours),
+                        megabytes / statistics.median(theirs), "MiB/s", paired_ratio(ours, theirs), repeats, spread(ours),
+                        f"FSDP2 model + AdamW state; sharded: every rank {kind}s its own shards (DCP), whole: gathered, rank 0 "
+                        "writes one file (every rank reads it and cuts its shard); fsync'd, hashed, verified"))  # fmt: skip
     return rows
