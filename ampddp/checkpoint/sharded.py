@@ -127,10 +127,29 @@ class _SafeReader(FileSystemReader):
             raise CheckpointError(f"{path}: not a sharded checkpoint's metadata (found a {type(metadata).__name__})")
         from torch.distributed.checkpoint.metadata import StorageMeta
 
+        _check_storage(metadata, path)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def _check_storage(metadata: Any, path: Path) -> None:
+    """Every storage entry must point into a shard file of this folder, at a plain offset and length,
+    untransformed (what ampddp writes): a planted ``../x`` or absolute path would make DCP read any
+    file the process can; tensors only (a bytes entry would be unpickled without restriction)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if not all(isinstance(entry, TensorStorageMetadata) for entry in getattr(metadata, "state_dict_metadata", {}).values()):
+        raise CheckpointError(f"{path}: holds entries that are not tensors, which no ampddp checkpoint writes; refused")
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        plain = isinstance(info, _StorageInfo) and isinstance(info.relative_path, str) and is_sharded_file(info.relative_path)
+        plain = plain and info.relative_path != METADATA_FILE and Path(info.relative_path).name == info.relative_path
+        plain = plain and all(isinstance(n, int) and n >= 0 for n in (info.offset, info.length))
+        if not plain or getattr(info, "transform_descriptors", None):
+            where = getattr(info, "relative_path", info)
+            raise CheckpointError(f"{path}: points at {str(where)[:120]!r}, not a shard file of this checkpoint; refused unread")
 
 
 def verify_shards(folder: Path, manifest: Manifest, env: DistEnv | None = None) -> None:

@@ -99,3 +99,14 @@ def test_a_shape_record_that_does_not_fit_the_model_is_refused_before_loading(tm
     _replace_listed(step, "shared.pt", buffer.read_bytes())
     with pytest.raises(CheckpointError, match=r"checkpoint is for a different model.*0\.weight \(checkpoint 7x7, model 32x16\)"):
         make_trainer(tmp_path / "run", "O2", max_steps=4, layout="sharded").fit()
+
+
+@pytest.mark.parametrize("planted", ["../../outside.pt", "/etc/hostname", ".metadata"])
+def test_metadata_pointing_outside_its_shards_is_refused_unread(tmp_path, planted):
+    step = sharded_run(tmp_path / "run", steps=2)
+    metadata = pickle.loads((step / ".metadata").read_bytes())  # this test's own file: trusted here
+    first = next(iter(metadata.storage_data))
+    metadata.storage_data[first].relative_path = planted
+    _replace_listed(step, ".metadata", pickle.dumps(metadata))
+    with pytest.raises(CheckpointError, match=r"not a shard file of this checkpoint; refused unread"):
+        summarize(step)

@@ -11,7 +11,8 @@ from ampddp.distributed.wrap import WRAPPERS
 
 
 def test_every_strategy_name_has_a_wrapper_and_every_wrapper_a_name():
-    assert set(WRAPPERS) == set(STRATEGIES)
+    # fsdp2 shards through Parallel/prepare (the precision engine maps onto it), not a whole-model wrapper
+    assert set(WRAPPERS) == set(STRATEGIES) - {"fsdp2"}
 
 
 def test_every_sync_bn_name_but_auto_has_a_converter():
