@@ -73,17 +73,6 @@ def refuse_moved_arguments(caller: str, arguments: Iterable[str], table: Mapping
         raise ConfigError(f"{caller} no longer takes {', '.join(moved)}: each is now part of an object ({where})")
 
 
-def refuse_batchnorm(model: nn.Module, mode: str) -> None:
-    """FSDP2 gives every param of a unit one dtype: a BatchNorm's fp32 statistics beside fp16/bf16
-    weights fail at the first forward, so such a model is refused here, naming the layer."""
-    norm = next((name for name, module in model.named_modules() if isinstance(module, nn.modules.batchnorm._BatchNorm)), None)
-    if norm is not None:
-        raise ConfigError(
-            f"{mode} under strategy fsdp2 cannot shard BatchNorm layer {norm or 'the model'!r} (its fp32 statistics beside "
-            "low-precision weights); use O1/O4 or a native mode with fsdp2, or strategy ddp for this model"
-        )
-
-
 def engine_for(precision: Precision, parallel: Parallel) -> PrecisionEngine:
     """The precision engine for this strategy: FSDP2 (sharded params) maps O2/O5 onto its own mixed precision."""
     return precision.build_sharded_engine() if parallel.shards_params else precision.build_engine()
@@ -125,10 +114,8 @@ def _prepare_sharded(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Par
     """FSDP2's order: the stored dtypes first (O3: fp16, what FSDP2 shards), then the sharding, whose
     new (DTensor) params the optimizer is built over, then the engine over those."""
     engine = engine_for(precision, parallel)
-    if engine.sharded_param_dtype is not None or engine.casts_model_params:
-        refuse_batchnorm(model, precision.mode)
     engine.convert_storage(model)
-    model = parallel.wrap(model, env, engine.sharded_param_dtype, engine.forward_context)
+    model = parallel.wrap(model, env, engine.sharded_param_dtype, engine.recompute_context)
     optimizer = make_optimizer(model.parameters())
     engine.setup([model], [optimizer])
     return Prepared(model, model, optimizer, engine, GradSync(model), env)

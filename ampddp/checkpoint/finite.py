@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ampddp.checkpoint import keys
+from ampddp.distributed.env import DistEnv
 from ampddp.errors import NonFiniteGradientsError
 
 
@@ -45,11 +45,18 @@ def first_non_finite(state: Any) -> str | None:
     return None
 
 
-def refuse_non_finite(state: Mapping[str, Any], step: int, last_saved: int | None) -> None:
-    """Raise ``NonFiniteGradientsError`` instead of saving a checkpoint whose model, optimizer or
-    loss-scaler state holds inf/NaN; the newest complete checkpoint then stays the last good one."""
-    poisoned = first_non_finite({name: state[name] for name in (keys.MODEL, keys.OPTIMIZER, keys.PRECISION)})
-    if poisoned is not None:
+def refuse_non_finite(state: Mapping[str, Any], step: int, last_saved: int | None, env: DistEnv | None = None) -> None:
+    """Raise ``NonFiniteGradientsError`` instead of saving ``state`` (a checkpoint's model, optimizer and
+    loss-scaler entries, or what a rank holds of them) when it holds inf/NaN; the newest complete
+    checkpoint then stays the last good one. ``env``: each rank checks what it holds (its FSDP2
+    shards; gathered tensors: rank 0) and the ranks agree in one all-reduce, so all raise or none."""
+    poisoned = first_non_finite(state)
+    if env is not None and env.distributed:
+        from ampddp.distributed.data import sum_across_ranks
+
+        if int(sum_across_ranks(float(poisoned is not None)).item()):
+            raise non_finite_error(poisoned or "a tensor another rank holds", step, last_saved)
+    elif poisoned is not None:
         raise non_finite_error(poisoned, step, last_saved)
 
 

@@ -11,6 +11,7 @@ import hashlib
 import json
 import mmap
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -80,12 +81,26 @@ def verify_file(path: Path, expected: FileDigest) -> None:
         raise CheckpointError(f"{path}: cannot read checkpoint file ({error.strerror or error})") from None
 
 
+def _size_mismatch(path: Path, size: int, expected: FileDigest) -> CheckpointError:
+    return CheckpointError(
+        f"{path}: size mismatch: {size} bytes on disk, {expected.size} recorded in COMPLETE (the file is truncated or was replaced)"
+    )
+
+
+def check_size(path: Path, expected: FileDigest) -> None:
+    """Raise ``CheckpointError`` naming ``path`` unless it exists with ``expected``'s size (no hashing)."""
+    try:
+        size = Path(path).stat().st_size
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing ({expected.size} bytes listed in {Path(path).parent.name}/COMPLETE)") from None
+    if size != expected.size:
+        raise _size_mismatch(path, size, expected)
+
+
 def _verify_open_file(path: Path, handle: BinaryIO, expected: FileDigest) -> None:
     size = os.fstat(handle.fileno()).st_size
     if size != expected.size:
-        raise CheckpointError(
-            f"{path}: size mismatch: {size} bytes on disk, {expected.size} recorded in COMPLETE (the file is truncated or was replaced)"
-        )
+        raise _size_mismatch(path, size, expected)
     actual = hash_open_file(handle, size)
     if actual != expected.checksum:
         raise CheckpointError(
@@ -171,11 +186,12 @@ def _is_plain_file_name(name: object) -> bool:
     )
 
 
-def verify_folder(folder: Path, manifest: Manifest) -> str:
+def verify_folder(folder: Path, manifest: Manifest, sized_only: Callable[[str], bool] | None = None) -> str:
     """Check every file of the checkpoint in ``folder`` against its manifest; returns ``VERIFIED`` or
     ``UNVERIFIED`` (an old marker: files present, no checksums to compare). Anything wrong — a file
     missing, truncated or corrupted, a rank file absent — is a ``CheckpointError`` naming the file
-    and what is wrong."""
+    and what is wrong. ``sized_only(name)``: files whose size alone is checked here, their checksums
+    left to the caller (the shards of a sharded checkpoint, which the ranks verify together)."""
     folder = Path(folder)
     marker = folder / keys.COMPLETE_FILE
     required = [keys.SHARED_FILE] + [keys.RANK_FILE.format(rank=r) for r in range(manifest.world_size or 0)]
@@ -187,7 +203,10 @@ def verify_folder(folder: Path, manifest: Manifest) -> str:
         others = f"; also missing: {', '.join(missing[1:])}" if len(missing) > 1 else ""
         raise CheckpointError(f"{folder / missing[0]}: missing (listed in {keys.COMPLETE_FILE}){others}")
     for name, digest in (manifest.digests or {}).items():
-        verify_file(folder / name, digest)
+        if sized_only is not None and sized_only(name):
+            check_size(folder / name, digest)
+        else:
+            verify_file(folder / name, digest)
     return VERIFIED if manifest.verifiable else UNVERIFIED
 
 

@@ -31,9 +31,8 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from ampddp.checkpoint import keys
-from ampddp.checkpoint.finite import first_non_finite, non_finite_error
 from ampddp.checkpoint.manifest import FileDigest, Manifest, hash_open_file, verify_file
-from ampddp.distributed.data import sum_across_ranks
+from ampddp.distributed.data import gather_objects
 from ampddp.distributed.env import DistEnv
 from ampddp.errors import CheckpointError
 from ampddp.precision.dtypes import dtype_name
@@ -165,13 +164,48 @@ def verify_shards(folder: Path, manifest: Manifest, env: DistEnv | None = None) 
             verify_file(folder / name, manifest.digests[name])
 
 
+def shards_problem(folder: Path, manifest: Manifest, env: DistEnv) -> str | None:
+    """The ranks hash a sharded checkpoint's files together (file i by rank i mod world): the first
+    problem any rank found, the same answer on every rank; None when all verify (or none are shards)."""
+    if not any(is_sharded_file(name) for name in manifest.names):
+        return None
+    try:
+        verify_shards(folder, manifest, env)
+        problem = None
+    except CheckpointError as error:
+        problem = str(error)
+    return next((found for found in gather_objects(problem, env) if found), None)
+
+
 def _record(shared: Mapping[str, Any], where: str) -> dict[str, dict[str, Any]]:
+    """The shards record (name -> shape and dtype), every entry checked: what is read from it next
+    (names cut into an optimizer index, shapes made into tensors) cannot fail in another way."""
     record = shared.get(keys.SHARDS)
-    if not isinstance(record, dict) or not all(
-        isinstance(entry, dict) and "shape" in entry and "dtype" in entry for entry in record.values()
-    ):
-        raise CheckpointError(f"{where}: malformed {keys.SHARDS!r} entry of a sharded checkpoint")
+    if not isinstance(record, dict):
+        raise CheckpointError(f"{where}: its {keys.SHARDS!r} record is a {type(record).__name__}, not a mapping of tensor names")
+    for name, entry in record.items():
+        problem = _entry_problem(name, entry)
+        if problem is not None:
+            raise CheckpointError(f"{where}: malformed {keys.SHARDS!r} record: entry {str(name)[:120]!r} {problem}")
+        _dtype(entry["dtype"], where)
     return record
+
+
+def _entry_problem(name: Any, entry: Any) -> str | None:
+    if not isinstance(name, str):
+        return "is not a name"
+    if name.startswith(OPTIMIZER_PREFIX):
+        index, _, state = name.removeprefix(OPTIMIZER_PREFIX).partition("/")
+        if not (index.isdigit() and index.isascii() and state):
+            return f"names no optimizer state as {OPTIMIZER_PREFIX}<index>/<entry>"
+    elif not name.startswith(MODEL_PREFIX):
+        return f"is neither {MODEL_PREFIX}<name> nor {OPTIMIZER_PREFIX}<index>/<entry>"
+    if not isinstance(entry, dict) or not isinstance(entry.get("dtype"), str):
+        return "has no dtype"
+    shape = entry.get("shape")
+    if not isinstance(shape, (list, tuple)) or not all(type(size) is int and size >= 0 for size in shape):
+        return f"has shape {str(shape)[:60]}, not a list of sizes"
+    return None
 
 
 def _dtype(name: str, where: str) -> torch.dtype:
@@ -202,13 +236,15 @@ def shape_view(shared: Mapping[str, Any], where: str) -> dict[str, Any]:
     return _merged(shared, meta)
 
 
-def whole_view(folder: Path, shared: Mapping[str, Any], manifest: Manifest) -> dict[str, Any]:
-    """``shared`` with whole CPU tensors read from the shards (verified first), in this process alone
-    (no process group needed): for ``inspect``, ``export`` and starting a run from these weights."""
+def whole_view(folder: Path, shared: Mapping[str, Any], manifest: Manifest, verify: bool = True) -> dict[str, Any]:
+    """``shared`` with whole CPU tensors read from the shards (verified first, unless the caller just
+    did), in this process alone (no process group needed): for ``inspect``, ``export`` and starting a
+    run from these weights."""
     import torch.distributed.checkpoint as dcp
 
     where = str(folder / keys.SHARED_FILE)
-    verify_shards(folder, manifest)
+    if verify:
+        verify_shards(folder, manifest)
     tensors = {name: torch.empty(entry["shape"], dtype=_dtype(entry["dtype"], where)) for name, entry in _record(shared, where).items()}
     _load(dcp, tensors, folder, no_dist=True)
     return _merged(shared, tensors)
@@ -256,10 +292,3 @@ def read_into_live(
             templates[name] = torch.empty(shape, dtype=dtype)
     _load(dcp, templates, folder, no_dist=not env.distributed)
     return _merged(shared, templates)
-
-
-def refuse_non_finite_shards(tensors: Mapping[str, torch.Tensor], env: DistEnv, step: int, last_saved: int | None) -> None:
-    """Refuse, on every rank alike (one all-reduce), to save shards of which any rank's hold inf/NaN."""
-    poisoned = first_non_finite(local_shards(tensors))
-    if int(sum_across_ranks(float(poisoned is not None)).item()):
-        raise non_finite_error(poisoned or "a tensor in another rank's shards", step, last_saved)

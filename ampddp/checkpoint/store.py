@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,9 +50,12 @@ class CheckpointRef:
     def manifest(self) -> Manifest:
         return read_manifest(self.path)
 
-    def verify(self, manifest: Manifest | None = None) -> str:
-        """Check every file of the checkpoint against its manifest (see ``manifest.verify_folder``)."""
-        return verify_folder(self.path, manifest or self.manifest())
+    def verify(self, manifest: Manifest | None = None, shards_sized_only: bool = False) -> str:
+        """Check every file of the checkpoint against its manifest (see ``manifest.verify_folder``);
+        ``shards_sized_only``: a sharded checkpoint's shards by size alone (the ranks hash them together)."""
+        from ampddp.checkpoint.sharded import is_sharded_file
+
+        return verify_folder(self.path, manifest or self.manifest(), is_sharded_file if shards_sized_only else None)
 
     def looks_whole(self) -> bool:
         """Cheap check (no hashing): the marker parses and every listed file is there with its size."""
@@ -224,12 +228,15 @@ class CheckpointStore:
         fsync_directory(self.root)
         return moved
 
-    def newest_verified(self) -> tuple[CheckpointRef | None, list[str]]:
-        """The newest checkpoint that verifies, and one line for each newer one that does not."""
+    def newest_verified(self, shards_sized_only: bool = False, passed_over: Collection[str] = ()) -> tuple[CheckpointRef | None, list[str]]:
+        """The newest checkpoint that verifies, and one line for each newer one that does not;
+        ``passed_over``: folders already found bad; ``shards_sized_only``: see ``CheckpointRef.verify``."""
         skipped = []
         for ref in reversed(self.complete()):
+            if str(ref.path) in passed_over:
+                continue
             try:
-                ref.verify()
+                ref.verify(shards_sized_only=shards_sized_only)
             except CheckpointError as error:
                 skipped.append(f"checkpoint step {ref.step} does not verify, skipped and left on disk: {error}")
                 continue
@@ -249,16 +256,17 @@ class CheckpointStore:
         return state
 
     @staticmethod
-    def load_whole(ref: CheckpointRef, manifest: Manifest | None = None) -> dict[str, Any]:
+    def load_whole(ref: CheckpointRef, manifest: Manifest | None = None, shards_verified: bool = False) -> dict[str, Any]:
         """The shared file with whole model and optimizer tensors, also for a sharded checkpoint (its
-        shards verified and read in this process alone): for ``inspect``, ``export`` and ``init_from``."""
+        shards verified, unless the caller just did, and read in this process alone): for ``inspect``,
+        ``export`` and ``init_from``."""
         manifest = manifest or ref.manifest()
         shared = CheckpointStore.load_shared(ref, manifest)
         if shared.get(keys.SHARDS) is None:
             return shared
         from ampddp.checkpoint.sharded import whole_view
 
-        return whole_view(ref.path, shared, manifest)
+        return whole_view(ref.path, shared, manifest, verify=not shards_verified)
 
     @staticmethod
     def load_rank(ref: CheckpointRef, rank: int, manifest: Manifest | None = None) -> dict[str, Any] | None:
@@ -284,26 +292,29 @@ class CheckpointStore:
         return sorted((f for f in self.root.iterdir() if f.is_dir() and step_of(f) is not None), key=lambda f: step_of(f) or 0)
 
 
-def plan_resume(store: CheckpointStore | None, resume: str | Path) -> dict[str, Any]:
+def plan_resume(store: CheckpointStore | None, resume: str | Path, passed_over: Collection[str] = ()) -> dict[str, Any]:
     """Rank 0's resume decision as plain data to broadcast: ``start`` (a folder or None),
-    ``warnings`` (lines already logged), ``error`` ((kind, message) or None).
+    ``shards_verified`` (False: a sharded checkpoint's shards were checked by size alone, the ranks
+    hash them together before reading), ``warnings`` (lines already logged), ``error`` ((kind,
+    message) or None).
 
-    ``"auto"``: the newest checkpoint of ``store`` that verifies; each newer one that does not is
-    reported and left on disk. A step folder: that checkpoint (it must verify); when it belongs to
-    ``store``, newer step folders are moved into ``<run_dir>/abandoned/``. A run dir: its newest
-    checkpoint that verifies. ``store`` (this run's, or None) must otherwise hold nothing newer.
+    ``"auto"``: the newest checkpoint of ``store`` that verifies; each newer one that does not (or is
+    in ``passed_over``: found bad by the ranks) is reported and left on disk. A step folder: that
+    checkpoint (it must verify); when it belongs to ``store``, newer step folders are moved into
+    ``<run_dir>/abandoned/``. A run dir: its newest checkpoint that verifies. ``store`` (this run's,
+    or None) must otherwise hold nothing newer.
     """
     try:
-        return {"start": None, "error": None, **_plan(store, resume)}
+        return {"start": None, "error": None, "shards_verified": True, **_plan(store, resume, passed_over)}
     except (CheckpointError, ConfigError) as error:
         return {"start": None, "warnings": [], "error": (type(error).__name__, str(error))}
 
 
-def _plan(store: CheckpointStore | None, resume: str | Path) -> dict[str, Any]:
+def _plan(store: CheckpointStore | None, resume: str | Path, passed_over: Collection[str]) -> dict[str, Any]:
     warnings: list[str] = []
     ref: CheckpointRef | None = None
     if resume == "auto" and store is not None:
-        ref, warnings = store.newest_verified()
+        ref, warnings = store.newest_verified(shards_sized_only=True, passed_over=passed_over)
     elif resume not in ("auto", "never"):
         path = Path(resume)
         folder = path.parent if path.is_file() else path
@@ -320,7 +331,7 @@ def _plan(store: CheckpointStore | None, resume: str | Path) -> dict[str, Any]:
     for line in warnings:
         logger.warning(line)
     if store is None or resume == "auto":
-        return {"start": str(ref.path) if ref is not None else None, "warnings": warnings}
+        return {"start": str(ref.path) if ref is not None else None, "warnings": warnings, "shards_verified": resume != "auto"}
     start = ref.step if ref is not None else 0
     newer = [folder for folder in store.step_folders() if (step_of(folder) or 0) > start]
     if newer and ref is not None and ref.path.resolve().parent == store.root.resolve():

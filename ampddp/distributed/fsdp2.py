@@ -99,12 +99,15 @@ def block_classes(model: nn.Module, names: tuple[str, ...]) -> list[type[nn.Modu
 
 def shard_model(model: nn.Module, env: DistEnv, options: FSDPOptions, param_dtype: torch.dtype | None,
                 recompute_context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext) -> nn.Module:  # fmt: skip
-    """``model`` sharded in place over every rank of ``env``: each block, then the root.
+    """``model`` sharded in place over every rank of ``env``: its BatchNorm layers, each block, then the root.
 
-    ``param_dtype``: the dtype FSDP2 gives the params to the forward in (None: as stored).
-    ``recompute_context``: what a checkpointed block's recomputation runs in (the precision engine's
-    forward context), so that it computes in the dtypes its forward did. The model keeps its class
-    (FSDP2 adds its own as a base) and its parameter names.
+    ``param_dtype``: the dtype FSDP2 gives the params to the forward in (None: as stored). A unit's
+    params share one dtype, so BatchNorm layers (kept fp32 beside fp16/bf16 weights, as apex's
+    ``keep_batchnorm_fp32``) are units of their own, computing in their stored dtype.
+    ``recompute_context``: called as a checkpointed block's forward runs, the context its recomputation
+    runs in (the precision engine's), so that it computes in the dtypes its forward did. The model
+    keeps its class (FSDP2 adds its own as a base) and its parameter names; rank 0's buffers are given
+    to every rank before each training forward, as DDP does.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -124,8 +127,12 @@ def shard_model(model: nn.Module, env: DistEnv, options: FSDPOptions, param_dtyp
         mesh = init_device_mesh(env.device.type, (env.world_size,))
     except (RuntimeError, ValueError) as error:
         raise ConfigError(f"FSDP2 cannot build a device mesh of {env.world_size} ranks on {env.device.type}: {error}") from error
-    reduce_dtype = torch.float32 if options.reduce_in_fp32 and param_dtype is not None else None
+    reduce_dtype = torch.float32 if options.reduce_in_fp32 else None
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    as_stored = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype)
+    norms = _own_dtype_norms(model, param_dtype)
+    for norm in norms:
+        fully_shard(norm, mesh=mesh, mp_policy=as_stored, reshard_after_forward=options.reshard_after_forward)
     blocks = [module for module in reversed(list(model.modules())) if type(module) in classes and module is not model]
     names = ", ".join(sorted({type(block).__name__ for block in blocks})) or "none found: the model is one unit"
     for block in blocks:  # innermost first: a block inside another is its own unit
@@ -136,8 +143,42 @@ def shard_model(model: nn.Module, env: DistEnv, options: FSDPOptions, param_dtyp
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=options.reshard_after_forward)
     # The root's params (embeddings, the head) are needed again at once by the backward: kept gathered.
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
-    logger.info("FSDP2 over %d ranks: %d block(s) (%s), then the root", env.world_size, len(blocks), names)
+    if any(True for _ in model.buffers()):
+        model.register_forward_pre_hook(_give_main_buffers)
+    kept = f", {len(norms)} BatchNorm layer(s) in their stored dtype" if norms else ""
+    logger.info("FSDP2 over %d ranks: %d block(s) (%s)%s, then the root", env.world_size, len(blocks), names, kept)
     return model
+
+
+def _own_dtype_norms(model: nn.Module, param_dtype: torch.dtype | None) -> list[nn.Module]:
+    """The BatchNorm layers with params that must be units of their own: where the others compute in
+    ``param_dtype``, or are stored in another dtype than theirs (O3 with BatchNorm kept fp32)."""
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and any(True for _ in m.parameters())]
+    stored = {param.dtype for param in model.parameters()}
+    return norms if norms and (param_dtype is not None or len(stored) > 1) else []
+
+
+@torch.no_grad()
+def broadcast_buffers(module: nn.Module) -> None:
+    """Every rank takes rank 0's buffers (one broadcast per dtype)."""
+    import torch.distributed as dist
+
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for buffer in module.buffers():
+        by_dtype.setdefault(buffer.dtype, []).append(buffer)
+    for buffers in by_dtype.values():
+        flat = torch.cat([buffer.reshape(-1) for buffer in buffers])
+        dist.broadcast(flat, src=0)
+        for buffer, value in zip(buffers, flat.split([buffer.numel() for buffer in buffers])):
+            buffer.copy_(value.view_as(buffer))
+
+
+def _give_main_buffers(module: nn.Module, args: Any) -> None:
+    """Before a training forward: rank 0's running statistics on every rank (FSDP2 shards params only;
+    buffers each rank updates from its own batches would drift apart, and with them evaluation and
+    checkpoints)."""
+    if module.training and torch.is_grad_enabled():
+        broadcast_buffers(module)
 
 
 def is_sharded(model: nn.Module) -> bool:

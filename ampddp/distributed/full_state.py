@@ -16,14 +16,16 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
 
-def gathered(state: Any) -> Any:
+def gathered(state: Any, keep: bool = True) -> Any:
     """``state`` (nested dicts/lists of tensors) with every DTensor replaced by its whole value, on
     the CPU (one tensor on the device at a time); a container without DTensors is returned as it is
-    (a module's state keeps its ``_metadata``)."""
+    (a module's state keeps its ``_metadata``). ``keep=False``: this rank takes part in each gather
+    but keeps no copy (None in its place): only the rank that writes a checkpoint needs one."""
     if isinstance(state, DTensor):
-        return state.full_tensor().cpu()
+        whole = state.full_tensor()
+        return whole.cpu() if keep else None
     if isinstance(state, dict):
-        values = {key: gathered(value) for key, value in state.items()}
+        values = {key: gathered(value, keep) for key, value in state.items()}
         if all(values[key] is value for key, value in state.items()):
             return state
         whole = type(state)(values)
@@ -31,7 +33,7 @@ def gathered(state: Any) -> Any:
             whole._metadata = state._metadata
         return whole
     if isinstance(state, (list, tuple)):
-        values = [gathered(value) for value in state]
+        values = [gathered(value, keep) for value in state]
         return state if all(new is old for new, old in zip(values, state)) else type(state)(values)
     return state
 

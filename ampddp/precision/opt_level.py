@@ -98,7 +98,8 @@ class OptLevelEngine(PrecisionEngine):
             table = build_op_table(self._registrations)
             self._cast_context = OpCastContext(table, policy.op_cast_dtype, device_types(models))
         input_dtype = policy.cast_model_type
-        output_dtype = policy.cast_model_outputs or (torch.float32 if input_dtype is not None else None)
+        low_params = input_dtype is not None or policy.sharded_param_dtype is not None  # apex casts such outputs to fp32
+        output_dtype = policy.cast_model_outputs or (torch.float32 if low_params else None)
         self._forward_hooks = ForwardHooks(self._cast_context, input_dtype, output_dtype)
         for model in models:
             self._handles += self._forward_hooks.install(model)
@@ -192,6 +193,10 @@ class OptLevelEngine(PrecisionEngine):
     # ---- per step -----------------------------------------------------------------------------
     def forward_context(self) -> AbstractContextManager[Any]:
         return self._cast_context if self._cast_context is not None else contextlib.nullcontext()
+
+    def recompute_context(self) -> AbstractContextManager[Any]:
+        active = self._cast_context is not None and self._cast_context.active  # the forward ran inside it: so does the recompute
+        return self._cast_context if active else contextlib.nullcontext()
 
     def _record(self, optimizer: Optimizer) -> OptimizerGrads:
         record = self._records.get(id(optimizer))

@@ -25,7 +25,7 @@ from ampddp.checkpoint.finite import refuse_non_finite
 from ampddp.checkpoint.manifest import config_digest
 from ampddp.checkpoint.restore import check_model_state, check_optimizer_state, check_sampler_state, restore_precision
 from ampddp.checkpoint.rng import capture_rng, derive_rng, restore_rng
-from ampddp.checkpoint.sharded import read_into_live, refuse_non_finite_shards, shape_view, split_state, verify_shards
+from ampddp.checkpoint.sharded import local_shards, read_into_live, shape_view, shards_problem, split_state, verify_shards
 from ampddp.checkpoint.store import CheckpointRef, CheckpointStore, find_checkpoint, plan_resume
 from ampddp.distributed.data import ResumableSampler, broadcast_from_main, sum_across_ranks
 from ampddp.distributed.env import DistEnv
@@ -100,10 +100,12 @@ class Checkpointer:
             raise ConfigError(f"checkpoint item {name!r} is a {type(item).__name__}, which has no state_dict/load_state_dict")
         self.state.extra[name] = item
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, everywhere: bool = True) -> dict[str, Any]:
         """Everything shared by the ranks, in checkpoint layout (see ampddp.checkpoint.keys), with whole
-        tensors (FSDP2's shards gathered: the layout every strategy reads)."""
-        return self._state_dict(gathered(self.state.module.state_dict()), gathered(self.state.optimizer.state_dict()))
+        tensors (FSDP2's shards gathered: the layout every strategy reads). ``everywhere=False``: the
+        gathered tensors are kept by rank 0 alone (None elsewhere), which writes them."""
+        keep = everywhere or self.env.is_main
+        return self._state_dict(gathered(self.state.module.state_dict(), keep), gathered(self.state.optimizer.state_dict(), keep))
 
     def _state_dict(self, model: dict[str, Any] | None, optimizer: dict[str, Any]) -> dict[str, Any]:
         state = self.state
@@ -133,10 +135,11 @@ class Checkpointer:
         if self.sharded:  # each rank writes what it holds: no gather
             shards, optimizer, record = split_state(self.state.module.state_dict(), self.state.optimizer.state_dict())
             shared = {**self._state_dict(None, optimizer), keys.FORMAT: keys.SHARDED_FORMAT_VERSION, keys.SHARDS: record}
-            refuse_non_finite_shards(shards, self.env, step, self.saved_step)
+            checked = {**local_shards(shards), keys.PRECISION: shared[keys.PRECISION]}
         else:
-            shared = self.state_dict()
-        refuse_non_finite(shared, step, self.saved_step)
+            shared = self.state_dict(everywhere=False)
+            checked = {name: shared[name] for name in (keys.MODEL, keys.OPTIMIZER, keys.PRECISION)}
+        refuse_non_finite(checked, step, self.saved_step, self.env)
         run = {"progress": shared[keys.PROGRESS], "config_sha256": config_digest(self.config), "ampddp": shared[keys.VERSIONS]["ampddp"]}
         ref = self.store.save(step, shared, {keys.RNG: capture_rng()}, self.env, run=run, shards=shards)
         self.saved_step = step
@@ -148,14 +151,23 @@ class Checkpointer:
         from different steps; every rank raises its error."""
         if self.store is None and self.resume in ("auto", "never"):
             return
-        plan = broadcast_from_main(plan_resume(self.store, self.resume) if self.env.is_main else None, self.env)
-        if plan["error"] is not None:
-            kind, message = plan["error"]
-            raise (ConfigError if kind == "ConfigError" else CheckpointError)(message)
-        if plan["start"] is not None:
-            self.load(find_checkpoint(plan["start"]), finished)
+        passed_over: list[str] = []
+        while True:
+            plan = broadcast_from_main(plan_resume(self.store, self.resume, passed_over) if self.env.is_main else None, self.env)
+            if plan["error"] is not None:
+                kind, message = plan["error"]
+                raise (ConfigError if kind == "ConfigError" else CheckpointError)(message)
+            if plan["start"] is None:
+                return
+            ref = find_checkpoint(plan["start"])
+            problem = None if plan["shards_verified"] else shards_problem(ref.path, ref.manifest(), self.env)
+            if problem is None:
+                self.load(ref, finished, shards_verified=True)
+                return
+            logger.warning("checkpoint step %d does not verify, skipped and left on disk: %s", ref.step, problem)
+            passed_over.append(plan["start"])
 
-    def _read_and_check(self, ref: CheckpointRef) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    def _read_and_check(self, ref: CheckpointRef, shards_verified: bool) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """The shared entries and this rank's RNG, read, verified and checked against the live run on every rank."""
         where = str(ref.shared_file)
         error: Exception | None = None
@@ -167,7 +179,8 @@ class Checkpointer:
             rank_state = CheckpointStore.load_rank(ref, self.env.rank, manifest)
             rng = rank_state[keys.RNG] if rank_state is not None else None
             if shared.get(keys.SHARDS) is not None:  # checked by shape and dtype; this rank verifies its share of the files
-                verify_shards(ref.path, manifest, self.env)
+                if not shards_verified:
+                    verify_shards(ref.path, manifest, self.env)
                 shared = shape_view(shared, where)
             check_model_state(shared[keys.MODEL], self.state.module, where)
             check_optimizer_state(shared[keys.OPTIMIZER], self.state.optimizer, where)
@@ -188,12 +201,13 @@ class Checkpointer:
             has = ", ".join(saved) if isinstance(saved, dict) and saved else "none"
             raise CheckpointError(f"{where}: holds no state for the registered item(s) {', '.join(missing)} (it holds: {has})")
 
-    def load(self, ref: CheckpointRef, finished: Callable[[Progress], bool]) -> None:
+    def load(self, ref: CheckpointRef, finished: Callable[[Progress], bool], shards_verified: bool = False) -> None:
         """Restore every item; the run continues exactly where the checkpoint was taken.
 
-        ``finished(progress)`` says whether the saved run is complete (then its schedule is not re-planned).
+        ``finished(progress)`` says whether the saved run is complete (then its schedule is not
+        re-planned); ``shards_verified``: a sharded checkpoint's files were just hashed (not again).
         """
-        shared, rng = self._read_and_check(ref)
+        shared, rng = self._read_and_check(ref, shards_verified)
         state = self.state
         if shared.get(keys.SHARDS) is not None:  # collective: each rank reads its part, cut as it holds the tensors
             shared = read_into_live(ref.path, shared, state.module.state_dict(), state.optimizer, self.env)

@@ -110,3 +110,31 @@ def test_metadata_pointing_outside_its_shards_is_refused_unread(tmp_path, plante
     _replace_listed(step, ".metadata", pickle.dumps(metadata))
     with pytest.raises(CheckpointError, match=r"not a shard file of this checkpoint; refused unread"):
         summarize(step)
+
+
+MALFORMED_RECORDS = {
+    "a list": (lambda record: list(record), r"'shards' record is a list"),
+    "a shape of words": (lambda record: {**record, "model/0.weight": {"shape": ["a"], "dtype": "float32"}}, r"has shape \['a'\]"),
+    "a negative size": (lambda record: {**record, "model/0.weight": {"shape": [-1], "dtype": "float32"}}, r"has shape \[-1\]"),
+    "no dtype": (lambda record: {**record, "model/0.weight": {"shape": [2]}}, r"'model/0.weight' has no dtype"),
+    "an unknown dtype": (lambda record: {**record, "model/0.weight": {"shape": [2], "dtype": "float99"}}, r"unknown dtype 'float99'"),
+    "a stray name": (lambda record: {**record, "weights": {"shape": [2], "dtype": "float32"}}, r"'weights' is neither model/"),
+    "an optimizer name": (
+        lambda record: {**record, "optimizer/x/exp_avg": {"shape": [2], "dtype": "float32"}},
+        r"names no optimizer state",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED_RECORDS))
+def test_a_malformed_shards_record_is_one_checkpoint_error(tmp_path, case):
+    step = sharded_run(tmp_path / "run", steps=2)
+    change, message = MALFORMED_RECORDS[case]
+    shared = torch.load(step / "shared.pt", weights_only=True)
+    shared["shards"] = change(shared["shards"])
+    torch.save(shared, tmp_path / "shared.pt")
+    _replace_listed(step, "shared.pt", (tmp_path / "shared.pt").read_bytes())
+    with pytest.raises(CheckpointError, match=message):
+        summarize(step)
+    with pytest.raises(CheckpointError, match=message):
+        make_trainer(tmp_path / "run", "O2", max_steps=4, layout="sharded").fit()

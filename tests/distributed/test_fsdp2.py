@@ -4,6 +4,7 @@ checkpoints that resume bit-exactly and under another strategy and world size.""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -17,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from resume_helpers import assert_identical, final_state
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import Subset
 
@@ -124,6 +126,73 @@ def test_fsdp2_follows_ddp_in_every_mode():
     for name in ("checkpointed", "kept gathered", "named blocks"):
         assert runs[f"fsdp2 O5 {name}"] == runs["fsdp2 O5"], name
     assert 0 < largest_gap(runs["fsdp2 O5 bf16 reduce"], runs["fsdp2 O5"]) <= 1e-2
+
+
+class BatchNormNet(nn.Sequential):
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        super().__init__(
+            nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4)
+        )
+
+
+def batchnorm_worker(env) -> dict[str, dict[str, object]]:
+    """Ten steps of a BatchNorm MLP per strategy and mode, each rank on its own data (rank 1's four
+    times as spread: its running statistics differ from rank 0's unless buffers are synchronised)."""
+    results: dict[str, dict[str, object]] = {}
+    for strategy in ("ddp", "fsdp2"):
+        for mode in ("O0", "O2", "O5"):
+            run = prepare(BatchNormNet(), lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9), env,
+                          precision=mode, parallel=Parallel(strategy))  # fmt: skip
+            generator = torch.Generator().manual_seed(10 + env.rank)
+            losses = []
+            for _ in range(10):
+                inputs, labels = torch.randn(8, 16, generator=generator) * (1 + 3 * env.rank), torch.randint(4, (8,), generator=generator)
+                with run.engine.forward_context():
+                    out = run.model(inputs)
+                    loss = nn.functional.cross_entropy(out, labels)
+                run.engine.backward(loss)
+                run.engine.step(run.optimizer)
+                run.engine.zero_grad(run.optimizer)
+                losses.append(mean_over_ranks(loss))
+            buffers = {name: buffer.detach().float().clone() for name, buffer in run.module.named_buffers()}
+            results[f"{strategy} {mode}"] = {"losses": losses, "buffers": buffers, "output": str(out.dtype)}
+            run.engine.teardown()
+    return results
+
+
+def test_batchnorm_models_shard_in_every_mode_with_ddps_buffer_semantics():
+    # BatchNorm layers are FSDP2 units of their own in their stored fp32 (O2/O5 keep them fp32, as
+    # apex did); rank 0's running statistics reach every rank before each training forward, as
+    # under DDP; O2/O5 hand the loss fp32 outputs, as apex's model cast does.
+    for rank, runs in enumerate(launch_local(batchnorm_worker, 2, device="cpu", timeout_s=300)):
+        for mode, tolerance in (("O0", 1e-5), ("O2", 5e-2), ("O5", 5e-2)):
+            ddp, fsdp2 = runs[f"ddp {mode}"], runs[f"fsdp2 {mode}"]
+            assert largest_gap(ddp["losses"], fsdp2["losses"]) <= tolerance, (rank, mode, ddp["losses"], fsdp2["losses"])
+            for name, value in ddp["buffers"].items():
+                assert torch.allclose(fsdp2["buffers"][name], value, rtol=tolerance, atol=tolerance), (rank, mode, name)
+            assert fsdp2["output"] == ddp["output"] == "torch.float32", (mode, fsdp2["output"], ddp["output"])
+
+
+def recompute_worker(env) -> list[float]:
+    """native-bf16 with checkpointed blocks, its forwards run inside the engine's autocast and outside it (as a
+    user's own evaluation-style forward with gradients might): each block recomputes as it ran."""
+    run = prepare(tiny_gpt(), lambda params: torch.optim.AdamW(params, lr=3e-3), env, precision="native-bf16",
+                  parallel=Parallel("fsdp2", fsdp=FSDPOptions(activation_checkpointing=True)))  # fmt: skip
+    losses = []
+    for index, batch in enumerate(step_batches(env.rank, env.world_size, 4)):
+        with run.engine.forward_context() if index % 2 else contextlib.nullcontext():
+            loss = run.model(**batch)["loss"]
+        run.engine.backward(loss)
+        run.engine.step(run.optimizer)
+        run.engine.zero_grad(run.optimizer)
+        losses.append(mean_over_ranks(loss))
+    return losses
+
+
+def test_checkpointed_blocks_recompute_in_the_context_their_forward_ran_in():
+    losses = launch_local(recompute_worker, 2, device="cpu", timeout_s=300)[0]
+    assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses))), losses
 
 
 class OpDtypes(TorchDispatchMode):
