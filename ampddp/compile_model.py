@@ -1,4 +1,5 @@
-"""``trainer.compile``: ``torch.compile`` the prepared model, after the precision set-up and DDP wrapping.
+"""``trainer.compile``: ``torch.compile`` the prepared model, after the precision set-up and DDP wrapping
+(under FSDP2: each sharded block in place, so the model keeps its class, names and FSDP2's hooks).
 
 The model the loop calls (``Prepared.model``: the DDP wrapper when there is one) is compiled last,
 once ``engine.setup`` has cast it and made the masters. ``Prepared.module`` stays the bare module,
@@ -24,6 +25,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from ampddp.choices import COMPILE_CHOICES, COMPILE_MODES, DEFAULT_BACKEND
+from ampddp.distributed.fsdp2 import sharded_blocks
 from ampddp.errors import ConfigError, choice_error, closest
 from ampddp.torch_compat import compile_backends
 
@@ -78,7 +80,15 @@ class ModelCompiler:
     def compile(self, prepared: Prepared, on_first_step: Callable[[float], None] | None = None) -> Prepared:
         """``prepared`` with its model compiled; ``on_first_step(seconds)`` gets the first training step's
         forward + backward wall time (compilation included) when that backward ends."""
-        compiled = torch.compile(prepared.model, mode=None if self.mode == "default" else self.mode, backend=self.backend)
+        mode = None if self.mode == "default" else self.mode
+        blocks = sharded_blocks(prepared.module)
+        if blocks:  # FSDP2: block by block, as torchtitan; each block's gathers run around its graph
+            for block in blocks:
+                block.compile(mode=mode, backend=self.backend)
+            logger.info("torch.compile: %d FSDP2 block(s) compiled one by one; the root module's own layers run eagerly", len(blocks))
+            _FirstStepTimer(prepared.model, self._reporter(on_first_step))
+            return prepared
+        compiled = torch.compile(prepared.model, mode=mode, backend=self.backend)
         _FirstStepTimer(compiled, self._reporter(on_first_step))
         return dataclasses.replace(prepared, model=compiled)
 

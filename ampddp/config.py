@@ -273,6 +273,8 @@ class DistributedConfig:
     """fsdp2: reduce gradients in fp32 (false: in the compute dtype, half the traffic)."""
     fsdp_activation_checkpointing: bool = False
     """fsdp2: recompute each block's activations in the backward instead of keeping them (less memory, ~1/3 more compute)."""
+    fsdp_cpu_offload: bool = False
+    """fsdp2: keep the sharded params, their gradients and the optimizer state in CPU memory; the optimizer steps there."""
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """FSDP2 (strategy fsdp2) vs DDP on 2 CPU processes (gloo, one thread each), both in O5 on a GPT:
 training-state bytes per parameter held by each rank (params, gradients, optimizer state), step time,
-and the cost of a checkpoint's whole-tensor gather."""
+and the cost of a checkpoint's whole-tensor gather. On 2+ GPUs (``--device cuda``, NCCL): a GPT's
+tokens/s, model FLOPs utilisation and peak memory per GPU under FSDP2 and DDP in O5."""
 
 from __future__ import annotations
 
@@ -104,8 +105,8 @@ def _checkpoint_times(env, run, folder: str, repeats: int) -> dict[str, list[flo
                              env, shards=tensors)  # fmt: skip
         found["save_sharded"].append(time.perf_counter() - start)
         start = time.perf_counter()
-        whole = store.save(2 * step + 2, {keys.FORMAT: keys.FORMAT_VERSION, keys.MODEL: gathered(model),
-                                          keys.OPTIMIZER: gathered(optimizer)}, {}, env)  # fmt: skip
+        whole = store.save(2 * step + 2, {keys.FORMAT: keys.FORMAT_VERSION, keys.MODEL: gathered(model, env.is_main),
+                                          keys.OPTIMIZER: gathered(optimizer, env.is_main)}, {}, env)  # fmt: skip
         found["save_whole"].append(time.perf_counter() - start)
         start = time.perf_counter()
         shared = CheckpointStore.load_shared(sharded)
@@ -125,9 +126,68 @@ def _spawned(env, width: int, steps: int, repeats: int, folder: str) -> dict:
     return {strategy: _measure(env, strategy, width, steps, repeats, folder) for strategy in ("fsdp2", "ddp")}
 
 
+def _gpu_throughput(env, strategy: str, size: tuple[int, int, int, int], steps: int, repeats: int) -> dict:
+    """Tokens/s and peak memory of one GPU's rank, FSDP2 or DDP, in O5 (what MFU is computed from)."""
+    width, layers, context, batch = size
+    torch.manual_seed(0)
+    model = GPT(32768, layers=layers, width=width, heads=width // 128, context=context)
+    count = sum(param.numel() for param in model.parameters())
+    run = prepare(model, lambda params: torch.optim.AdamW(params, lr=1e-4), env, precision="O5", parallel=Parallel(strategy))
+    ids = torch.randint(32768, (batch, context + 1), generator=torch.Generator().manual_seed(env.rank)).to(env.device)
+
+    def step() -> None:
+        with run.engine.forward_context():
+            loss = run.model(input_ids=ids[:, :-1], labels=ids[:, 1:])["loss"]
+        run.engine.backward(loss)
+        run.engine.step(run.optimizer)
+        run.engine.zero_grad(run.optimizer)
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) / steps)
+    run.engine.teardown()
+    # Training FLOPs per token: 6 per parameter (forward, backward) plus attention's 12 * layers * width * context.
+    flops = 6 * count + 12 * layers * width * context
+    return {"count": count, "times": times, "tokens": batch * context, "flops_per_token": flops,
+            "peak_bytes": torch.cuda.max_memory_allocated(), "gpu": torch.cuda.get_device_name()}  # fmt: skip
+
+
+def _gpu_spawned(env, size: tuple[int, int, int, int], steps: int, repeats: int) -> dict:
+    return {strategy: _gpu_throughput(env, strategy, size, steps, repeats) for strategy in ("fsdp2", "ddp")}
+
+
+def _gpu_rows(budget: Budget) -> list[Row]:
+    """FSDP2 vs DDP in O5 on 2 GPUs: a GPT both can hold (width, layers, context, batch per GPU)."""
+    from cuda_suite import BF16_PEAK
+
+    size = budget.pick((256, 2, 128, 2), (2048, 16, 1024, 4), (4096, 16, 2048, 4))
+    steps, repeats = budget.pick((1, 1), (5, 5), (10, 7))
+    result = launch_local(_gpu_spawned, 2, (size, steps, repeats), device="cuda", backend="nccl", timeout_s=900)[0]
+    fsdp2, ddp = result["fsdp2"], result["ddp"]
+    label = f"gpt-{fsdp2['count'] / 1e6:.0f}M"
+    rate = {name: side["tokens"] / statistics.median(side["times"]) for name, side in result.items()}
+    peak = next((value for key, value in BF16_PEAK.items() if key in fsdp2["gpu"]), None)
+    mfu = {name: (rate[name] * result[name]["flops_per_token"] / peak if peak else float("nan")) for name in rate}
+    return [
+        Row(f"sharding/2-gpus/{label}/O5/tokens-per-s-fsdp2-vs-ddp", rate["fsdp2"], rate["ddp"], "tokens/s per GPU",
+            paired_ratio(fsdp2["times"], ddp["times"]), repeats, spread(fsdp2["times"]),
+            f"MFU {mfu['fsdp2']:.1%} (FSDP2) vs {mfu['ddp']:.1%} (DDP) of {fsdp2['gpu']}'s dense bf16 peak"),
+        Row(f"sharding/2-gpus/{label}/O5/peak-memory-fsdp2-vs-ddp", fsdp2["peak_bytes"] / 2**30, ddp["peak_bytes"] / 2**30,
+            "GiB per GPU", ddp["peak_bytes"] / fsdp2["peak_bytes"], repeats, 0.0,
+            "torch.cuda.max_memory_allocated over the measured steps: params, gradients, AdamW state and activations"),
+    ]  # fmt: skip
+
+
 def run(device: str, budget: Budget) -> list[Row]:
-    if device != "cpu":
-        return []
+    if device == "cuda":
+        return _gpu_rows(budget) if torch.cuda.device_count() >= 2 else []
     width, steps, repeats = budget.pick((64, 1, 1), (256, 5, 5), (384, 10, 7))
     # Beside the results, not in /tmp: /tmp is often a RAM file system, where fsync costs nothing.
     with tempfile.TemporaryDirectory(dir=Path.cwd(), prefix=".ampddp-bench-") as folder:

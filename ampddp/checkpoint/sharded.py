@@ -59,10 +59,23 @@ def split_state(
         for entry, value in entries.items():
             if isinstance(value, torch.Tensor):
                 tensors[f"{OPTIMIZER_PREFIX}{index}/{entry}"] = value
+            elif _holds_tensors(value):  # rank 0's copy alone would be saved: wrong for per-rank (sharded) values
+                raise CheckpointError(
+                    f"optimizer state {index}/{entry} holds tensors inside a {type(value).__name__}; the sharded layout saves "
+                    "tensors that are a parameter's state entries themselves: use checkpoint layout whole for this optimizer"
+                )
             else:
                 rest[index][entry] = value
     record = {name: {"shape": list(value.shape), "dtype": dtype_name(value.dtype)} for name, value in tensors.items()}
     return tensors, {**optimizer_state, "state": rest}, record
+
+
+def _holds_tensors(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, Mapping):
+        return any(_holds_tensors(item) for item in value.values())
+    return isinstance(value, (list, tuple)) and any(_holds_tensors(item) for item in value)
 
 
 def local_shards(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

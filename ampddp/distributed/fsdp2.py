@@ -36,19 +36,23 @@ class FSDPOptions:
     block's gathered params after its forward (less memory; gathered again for the backward) or keep
     them until then (one all-gather less per block). ``reduce_in_fp32``: reduce gradients in fp32
     (False: in the compute dtype, half the traffic, as DDP's compress hooks). ``activation_checkpointing``:
-    recompute each block's activations in the backward instead of keeping them.
+    recompute each block's activations in the backward instead of keeping them. ``cpu_offload``: keep
+    the sharded params, their gradients and the optimizer state in (pinned) CPU memory, copied to the
+    device per block for the forward and backward; the optimizer steps on the CPU (a model whose
+    training state does not fit the devices, at the cost of the copies and a CPU optimizer step).
     """
 
     blocks: tuple[str, ...] = ()
     reshard_after_forward: bool = True
     reduce_in_fp32: bool = True
     activation_checkpointing: bool = False
+    cpu_offload: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.blocks, str) or not all(isinstance(name, str) and name for name in self.blocks):
             raise ConfigError(f"fsdp blocks={self.blocks!r} is not valid; give a list of module class names, e.g. [Block]")
         object.__setattr__(self, "blocks", tuple(self.blocks))
-        for name in ("reshard_after_forward", "reduce_in_fp32", "activation_checkpointing"):
+        for name in ("reshard_after_forward", "reduce_in_fp32", "activation_checkpointing", "cpu_offload"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"fsdp {name}={getattr(self, name)!r} is not valid; it must be true or false")
 
@@ -59,8 +63,7 @@ class FSDPOptions:
             raise ConfigError(f"{', '.join(changed)}: FSDP2 settings, but strategy={strategy}; unset them or use strategy fsdp2")
 
 
-def _class_names(module: nn.Module) -> tuple[str, str]:
-    kind = type(module)
+def _class_names(kind: type[nn.Module]) -> tuple[str, str]:
     return kind.__name__, f"{kind.__module__}.{kind.__qualname__}"
 
 
@@ -83,18 +86,24 @@ def block_classes(model: nn.Module, names: tuple[str, ...]) -> list[type[nn.Modu
     repeated layers when ``names`` is empty."""
     if not names:
         return repeated_blocks(model)
-    by_name: dict[str, type[nn.Module]] = {}
+    by_name: dict[str, dict[type[nn.Module], None]] = {}
     for module in model.modules():
-        for name in _class_names(module):
-            by_name[name] = type(module)
+        for name in _class_names(type(module)):
+            by_name.setdefault(name, {})[type(module)] = None
     unknown = [name for name in names if name not in by_name]
     if unknown:
-        holding = sorted({_class_names(m)[0] for m in model.modules() if any(True for _ in m.parameters(recurse=False))})
+        holding = sorted({type(m).__name__ for m in model.modules() if any(True for _ in m.parameters(recurse=False))})
         raise ConfigError(
             f"fsdp block class {unknown[0]!r} is not in the model{closest(unknown[0], list(by_name))}; "
             f"its classes holding parameters: {', '.join(holding)}"
         )
-    return list(dict.fromkeys(by_name[name] for name in names))
+    for name in names:
+        if len(by_name[name]) > 1:
+            qualified = ", ".join(sorted(_class_names(kind)[1] for kind in by_name[name]))
+            raise ConfigError(
+                f"fsdp block class {name!r} names {len(by_name[name])} classes of the model ({qualified}); give the qualified name"
+            )
+    return list(dict.fromkeys(next(iter(by_name[name])) for name in names))
 
 
 def shard_model(model: nn.Module, env: DistEnv, options: FSDPOptions, param_dtype: torch.dtype | None,
@@ -110,7 +119,7 @@ def shard_model(model: nn.Module, env: DistEnv, options: FSDPOptions, param_dtyp
     to every rank before each training forward, as DDP does.
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
         raise ConfigError(
@@ -130,9 +139,12 @@ def shard_model(model: nn.Module, env: DistEnv, options: FSDPOptions, param_dtyp
     reduce_dtype = torch.float32 if options.reduce_in_fp32 else None
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     as_stored = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype)
+    offload = CPUOffloadPolicy(pin_memory=env.device.type == "cuda") if options.cpu_offload else OffloadPolicy()
+    if options.cpu_offload and env.device.type == "cpu":
+        logger.info("FSDP2 CPU offload on a CPU run: the state is in CPU memory already, nothing moves")
     norms = _own_dtype_norms(model, param_dtype)
     for norm in norms:
-        fully_shard(norm, mesh=mesh, mp_policy=as_stored, reshard_after_forward=options.reshard_after_forward)
+        fully_shard(norm, mesh=mesh, mp_policy=as_stored, offload_policy=offload, reshard_after_forward=options.reshard_after_forward)
     blocks = [module for module in reversed(list(model.modules())) if type(module) in classes and module is not model]
     names = ", ".join(sorted({type(block).__name__ for block in blocks})) or "none found: the model is one unit"
     for block in blocks:  # innermost first: a block inside another is its own unit
@@ -140,9 +152,9 @@ def shard_model(model: nn.Module, env: DistEnv, options: FSDPOptions, param_dtyp
             from torch.distributed._composable import checkpoint
 
             checkpoint(block, context_fn=lambda: (contextlib.nullcontext(), recompute_context()))
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=options.reshard_after_forward)
+        fully_shard(block, mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=options.reshard_after_forward)
     # The root's params (embeddings, the head) are needed again at once by the backward: kept gathered.
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=False)
     if any(True for _ in model.buffers()):
         model.register_forward_pre_hook(_give_main_buffers)
     kept = f", {len(norms)} BatchNorm layer(s) in their stored dtype" if norms else ""
@@ -186,6 +198,17 @@ def is_sharded(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
+
+
+def sharded_blocks(model: nn.Module) -> list[nn.Module]:
+    """The units FSDP2 shards below ``model`` (its blocks; BatchNorm layers that are units of their
+    own aside): what ``trainer.compile`` compiles one by one. Empty when ``model`` is not sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        return []
+    units = [module for module in model.modules() if isinstance(module, FSDPModule) and module is not model]
+    return [unit for unit in units if not isinstance(unit, nn.modules.batchnorm._BatchNorm)]
 
 
 @contextlib.contextmanager

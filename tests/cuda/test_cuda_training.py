@@ -1,5 +1,6 @@
 """What only a GPU shows: NCCL DDP, torch SyncBN under O2 with fp16 inputs, the O1/O4 dtype table on
-CUDA against CPU, channels_last convolutions, and the GradScaler path of native fp16."""
+CUDA against CPU, channels_last convolutions, the GradScaler path of native fp16, and FSDP2's CPU
+offload (params on the host, compute on the GPU)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ampddp import Parallel, Precision, build_engine
-from ampddp.distributed import launch_local
+from ampddp.distributed import FSDPOptions, launch_local
 from ampddp.distributed.env import detect_env
 from ampddp.prepare import prepare
 
@@ -137,3 +138,39 @@ def test_native_fp16_on_cuda_skips_an_overflowed_step_and_halves_the_scale():
     for name, value in prepared.module.state_dict().items():
         torch.testing.assert_close(value, before[name], rtol=0, atol=0, msg=name)
     assert train_steps(prepared, [(x, y)])[0] > 0 and prepared.engine.loss_scale() == 2.0**15
+
+
+def offload_worker(env, mode):
+    from ampddp.models import GPT
+
+    runs = {}
+    for offload in (False, True):
+        torch.manual_seed(0)
+        parallel = Parallel("fsdp2", fsdp=FSDPOptions(cpu_offload=offload))
+        prepared = prepare(GPT(256, layers=2, width=64, heads=2, context=32), lambda p: torch.optim.AdamW(p, lr=1e-3), env,
+                           precision=mode, parallel=parallel)  # fmt: skip
+        generator = torch.Generator().manual_seed(env.rank)
+        losses = []
+        for _ in range(5):
+            tokens = torch.randint(256, (4, 33), generator=generator).cuda()
+            with prepared.engine.forward_context():
+                loss = prepared.model(tokens[:, :-1], labels=tokens[:, 1:])["loss"]
+            prepared.engine.backward(loss)
+            prepared.engine.step(prepared.optimizer)
+            prepared.engine.zero_grad(prepared.optimizer)
+            losses.append(loss.item())
+        runs[offload] = (losses, {p.to_local().device.type for p in prepared.module.parameters()})
+        prepared.engine.teardown()
+    return runs
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="FSDP2 over NCCL needs 2 GPUs (one process per GPU)")
+@pytest.mark.parametrize("mode", ["O2", "O5", "native-fp16"])
+def test_fsdp2_cpu_offload_keeps_the_shards_on_the_host_and_trains_as_without(mode):
+    (on_device, devices), (offloaded, offloaded_devices) = launch_local(offload_worker, 2, (mode,), device="cuda", backend="nccl")[
+        0
+    ].values()
+    assert devices == {"cuda"} and offloaded_devices == {"cpu"}
+    assert all(torch.isfinite(torch.tensor(offloaded)))
+    torch.testing.assert_close(torch.tensor(offloaded), torch.tensor(on_device), rtol=1e-2, atol=1e-2)

@@ -145,3 +145,25 @@ def test_accuracy_with_a_target_per_position_counts_each_samples_share():
     targets = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
     assert accuracy({"logits": logits}, {"labels": targets})["accuracy"].item() == pytest.approx(1.5)
     assert accuracy(torch.eye(3), (None, torch.tensor([0, 2, 2])))["accuracy"].item() == 2
+
+
+def test_a_block_name_two_classes_share_must_be_given_qualified():
+    other = type("Block", (nn.Linear,), {"__module__": "elsewhere"})
+    model = nn.Sequential(Block(8, 2, nn.LayerNorm), other(8, 8))
+    with pytest.raises(
+        ConfigError, match=r"'Block' names 2 classes of the model \(ampddp.models.Block, elsewhere.Block\); give the qualified name"
+    ):
+        block_classes(model, ("Block",))
+    assert block_classes(model, ("elsewhere.Block",)) == [other]
+
+
+def test_the_sharded_layout_refuses_tensors_nested_in_an_optimizer_entry():
+    from ampddp.checkpoint.sharded import split_state
+    from ampddp.errors import CheckpointError
+
+    state = {"state": {0: {"step": torch.tensor(1.0), "factors": [torch.ones(2), torch.ones(3)], "note": "kept"}}, "param_groups": []}
+    with pytest.raises(CheckpointError, match=r"optimizer state 0/factors holds tensors inside a list; .* use checkpoint layout whole"):
+        split_state({}, state)
+    del state["state"][0]["factors"]
+    tensors, rest, _ = split_state({}, state)
+    assert list(tensors) == ["optimizer/0/step"] and rest["state"] == {0: {"note": "kept"}}
