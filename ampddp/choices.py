@@ -7,10 +7,14 @@ modules import their names from here, so each list exists once.
 
 from __future__ import annotations
 
-OPT_LEVEL_NAMES = ("O0", "O1", "O2", "O3", "O4", "O5")
+OPT_LEVEL_NAMES = ("O0", "O1", "O2", "O3", "O4", "O5", "O6")
 NATIVE_MODE_NAMES = ("native-fp16", "native-bf16")
 PRECISION_MODES = (*OPT_LEVEL_NAMES, *NATIVE_MODE_NAMES)
 IMPLS = ("builtin", "apex")
+FP8_RECIPES = ("rowwise", "tensorwise", "rowwise_with_gw_hp")
+"""O6's fp8 scaling (torchao's recipes): a scale per row (default), one per tensor (fastest), or per
+row with the weight gradient in high precision. O6 keeps fp32 weights: bf16 weights with rowwise
+scaling produced NaNs in torchao (pytorch/ao#3171)."""
 
 STRATEGIES = ("ddp", "apex-ddp", "fsdp2", "dp", "none")
 """How a model is spread over processes: torch DDP, apex's DDP, FSDP2 sharding (``fully_shard``),

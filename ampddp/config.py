@@ -21,6 +21,7 @@ from ampddp.choices import (
     CROPS,
     DECODE_DEVICES,
     DEFAULT_BACKEND,
+    FP8_RECIPES,
     IMPLS,
     LOGGER_NAMES,
     NORMALIZATIONS,
@@ -85,7 +86,7 @@ def _between(low: float, high: float, *, low_open: bool = False, high_open: bool
 @dataclass
 class PrecisionConfig:
     mode: str = field(default="O1", metadata=_choices(*PRECISION_MODES))
-    """O0-O5 (apex opt levels) or native-fp16 / native-bf16 (torch.autocast + GradScaler)."""
+    """O0-O5 (apex opt levels), O6 (O4 with fp8 matmuls, torchao) or native-fp16 / native-bf16 (torch.autocast + GradScaler)."""
     impl: str = field(default="builtin", metadata=_choices(*IMPLS))
     """builtin (ampddp on native torch) or apex (delegate to an installed apex.amp, O-levels only)."""
     cast_model_type: str | None = None
@@ -106,6 +107,13 @@ class PrecisionConfig:
     growth_interval: int | None = field(default=None, metadata=_at_least(1))
     hysteresis: int | None = field(default=None, metadata=_at_least(1))
     verbosity: int | None = field(default=None, metadata=_at_least(0))
+    fp8_recipe: str | None = field(default=None, metadata=_choices(*FP8_RECIPES))
+    """O6: fp8 scaling of the eligible linear layers: rowwise (default), tensorwise, rowwise_with_gw_hp."""
+    fp8_filter: list[str] | None = None
+    """O6: name patterns (fnmatch) of linear layers kept out of fp8, e.g. [head, "blocks.*.mlp.*"];
+    null: the first and the last linear layer; [] converts every eligible one."""
+    fp8_min_size: int | None = field(default=None, metadata=_at_least(1))
+    """O6: the smallest dim of a linear layer run in fp8; null: the sizes where fp8 paid off on an H100."""
     float_functions: list[str] = field(default_factory=list)
     """Dotted names run in fp32 under O1/O4, e.g. torch.nn.functional.softplus (register_float_function)."""
     half_functions: list[str] = field(default_factory=list)

@@ -1,9 +1,19 @@
-"""Small models and data shared by the numerics tests (linear layers: fp16 on CPU is fast for those)."""
+"""Small models and data shared by the numerics tests (linear layers: fp16 on CPU is fast for those),
+and the precision modes this environment can run."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 from torch import nn
+
+from ampddp import PRECISION_MODES
+
+HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
+NO_TORCHAO = "opt level O6 needs torchao (pip install 'ampddp[fp8]'), not installed here"
+RUNNABLE_MODES = tuple(mode for mode in PRECISION_MODES if mode != "O6" or HAS_TORCHAO)
+"""Every precision mode, less O6 where torchao is missing (tests looping over modes use this)."""
 
 
 def make_mlp(seed: int = 0, width: int = 32, batchnorm: bool = True) -> nn.Module:

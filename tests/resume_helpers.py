@@ -36,6 +36,8 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 4))
 
 
+O6_SMALL_MODEL = {"fp8_filter": [], "fp8_min_size": 16}
+"""O6's settings for the small models of the tests: every linear layer with dims of 16 or more in fp8."""
 CHECKPOINT_FIELDS = ("keep_last", "resume", "init_from", "config", "layout")
 
 
@@ -51,6 +53,8 @@ def make_trainer(run_dir, mode: str, max_steps: int, env=None, **overrides) -> T
     options.update(overrides)
     if "precision_overrides" in options:  # the mode's own settings
         options["precision"] = Precision(mode, overrides=options.pop("precision_overrides") or {})
+    elif mode == "O6":  # this small model's first layer in fp8 (its last one's 4 outputs never qualify)
+        options["precision"] = Precision(mode, overrides=O6_SMALL_MODEL)
     return Trainer(make_model(), lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9), NoisyDigits(), **options)
 
 

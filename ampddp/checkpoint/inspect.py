@@ -63,6 +63,8 @@ def summarize(location: str | Path) -> dict[str, Any]:
         "samples_seen": progress.get("samples_seen"),
         "mode": precision.mode,
         "impl": precision.impl,
+        "fp8_recipe": (precision.policy or {}).get("fp8_recipe"),
+        "fp8_layers": list(precision.fp8_layers),
         "loss_scales": [s.loss_scale for s in precision.scalers],
         "skipped_steps": progress.get("skipped_steps", precision.skipped_steps),
         "world_size": shared.get(keys.WORLD_SIZE),
@@ -78,12 +80,18 @@ def format_summary(summary: dict[str, Any]) -> str:
     scales = ", ".join(f"{s:g}" for s in summary["loss_scales"] if s is not None) or "none"
     dtypes = ", ".join(f"{name} x{count}" for name, count in sorted(summary["dtypes"].items()))
     tracked = ", ".join(f"{name} {run_id}" for name, run_id in summary.get("tracked_runs", {}).items())
+    fp8_layers = ", ".join(summary.get("fp8_layers", [])) or "none"
     return "\n".join(
         [
             f"checkpoint   {summary['path']}",
             f"integrity    {summary['integrity']} ({len(summary['files'])} files{', sharded' if summary['layout'] == 'sharded' else ''})",
             f"progress     step {summary['step']}, epoch {summary['epoch']}, {summary['samples_seen']} samples seen",
             f"precision    {summary['mode']} ({summary['impl']}), loss scale {scales}, {summary['skipped_steps']} skipped steps",
+            *(
+                [f"fp8          {summary['fp8_recipe']} scaling in {len(summary['fp8_layers'])} linear layer(s): {fp8_layers}"]
+                if summary.get("fp8_recipe")
+                else []
+            ),
             f"world size   {summary['world_size']}",
             f"model        {summary['parameters']:,} parameters; tensors: {dtypes}",
             f"model_sha256 {summary['model_sha256']}",

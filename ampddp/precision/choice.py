@@ -24,7 +24,7 @@ from ampddp.precision.registry import OpRegistry
 
 @dataclass(frozen=True)
 class Precision:
-    """``mode``: O0-O5, native-fp16 or native-bf16. ``impl``: builtin, or apex (NVIDIA apex's own
+    """``mode``: O0-O6, native-fp16 or native-bf16. ``impl``: builtin, or apex (NVIDIA apex's own
     amp, where an old build is installed; O-levels only). ``overrides``: apex ``initialize`` keywords
     for O-levels (``loss_scale``, ``keep_batchnorm_fp32``, ...), GradScaler settings for native
     modes. ``registry``: functions registered to run in fp32 / fp16 / the widest input type.
@@ -55,7 +55,7 @@ class Precision:
             return value
         if isinstance(value, str):
             return cls(value)
-        raise ConfigError(f"precision={value!r} is not valid; give a mode's name (O0-O5, native-fp16, native-bf16) or a Precision")
+        raise ConfigError(f"precision={value!r} is not valid; give a mode's name (O0-O6, native-fp16, native-bf16) or a Precision")
 
     def build_engine(self) -> PrecisionEngine:
         """A fresh engine for this choice (one per set-up: an engine holds its models' state)."""

@@ -17,7 +17,7 @@ from ampddp.precision.registry import OpRegistry
 def build_engine(
     mode: str = "O1", impl: str = "builtin", registry: OpRegistry | None = None, allow_low_precision_models: bool = False, **overrides: Any
 ) -> PrecisionEngine:
-    """Create the engine for ``mode`` (O0-O5, native-fp16, native-bf16).
+    """Create the engine for ``mode`` (O0-O6, native-fp16, native-bf16).
 
     ``overrides`` are apex ``initialize`` keywords for O-levels, GradScaler settings for native modes.
     ``allow_low_precision_models``: the builtin O-level engine accepts models with fp16/bf16 params.

@@ -1,4 +1,4 @@
-"""The builtin apex opt-level engine (O0-O5) on native torch.
+"""The builtin apex opt-level engine (O0-O5, and O6: O4 with fp8 matmuls) on native torch.
 
 It composes the pieces: model conversion (casting.py), the O1/O4 op-cast context (cast_context.py),
 fp32 masters (master.py) and loss scalers (scaler.py). It only uses per-object hooks — module
@@ -27,6 +27,7 @@ from ampddp.precision.casting import convert_model, device_types
 from ampddp.precision.compile_support import run_eagerly_as_own_frame
 from ampddp.precision.diagnostics import overflow_origin
 from ampddp.precision.engine import PrecisionEngine, check_loss, check_models_and_optimizers, policy_compute_dtype
+from ampddp.precision.fp8 import LinearVerdict, convert_to_fp8, float8_config, plan_fp8, report_plan
 from ampddp.precision.master import GradPhase, OptimizerGrads
 from ampddp.precision.master_sync import active_ddp_group, reconcile_masters
 from ampddp.precision.model_hooks import ForwardHooks, install_fp32_state_hooks
@@ -70,12 +71,29 @@ class OptLevelEngine(PrecisionEngine):
         self._forward_hooks: ForwardHooks | None = None
         self._param_names: dict[int, str] = {}
         self._pending: _PendingStep | None = None
+        self._fp8_models: list[nn.Module] = []
+        self.fp8_verdicts: list[LinearVerdict] = []
+        """O6: every linear layer of the set-up models, whether it runs in fp8 and why not."""
 
     # ---- set-up -------------------------------------------------------------------------------
     def convert_storage(self, model: nn.Module) -> None:
         if self.policy.enabled and self.policy.cast_model_type not in (None, torch.float32):
             convert_model(model, self.policy.cast_model_type, bool(self.policy.keep_batchnorm_fp32))
             self._allow_low_precision_models = True
+        self._convert_fp8(model)
+
+    def _convert_fp8(self, model: nn.Module) -> None:
+        """O6: the eligible linear layers to fp8, once per model, the verdicts logged and kept."""
+        policy = self.policy
+        if not (policy.enabled and policy.fp8_recipe is not None) or any(model is seen for seen in self._fp8_models):
+            return
+        device = next((param.device for param in model.parameters()), torch.device("cpu"))
+        verdicts = plan_fp8(model, policy.fp8_recipe, policy.fp8_filter, policy.fp8_min_size)
+        convert_to_fp8(model, verdicts, float8_config(policy.fp8_recipe, device))
+        self._fp8_models.append(model)
+        self.fp8_verdicts.extend(verdicts)
+        if policy.verbosity > 0:
+            report_plan(verdicts, policy.fp8_recipe, device)
 
     def setup(self, models: list[nn.Module], optimizers: list[Optimizer]) -> tuple[list[nn.Module], list[Optimizer]]:
         check_models_and_optimizers(models, optimizers, self._allow_low_precision_models)
@@ -85,9 +103,10 @@ class OptLevelEngine(PrecisionEngine):
         fp32_data: dict[int, torch.Tensor] = {}
         if casts_model and policy.uses_master_weights:
             fp32_data = {id(p): p.data for opt in optimizers for group in opt.param_groups for p in group["params"]}
-        if casts_model:
-            for model in models:
+        for model in models:
+            if casts_model:
                 convert_model(model, policy.cast_model_type, bool(policy.keep_batchnorm_fp32))
+            self._convert_fp8(model)
         self._param_names = {id(p): f"models[{i}].{name}" for i, model in enumerate(models) for name, p in model.named_parameters()}
         self._records = {}
         for optimizer in optimizers:
@@ -351,6 +370,7 @@ class OptLevelEngine(PrecisionEngine):
             policy=self.policy.describe(),
             scalers=scalers,
             skipped_steps=self.skipped_steps,
+            fp8_layers=tuple(verdict.name for verdict in self.fp8_verdicts if verdict.fp8),
         )
 
     def load_precision_state(self, state: PrecisionState) -> None:

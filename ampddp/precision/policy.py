@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ampddp.choices import FP8_RECIPES
 from ampddp.errors import ConfigError, closest
 from ampddp.precision.dtypes import dtype_name, parse_float_dtype
 
@@ -52,6 +53,12 @@ class PrecisionPolicy:
     verbosity: int = 1
     enabled: bool = True
     sharded_param_dtype: torch.dtype | None = None
+    fp8_recipe: str | None = None
+    """O6: torchao's fp8 scaling recipe for the eligible linear layers (None: no fp8)."""
+    fp8_filter: tuple[str, ...] | None = None
+    """O6: name patterns of linear layers kept out of fp8; None: the first and the last one."""
+    fp8_min_size: int | None = None
+    """O6: the smallest dim a linear layer runs in fp8 with; None: where fp8 paid off on an H100."""
     """Under FSDP2 (O2/O5, see :meth:`for_sharded_params`): the dtype FSDP2 gives the params for
     compute; the fp32 shards the optimizer steps are the master weights."""
 
@@ -101,6 +108,8 @@ class PrecisionPolicy:
             parts.append(f"{dtype_name(self.cast_model_type)} model{kept}")
         if self.patch_torch_functions and self.op_cast_dtype is not None and self.sharded_param_dtype is None:
             parts.append(f"{dtype_name(self.op_cast_dtype)} ops per apex's lists")
+        if self.fp8_recipe is not None:
+            parts.append(f"fp8 matmuls ({self.fp8_recipe} scaling) in the eligible linear layers")
         if not parts:
             parts.append("fp32 throughout")
         elif self.uses_master_weights:
@@ -128,8 +137,10 @@ OPT_LEVELS: dict[str, PrecisionPolicy] = {
     "O3": PrecisionPolicy("O3", torch.float16, False, False, False, 1.0),
     "O4": PrecisionPolicy("O4", None, True, None, None, 1.0, op_cast_dtype=torch.bfloat16),
     "O5": PrecisionPolicy("O5", torch.bfloat16, False, True, True, 1.0),
+    "O6": PrecisionPolicy("O6", None, True, None, None, 1.0, op_cast_dtype=torch.bfloat16, fp8_recipe="rowwise"),
 }
-OP_CASTING_LEVELS = ("O1", "O4")
+OP_CASTING_LEVELS = ("O1", "O4", "O6")
+FP8_SETTINGS = ("fp8_recipe", "fp8_filter", "fp8_min_size")
 
 
 def check_opt_level(opt_level: object) -> str:
@@ -210,6 +221,18 @@ def _check_op_casting_level(level: str, given: dict[str, Any]) -> None:
             )
 
 
+def _fp8_recipe(name: str, value: object) -> str:
+    if isinstance(value, str) and value in FP8_RECIPES:
+        return value
+    raise ConfigError(f"{name}={value!r} is not valid{closest(str(value), FP8_RECIPES)}; valid: {', '.join(FP8_RECIPES)}")
+
+
+def _patterns(name: str, value: object) -> tuple[str, ...]:
+    if isinstance(value, (list, tuple)) and all(isinstance(item, str) and item for item in value):
+        return tuple(value)
+    raise ConfigError(f"{name}={value!r} is not valid; give a list of layer name patterns, e.g. ['head', 'blocks.*.mlp.*'], or [] for none")
+
+
 _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "cast_model_type": parse_float_dtype,
     "patch_torch_functions": _bool,
@@ -227,6 +250,9 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "hysteresis": _count,
     "verbosity": lambda name, value: _count(name, value, minimum=0),
     "enabled": _bool,
+    "fp8_recipe": _fp8_recipe,
+    "fp8_filter": _patterns,
+    "fp8_min_size": _count,
 }
 OVERRIDE_KEYS = tuple(_PARSERS)
 
@@ -254,6 +280,9 @@ def resolve_policy(opt_level: str = "O1", **overrides: Any) -> PrecisionPolicy:
         )
     if level in OP_CASTING_LEVELS:
         _check_op_casting_level(level, given)
+    fp8 = [key for key in FP8_SETTINGS if key in given]
+    if fp8 and level != "O6":
+        raise ConfigError(f"{fp8[0]} applies to opt level O6 (fp8 matmuls), not to {level}; use O6 or remove it")
     policy = dataclasses.replace(OPT_LEVELS[level], **given)
     _check_scale_bounds(policy)
     return policy

@@ -25,7 +25,7 @@ APEX_KEYS = ("loss_scale", "unskipped")
 GRAD_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 _COUNTERS = ("skipped_steps", "consecutive_skips", "hysteresis_left")
 _SCALER_KEYS = ("dynamic", *APEX_KEYS, *_COUNTERS)
-_STATE_KEYS = ("version", "mode", "impl", "policy", "scalers", "skipped_steps")
+_STATE_KEYS = ("version", "mode", "impl", "policy", "scalers", "skipped_steps", "fp8_layers")
 _APEX_KEY = re.compile(r"loss_scaler(\d+)")
 _FORMS = (
     f"ampddp's engine form {{'mode': ..., 'scalers': [...]}}, apex's amp.state_dict() form "
@@ -111,7 +111,8 @@ class PrecisionState:
     """An engine's loss-scaling state: its mode, one ``ScalerState`` per loss, skipped steps.
 
     ``mode``/``impl`` are None for states that do not name them (apex's and GradScaler's forms).
-    ``policy`` is the opt level's settings (``PrecisionPolicy.describe()``), kept for ``inspect``.
+    ``policy`` is the opt level's settings (``PrecisionPolicy.describe()``), kept for ``inspect``;
+    ``fp8_layers`` the linear layers O6 runs in fp8 (what its set-up decided, for ``inspect`` too).
     """
 
     mode: str | None
@@ -119,6 +120,7 @@ class PrecisionState:
     skipped_steps: int = 0
     impl: str | None = None
     policy: dict[str, Any] | None = field(default=None, hash=False)
+    fp8_layers: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """The checkpoint form (``PrecisionEngine.state_dict``), tagged with ``STATE_VERSION``."""
@@ -129,6 +131,8 @@ class PrecisionState:
             out["policy"] = dict(self.policy)
         out["scalers"] = [scaler.to_dict() for scaler in self.scalers]
         out["skipped_steps"] = self.skipped_steps
+        if self.fp8_layers:
+            out["fp8_layers"] = list(self.fp8_layers)
         return out
 
     def to_apex_dict(self) -> dict[str, dict[str, Any]]:
@@ -174,12 +178,16 @@ class PrecisionState:
             skipped = sum(s.skipped_steps or 0 for s in scalers)
         else:
             skipped = _counter(state["skipped_steps"], f"{where}: skipped_steps")
+        layers = state.get("fp8_layers", [])
+        if not isinstance(layers, (list, tuple)) or not all(isinstance(name, str) for name in layers):
+            raise ConfigError(f"{where}: fp8_layers={str(layers)[:80]} is not valid; it must be a list of layer names")
         return cls(
             mode=state.get("mode"),
             impl=state.get("impl"),
             policy=None if policy is None else dict(policy),
             scalers=scalers,
             skipped_steps=skipped,
+            fp8_layers=tuple(layers),
         )
 
     @classmethod

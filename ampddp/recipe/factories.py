@@ -60,7 +60,7 @@ def precision_overrides(config: RunConfig) -> dict[str, Any]:
         for key in set_keys:
             if key not in NATIVE_KEYS:
                 raise ConfigError(
-                    f"precision.{key} applies to the O0-O5 opt levels, not to {config.precision.mode}; valid here: {', '.join(NATIVE_KEYS)}"
+                    f"precision.{key} applies to the O0-O6 opt levels, not to {config.precision.mode}; valid here: {', '.join(NATIVE_KEYS)}"
                 )
     return set_keys
 

@@ -44,7 +44,8 @@ def test_every_recipe_starts_with_the_command_that_runs_it():
 
 
 def test_resnet_recipes_differ_only_in_precision():
-    per_mode = [ROOT / "recipes" / f"resnet18-{mode}.yaml" for mode in PRECISION_MODES]
+    # O6 converts linear layers to fp8, and ResNet-18's one linear layer is its head: its recipe is a GPT's.
+    per_mode = [ROOT / "recipes" / f"resnet18-{mode}.yaml" for mode in PRECISION_MODES if mode != "O6"]
     assert all(recipe in RECIPES for recipe in per_mode)
     configs = [load_config(r).to_dict() for r in per_mode]
     for config in configs:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from helpers import RUNNABLE_MODES
 from resume_helpers import assert_identical, final_state, make_trainer, straight_and_resumed
 
 from ampddp import PRECISION_MODES
@@ -27,8 +28,8 @@ def two_process_worker(env, root, modes):
 
 @pytest.mark.smoke
 def test_resume_is_bit_exact_in_two_processes(tmp_path):
-    launch_local(two_process_worker, 2, (str(tmp_path), list(PRECISION_MODES)), device="cpu", timeout_s=300)
-    for mode in PRECISION_MODES:
+    launch_local(two_process_worker, 2, (str(tmp_path), list(RUNNABLE_MODES)), device="cpu", timeout_s=300)
+    for mode in RUNNABLE_MODES:
         assert_identical(final_state(tmp_path / f"{mode}-straight"), final_state(tmp_path / f"{mode}-resumed"))
 
 

@@ -1,0 +1,140 @@
+"""O6's fp8 matmuls: the eligible ``nn.Linear`` layers become torchao's ``Float8Linear``.
+
+Everything else about O6 is O4 (fp32 weights, bf16 op lists, no loss scale); the converted layers
+keep their ``weight`` and ``bias`` parameters (the same objects: an optimizer built before still
+steps them) and their ``state_dict`` keys, so a checkpoint moves between O4 and O6 unchanged and
+loads into a model without torchao. Which layers convert is decided here, with a reason for each
+one that does not: the table a user needs to know what fp8 is doing to their model.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampddp.choices import FP8_RECIPES
+from ampddp.errors import ConfigError
+
+logger = logging.getLogger("ampddp.precision")
+
+FP8_EXTRA = "pip install 'ampddp[fp8]'"
+
+
+def torchao_float8() -> Any:
+    """torchao's float8 training module, or a one-line error naming the extra that installs it."""
+    try:
+        import torchao.float8 as float8
+    except ImportError as error:
+        raise ConfigError(f"opt level O6 runs its matmuls in fp8 through torchao, which is not installed ({error}): {FP8_EXTRA}") from None
+    return float8
+
+
+@dataclass(frozen=True)
+class LinearVerdict:
+    """One linear layer of the model: whether it runs in fp8 and, when not, why."""
+
+    name: str
+    out_features: int
+    in_features: int
+    fp8: bool
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "shape": [self.out_features, self.in_features], "fp8": self.fp8, "reason": self.reason}
+
+
+def _pays_off(recipe: str, out_features: int, in_features: int) -> bool:
+    """Whether a matmul of this size ran faster in fp8 than in bf16 in torchao's H100 measurements
+    (torchao/float8/README.md): smaller ones lose more to the casts than the fp8 matmul gains."""
+    if recipe == "tensorwise":
+        return not (in_features <= 4096 and out_features <= 1024)
+    return out_features > 2048 and in_features > 1024 and not (out_features <= 4096 and in_features <= 2048)
+
+
+def plan_fp8(model: nn.Module, recipe: str, skip: tuple[str, ...] | None, min_size: int | None) -> list[LinearVerdict]:
+    """Every ``nn.Linear`` of ``model`` with its verdict, in module order.
+
+    ``skip`` (precision.fp8_filter): name patterns (``fnmatch``, e.g. ``head`` or ``blocks.*.mlp.*``) of layers kept in bf16;
+    None keeps the first and the last linear layer (the input projection and the output head, whose
+    precision matters most). ``min_size``: both dims at least this; None: the sizes where fp8 paid
+    off for ``recipe`` on an H100. Dims must be multiples of 16 (fp8 matmul kernels need them).
+    """
+    float8 = torchao_float8()
+    linears = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    ends = {linears[0][0], linears[-1][0]} if skip is None and linears else set()
+    verdicts = []
+    for index, (name, module) in enumerate(linears):
+        out_features, in_features = module.weight.shape
+        matched = next((pattern for pattern in skip or () if fnmatch.fnmatchcase(name, pattern)), None)
+        if isinstance(module, float8.float8_linear.Float8Linear):
+            fp8, reason = True, "fp8 (converted before)"
+        elif type(module) is not nn.Linear:
+            fp8, reason = False, f"a {type(module).__name__} (a subclass of nn.Linear: its forward may not be Linear's)"
+        elif matched is not None:
+            fp8, reason = False, f"matches precision.fp8_filter {matched!r}"
+        elif name in ends:
+            fp8, reason = False, f"the {'first' if index == 0 else 'last'} linear layer (kept bf16 unless precision.fp8_filter is set)"
+        elif in_features % 16 or out_features % 16:
+            fp8, reason = False, "dims not multiples of 16 (fp8 matmuls need them)"
+        elif min_size is not None and min(in_features, out_features) < min_size:
+            fp8, reason = False, f"a dim below precision.fp8_min_size={min_size}"
+        elif min_size is None and not _pays_off(recipe, out_features, in_features):
+            fp8, reason = False, f"too small for fp8 to pay off with {recipe} scaling (precision.fp8_min_size overrides)"
+        else:
+            fp8, reason = True, "fp8"
+        verdicts.append(LinearVerdict(name or "(the model)", out_features, in_features, fp8, reason))
+    return verdicts
+
+
+def native_fp8(device: torch.device) -> bool:
+    """Whether ``device`` has fp8 matmul hardware (CUDA compute capability 8.9+: Ada, Hopper, Blackwell)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def float8_config(recipe: str, device: torch.device) -> Any:
+    """torchao's configuration for ``recipe``; emulated on a GPU without fp8 matmuls (torch's own CPU
+    fp8 matmul serves the CPU)."""
+    if recipe not in FP8_RECIPES:
+        raise ConfigError(f"fp8_recipe={recipe!r} is not valid; valid: {', '.join(FP8_RECIPES)}")
+    config = torchao_float8().Float8LinearConfig.from_recipe_name(recipe)
+    return replace(config, emulate=True) if device.type == "cuda" and not native_fp8(device) else config
+
+
+def convert_to_fp8(model: nn.Module, verdicts: list[LinearVerdict], config: Any) -> int:
+    """Swap the linear layers ``verdicts`` marks fp8 for ``Float8Linear`` in place; returns how many were swapped."""
+    float8 = torchao_float8()
+    swapped = 0
+    for verdict in verdicts:
+        module = model.get_submodule(verdict.name) if verdict.name != "(the model)" else model
+        if not verdict.fp8 or isinstance(module, float8.float8_linear.Float8Linear) or module is model:
+            continue
+        parent_name, _, child = verdict.name.rpartition(".")
+        converted = float8.float8_linear.Float8Linear.from_float(module, config=config)
+        converted.train(module.training)
+        setattr(model.get_submodule(parent_name), child, converted)
+        swapped += 1
+    return swapped
+
+
+def verdict_table(verdicts: list[LinearVerdict]) -> str:
+    """The verdicts as aligned lines: name, shape, fp8 or why not."""
+    width = max((len(v.name) for v in verdicts), default=0)
+    return "\n".join(f"  {v.name:<{width}}  {v.out_features}x{v.in_features}  {v.reason}" for v in verdicts)
+
+
+def report_plan(verdicts: list[LinearVerdict], recipe: str, device: torch.device) -> None:
+    """Log which layers run in fp8, and what the device makes of it."""
+    count = sum(v.fp8 for v in verdicts)
+    logger.info("O6: %d of %d linear layer(s) in fp8 (%s scaling):\n%s", count, len(verdicts), recipe, verdict_table(verdicts))
+    if count == 0:
+        logger.warning("O6: no linear layer qualifies for fp8, so this run is O4; see the table above for why")
+    elif device.type == "cpu":
+        logger.warning("O6 on the CPU: fp8 matmuls run without fp8 hardware (correct, slower than bf16): for tests, not for speed")
+    elif device.type == "cuda" and not native_fp8(device):
+        logger.warning("O6 on %s: no fp8 matmul hardware (needs compute capability 8.9+), emulated: correct, slower than bf16",
+                       torch.cuda.get_device_name(device))  # fmt: skip
