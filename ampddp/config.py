@@ -260,7 +260,8 @@ class DistributedConfig:
     """off, or BatchNorm synchronised across ranks: auto (torch's on CUDA, portable elsewhere), torch, apex, portable."""
     nproc_per_node: int = field(default=1, metadata=_at_least(1))
     """Spawn this many local processes when not already started by torchrun/SLURM."""
-    backend: str = field(default="auto", metadata=_choices("auto", "nccl", "gloo"))
+    backend: str = field(default="auto", metadata=_choices("auto", "nccl", "gloo", "cpu:gloo,cuda:nccl"))
+    """auto (nccl on GPUs, gloo on CPU; on GPUs with fsdp_cpu_offload both: cpu:gloo,cuda:nccl), nccl, gloo, or both."""
     device: str = field(default="auto", metadata=_choices("auto", "cuda", "cpu"))
     timeout_s: float = field(default=600.0, metadata=_above(0))
     find_unused_parameters: bool = False

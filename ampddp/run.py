@@ -33,6 +33,7 @@ from ampddp.recipe.factories import (
     optimizer_factory,
     parallel_from,
     precision_from,
+    process_group_backend,
     reporting_from,
     scheduler_factory,
     steps_per_epoch,
@@ -97,12 +98,12 @@ def launch(config: RunConfig, early: EarlySignals | None = None) -> dict[str, An
     """
     built = validate(config)
     dist_cfg = config.distributed
-    env = detect_env(device=dist_cfg.device, backend=dist_cfg.backend, timeout_s=dist_cfg.timeout_s)
+    env = detect_env(device=dist_cfg.device, backend=process_group_backend(config), timeout_s=dist_cfg.timeout_s)
     if dist_cfg.nproc_per_node > 1 and env.launcher == "none":
         del built  # each spawned worker builds its own run; this process only waits for them
         with RunDirLock(config.trainer.run_dir), StopSignals(config.trainer.stop_signals, early=early) as stop:
             results = launch_local(
-                _spawned, dist_cfg.nproc_per_node, (config,), device=dist_cfg.device, backend=dist_cfg.backend,
+                _spawned, dist_cfg.nproc_per_node, (config,), device=dist_cfg.device, backend=process_group_backend(config),
                 timeout_s=dist_cfg.timeout_s, forward_signals=stop,
             )  # fmt: skip
         return results[0]
@@ -120,7 +121,7 @@ def _joined_and_locked(config: RunConfig) -> Iterator[DistEnv]:
     for a rank 0 that has left.
     """
     dist_cfg, run_dir = config.distributed, config.trainer.run_dir
-    env = setup_distributed(device=dist_cfg.device, backend=dist_cfg.backend, timeout_s=dist_cfg.timeout_s)
+    env = setup_distributed(device=dist_cfg.device, backend=process_group_backend(config), timeout_s=dist_cfg.timeout_s)
     with contextlib.ExitStack() as held:  # closed last: the lock outlives the process group
         try:
             refusal: BaseException | None = None

@@ -52,10 +52,11 @@ def refuse_non_finite(state: Mapping[str, Any], step: int, last_saved: int | Non
     shards; gathered tensors: rank 0) and the ranks agree in one all-reduce, so all raise or none."""
     poisoned = first_non_finite(state)
     if env is not None and env.distributed:
-        from ampddp.distributed.data import sum_across_ranks
+        from ampddp.distributed.data import gather_objects, sum_across_ranks
 
-        if int(sum_across_ranks(float(poisoned is not None)).item()):
-            raise non_finite_error(poisoned or "a tensor another rank holds", step, last_saved)
+        if int(sum_across_ranks(float(poisoned is not None)).item()):  # then every rank names the first one found
+            found = [f"{name} (rank {rank})" for rank, name in enumerate(gather_objects(poisoned, env)) if name is not None]
+            raise non_finite_error(found[0], step, last_saved)
     elif poisoned is not None:
         raise non_finite_error(poisoned, step, last_saved)
 

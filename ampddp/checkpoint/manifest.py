@@ -93,6 +93,8 @@ def check_size(path: Path, expected: FileDigest) -> None:
         size = Path(path).stat().st_size
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing ({expected.size} bytes listed in {Path(path).parent.name}/COMPLETE)") from None
+    except OSError as error:
+        raise CheckpointError(f"{path}: cannot read checkpoint file ({error.strerror or error})") from None
     if size != expected.size:
         raise _size_mismatch(path, size, expected)
 

@@ -21,7 +21,7 @@ import contextlib
 import io
 import pickle
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +31,10 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from ampddp.checkpoint import keys
-from ampddp.checkpoint.manifest import FileDigest, Manifest, hash_open_file, verify_file
+from ampddp.checkpoint.manifest import FileDigest, Manifest, hash_open_file, read_manifest, verify_file
 from ampddp.distributed.data import gather_objects
 from ampddp.distributed.env import DistEnv
-from ampddp.errors import CheckpointError
+from ampddp.errors import CheckpointError, CheckpointWriteError
 from ampddp.precision.dtypes import dtype_name
 
 MODEL_PREFIX, OPTIMIZER_PREFIX = "model/", "optimizer/"
@@ -87,10 +87,18 @@ def write_shards(folder: Path, tensors: Mapping[str, torch.Tensor], env: DistEnv
     """Write ``tensors`` into ``folder`` collectively (every rank its shards; rank 0 the metadata);
     returns the digests of the files this rank wrote."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.checkpoint.api import CheckpointException
 
     writer = FileSystemWriter(folder, single_file_per_rank=True, sync_files=True)
-    with _one_process_quietly(not env.distributed):
-        dcp.save(dict(tensors), storage_writer=writer, no_dist=not env.distributed)
+    # A tensor every rank holds whole (a buffer) is written once: rank 0's, as the whole layout writes it.
+    planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+    try:
+        with _one_process_quietly(not env.distributed):
+            dcp.save(dict(tensors), storage_writer=writer, planner=planner, no_dist=not env.distributed)
+    except CheckpointException as error:  # a BaseException: turned into an error the ranks agree on
+        reason = " ".join(str(error).split())[:300]
+        raise CheckpointWriteError(f"{folder}: the shards were not written ({reason})") from None
     mine = (f"__{env.rank}_", METADATA_FILE) if env.is_main else (f"__{env.rank}_",)
     written = sorted(path for path in folder.iterdir() if is_sharded_file(path.name) and path.name.startswith(mine))
     digests = {}
@@ -121,7 +129,12 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class _SafeReader(FileSystemReader):
-    """DCP's file reader, with the metadata read by the restricted unpickler."""
+    """DCP's file reader, with the metadata read by the restricted unpickler and allowed to point
+    only at the shard files the manifest lists (``listed``)."""
+
+    def __init__(self, path: Path, listed: frozenset[str]) -> None:
+        super().__init__(path)
+        self.listed = listed
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         path = Path(self.path) / METADATA_FILE
@@ -139,17 +152,18 @@ class _SafeReader(FileSystemReader):
             raise CheckpointError(f"{path}: not a sharded checkpoint's metadata (found a {type(metadata).__name__})")
         from torch.distributed.checkpoint.metadata import StorageMeta
 
-        _check_storage(metadata, path)
+        _check_storage(metadata, path, self.listed)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
 
-def _check_storage(metadata: Any, path: Path) -> None:
-    """Every storage entry must point into a shard file of this folder, at a plain offset and length,
-    untransformed (what ampddp writes): a planted ``../x`` or absolute path would make DCP read any
-    file the process can; tensors only (a bytes entry would be unpickled without restriction)."""
+def _check_storage(metadata: Any, path: Path, listed: frozenset[str]) -> None:
+    """Every storage entry must point into a shard file of this folder that the manifest lists
+    (``listed``: so it was verified), at a plain offset and length, untransformed (what ampddp
+    writes): a planted ``../x`` or absolute path would make DCP read any file the process can;
+    tensors only (a bytes entry would be unpickled without restriction)."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -157,33 +171,41 @@ def _check_storage(metadata: Any, path: Path) -> None:
         raise CheckpointError(f"{path}: holds entries that are not tensors, which no ampddp checkpoint writes; refused")
     for info in (getattr(metadata, "storage_data", None) or {}).values():
         plain = isinstance(info, _StorageInfo) and isinstance(info.relative_path, str) and is_sharded_file(info.relative_path)
-        plain = plain and info.relative_path != METADATA_FILE and Path(info.relative_path).name == info.relative_path
+        plain = plain and info.relative_path != METADATA_FILE and info.relative_path in listed
         plain = plain and all(isinstance(n, int) and n >= 0 for n in (info.offset, info.length))
         if not plain or getattr(info, "transform_descriptors", None):
             where = getattr(info, "relative_path", info)
             raise CheckpointError(f"{path}: points at {str(where)[:120]!r}, not a shard file of this checkpoint; refused unread")
 
 
-def verify_shards(folder: Path, manifest: Manifest, env: DistEnv | None = None) -> None:
-    """Check the sharded files against the manifest: all of them, or (``env``) this rank's share of
-    them (file i by rank i mod world); the caller agrees over the ranks."""
+def shard_files(folder: Path, manifest: Manifest) -> list[str]:
+    """The shard files the manifest lists, checked to be a sharded checkpoint's (its metadata among
+    them, with checksums): a manifest without them cannot vouch for what DCP would read."""
     names = sorted(name for name in manifest.names if is_sharded_file(name))
     if METADATA_FILE not in names:
         raise CheckpointError(f"{folder / keys.COMPLETE_FILE}: a sharded checkpoint without {METADATA_FILE} listed: incomplete")
     if manifest.digests is None:
         raise CheckpointError(f"{folder / keys.COMPLETE_FILE}: a sharded checkpoint must list checksums")
+    return names
+
+
+def verify_shards(folder: Path, manifest: Manifest, env: DistEnv | None = None) -> None:
+    """Check the sharded files against the manifest: all of them, or (``env``) this rank's share of
+    them (file i by rank i mod world); the caller agrees over the ranks."""
+    names = shard_files(folder, manifest)
     for index, name in enumerate(names):
         if env is None or index % env.world_size == env.rank:
             verify_file(folder / name, manifest.digests[name])
 
 
-def shards_problem(folder: Path, manifest: Manifest, env: DistEnv) -> str | None:
+def shards_problem(folder: Path, env: DistEnv) -> str | None:
     """The ranks hash a sharded checkpoint's files together (file i by rank i mod world): the first
-    problem any rank found, the same answer on every rank; None when all verify (or none are shards)."""
-    if not any(is_sharded_file(name) for name in manifest.names):
-        return None
+    problem any rank found (its manifest unreadable included), the same answer on every rank; None
+    when all verify (or none are shards)."""
     try:
-        verify_shards(folder, manifest, env)
+        manifest = read_manifest(folder)
+        if any(is_sharded_file(name) for name in manifest.names):
+            verify_shards(folder, manifest, env)
         problem = None
     except CheckpointError as error:
         problem = str(error)
@@ -253,14 +275,40 @@ def whole_view(folder: Path, shared: Mapping[str, Any], manifest: Manifest, veri
     """``shared`` with whole CPU tensors read from the shards (verified first, unless the caller just
     did), in this process alone (no process group needed): for ``inspect``, ``export`` and starting a
     run from these weights."""
-    import torch.distributed.checkpoint as dcp
-
     where = str(folder / keys.SHARED_FILE)
     if verify:
         verify_shards(folder, manifest)
-    tensors = {name: torch.empty(entry["shape"], dtype=_dtype(entry["dtype"], where)) for name, entry in _record(shared, where).items()}
-    _load(dcp, tensors, folder, no_dist=True)
+    reader = _reader(folder, manifest, _record(shared, where), where)
+    tensors = _allocated(lambda: {name: torch.empty(entry["shape"], dtype=_dtype(entry["dtype"], where))
+                                  for name, entry in _record(shared, where).items()}, where)  # fmt: skip
+    _load(reader, tensors, folder, no_dist=True)
     return _merged(shared, tensors)
+
+
+def _reader(folder: Path, manifest: Manifest, record: Mapping[str, Mapping[str, Any]], where: str) -> _SafeReader:
+    """DCP's reader of ``folder``, its metadata read (refused in one line, before DCP would wrap the
+    error in its own) and agreeing with ``record`` tensor by tensor before anything is allocated."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = _SafeReader(folder, frozenset(shard_files(folder, manifest)))
+    saved = reader.read_metadata().state_dict_metadata
+    for name, entry in record.items():
+        found = saved.get(name)
+        if (
+            not isinstance(found, TensorStorageMetadata)
+            or list(found.size) != list(entry["shape"])
+            or found.properties.dtype != _dtype(entry["dtype"], where)
+        ):
+            held = f"{list(found.size)} {found.properties.dtype}" if isinstance(found, TensorStorageMetadata) else "nothing"
+            raise CheckpointError(f"{where}: records {name} as {entry['shape']} {entry['dtype']}, but the shards hold {held} for it")
+    return reader
+
+
+def _allocated(make: Callable[[], dict[str, torch.Tensor]], where: str) -> dict[str, torch.Tensor]:
+    try:
+        return make()
+    except (RuntimeError, MemoryError) as error:
+        raise CheckpointError(f"{where}: cannot make room for the recorded tensors ({' '.join(str(error).split())[:200]})") from None
 
 
 @contextlib.contextmanager
@@ -272,25 +320,25 @@ def _one_process_quietly(no_dist: bool) -> Iterator[None]:
         yield
 
 
-def _load(dcp: Any, tensors: dict[str, torch.Tensor], folder: Path, no_dist: bool) -> None:
-    reader = _SafeReader(folder)
-    reader.read_metadata()  # refused here, in one line, before DCP (which would wrap the error in its own)
+def _load(reader: _SafeReader, tensors: dict[str, torch.Tensor], folder: Path, no_dist: bool) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         with _one_process_quietly(no_dist):
             dcp.load(tensors, storage_reader=reader, no_dist=no_dist)
-    except Exception as error:  # DCP wraps the readers' failures (a missing key, a short file) in its own exception
+    except (Exception, CheckpointException) as error:  # DCP wraps the readers' failures in its own (a BaseException)
         reason = " ".join(str(error).split())[:300]
         raise CheckpointError(f"{folder}: cannot read the sharded checkpoint ({reason})") from None
 
 
 def read_into_live(
-    folder: Path, shared: Mapping[str, Any], live_model: Mapping[str, Any], optimizer: Optimizer, env: DistEnv
+    folder: Path, shared: Mapping[str, Any], manifest: Manifest, live_model: Mapping[str, Any], optimizer: Optimizer, env: DistEnv
 ) -> dict[str, Any]:
     """``shared`` with the model and optimizer tensors read from the shards, each cut as the live run
     holds it (an FSDP2 rank reads its own part, a DDP rank the whole); collective over the ranks."""
-    import torch.distributed.checkpoint as dcp
-
     where = str(folder / keys.SHARED_FILE)
+    reader = _reader(folder, manifest, _record(shared, where), where)
     params = [param for group in optimizer.param_groups for param in group["params"]]
     templates: dict[str, torch.Tensor] = {}
     for name, entry in _record(shared, where).items():
@@ -302,6 +350,6 @@ def read_into_live(
         if isinstance(like, torch.Tensor) and like.shape == shape:
             templates[name] = torch.empty_like(like, dtype=dtype)
         else:
-            templates[name] = torch.empty(shape, dtype=dtype)
-    _load(dcp, templates, folder, no_dist=not env.distributed)
+            templates[name] = _allocated(lambda shape=shape, dtype=dtype: {"": torch.empty(shape, dtype=dtype)}, where)[""]
+    _load(reader, templates, folder, no_dist=not env.distributed)
     return _merged(shared, templates)

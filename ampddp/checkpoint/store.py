@@ -55,7 +55,11 @@ class CheckpointRef:
         ``shards_sized_only``: a sharded checkpoint's shards by size alone (the ranks hash them together)."""
         from ampddp.checkpoint.sharded import is_sharded_file
 
-        return verify_folder(self.path, manifest or self.manifest(), is_sharded_file if shards_sized_only else None)
+        manifest = manifest or self.manifest()
+        unlisted = sorted(p.name for p in self.path.iterdir() if is_sharded_file(p.name) and p.name not in manifest.names)
+        if unlisted:  # shards its manifest does not vouch for: a torn or tampered marker
+            raise CheckpointError(f"{self.path / unlisted[0]}: a shard file {keys.COMPLETE_FILE} does not list: incomplete checkpoint")
+        return verify_folder(self.path, manifest, is_sharded_file if shards_sized_only else None)
 
     def looks_whole(self) -> bool:
         """Cheap check (no hashing): the marker parses and every listed file is there with its size."""

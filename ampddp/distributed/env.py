@@ -24,7 +24,9 @@ from ampddp.distributed.rendezvous import fresh_agent_store
 from ampddp.errors import ConfigError, choice_error
 
 LAUNCHERS = ("torchrun", "slurm", "spawn", "tcp", "none")
-BACKENDS = ("auto", "nccl", "gloo")
+HOST_AND_CUDA = "cpu:gloo,cuda:nccl"
+"""A process group with both: NCCL for GPU tensors, gloo for host tensors (FSDP2's CPU-offloaded shards)."""
+BACKENDS = ("auto", "nccl", "gloo", HOST_AND_CUDA)
 DEFAULT_TIMEOUT_S = 600.0
 SLURM_PORT_BASE = 15000
 
@@ -213,12 +215,18 @@ def detect_env(
     if not 0 <= env.rank < env.world_size:
         raise ConfigError(f"rank {env.rank} is outside world size {env.world_size} (launcher {env.launcher})")
     chosen = _pick_device(env.local_rank, device)
-    resolved_backend = None
-    if env.distributed:
-        resolved_backend = ("nccl" if chosen.type == "cuda" else "gloo") if backend == "auto" else backend
-        if resolved_backend == "nccl" and chosen.type != "cuda":
-            raise ConfigError("backend 'nccl' needs CUDA devices; on CPU use backend 'gloo' (or 'auto')")
-    return replace(env, device=chosen, backend=resolved_backend)
+    return replace(env, device=chosen, backend=_resolve_backend(backend, chosen) if env.distributed else None)
+
+
+def _resolve_backend(backend: str, device: torch.device) -> str:
+    """The process group's backend for ``device``: ``auto`` picks NCCL on GPUs and gloo on the CPU."""
+    if backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if backend == HOST_AND_CUDA and device.type != "cuda":
+        return "gloo"  # its host half: every tensor of a CPU run is a host tensor
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError("backend 'nccl' needs CUDA devices; on CPU use backend 'gloo' (or 'auto')")
+    return backend
 
 
 def init_distributed(env: DistEnv) -> DistEnv:

@@ -118,6 +118,7 @@ def shard_model(model: nn.Module, env: DistEnv, options: FSDPOptions, param_dtyp
     keeps its class (FSDP2 adds its own as a base) and its parameter names; rank 0's buffers are given
     to every rank before each training forward, as DDP does.
     """
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -139,13 +140,20 @@ def shard_model(model: nn.Module, env: DistEnv, options: FSDPOptions, param_dtyp
     reduce_dtype = torch.float32 if options.reduce_in_fp32 else None
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     as_stored = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype)
+    if options.cpu_offload and env.device.type == "cuda" and "cpu:" not in str(dist.get_backend_config()):
+        raise ConfigError(
+            f"fsdp cpu_offload keeps the shards in host memory, and the collectives on them (the loss scale's agreement, "
+            f"gradient norms) need a host backend beside NCCL; this process group has {dist.get_backend_config()}: "
+            "use distributed.backend auto or 'cpu:gloo,cuda:nccl' (setup_distributed(backend='cpu:gloo,cuda:nccl'))"
+        )
     offload = CPUOffloadPolicy(pin_memory=env.device.type == "cuda") if options.cpu_offload else OffloadPolicy()
     if options.cpu_offload and env.device.type == "cpu":
         logger.info("FSDP2 CPU offload on a CPU run: the state is in CPU memory already, nothing moves")
     norms = _own_dtype_norms(model, param_dtype)
     for norm in norms:
         fully_shard(norm, mesh=mesh, mp_policy=as_stored, offload_policy=offload, reshard_after_forward=options.reshard_after_forward)
-    blocks = [module for module in reversed(list(model.modules())) if type(module) in classes and module is not model]
+    own_units = {id(norm) for norm in norms}
+    blocks = [m for m in reversed(list(model.modules())) if type(m) in classes and m is not model and id(m) not in own_units]
     names = ", ".join(sorted({type(block).__name__ for block in blocks})) or "none found: the model is one unit"
     for block in blocks:  # innermost first: a block inside another is its own unit
         if options.activation_checkpointing:
@@ -156,7 +164,7 @@ def shard_model(model: nn.Module, env: DistEnv, options: FSDPOptions, param_dtyp
     # The root's params (embeddings, the head) are needed again at once by the backward: kept gathered.
     fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=False)
     if any(True for _ in model.buffers()):
-        model.register_forward_pre_hook(_give_main_buffers)
+        MainBuffers().install(model)
     kept = f", {len(norms)} BatchNorm layer(s) in their stored dtype" if norms else ""
     logger.info("FSDP2 over %d ranks: %d block(s) (%s)%s, then the root", env.world_size, len(blocks), names, kept)
     return model
@@ -185,12 +193,26 @@ def broadcast_buffers(module: nn.Module) -> None:
             buffer.copy_(value.view_as(buffer))
 
 
-def _give_main_buffers(module: nn.Module, args: Any) -> None:
-    """Before a training forward: rank 0's running statistics on every rank (FSDP2 shards params only;
-    buffers each rank updates from its own batches would drift apart, and with them evaluation and
-    checkpoints)."""
-    if module.training and torch.is_grad_enabled():
-        broadcast_buffers(module)
+class MainBuffers:
+    """Rank 0's buffers (BatchNorm's running statistics) given to every rank as DDP does: before the
+    first forward after a forward with gradients (a training step), whatever that next forward is.
+    FSDP2 shards params only; buffers each rank updates from its own batches would drift apart, and
+    evaluation would then depend on the rank. (Every FSDP2 forward is collective already: the
+    broadcast cannot leave a rank waiting alone.)"""
+
+    def __init__(self) -> None:
+        self.due = True  # as DDP: the first forward synchronises
+
+    def before(self, module: nn.Module, args: Any) -> None:
+        if self.due:
+            broadcast_buffers(module)
+
+    def after(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.due = torch.is_grad_enabled()
+
+    def install(self, model: nn.Module) -> None:
+        model.register_forward_pre_hook(self.before)
+        model.register_forward_hook(self.after, always_call=True)
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -82,6 +82,11 @@ class Precision:
         if self.mode not in SHARDED_MASTER_MODES:
             return build_engine(self.mode, impl=self.impl, registry=self.registry, **self.overrides)
         policy = resolve_policy(self.mode, **self.overrides)
+        if policy.keep_batchnorm_fp32 is False:
+            raise ConfigError(
+                f"keep_batchnorm_fp32=False with {self.mode} under fsdp2: BatchNorm layers are FSDP2 units of their own there "
+                "and compute in fp32 (a unit's params share one dtype); remove the setting"
+            )
         return OptLevelEngine(policy.for_sharded_params(self.fp32_islands is not False), registry=self.registry)
 
 

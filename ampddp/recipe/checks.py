@@ -40,6 +40,7 @@ from ampddp.recipe.factories import (
     optimizer_factory,
     parallel_from,
     precision_from,
+    process_group_backend,
     refuse_kwargs,
     reporting_from,
     scheduler_factory,
@@ -347,7 +348,7 @@ def validate(config: RunConfig) -> Built:
     reporting_from(config)
     _check_optimizer(config, model)
     dist_cfg = config.distributed
-    env = detect_env(device=dist_cfg.device, backend=dist_cfg.backend, timeout_s=dist_cfg.timeout_s)
+    env = detect_env(device=dist_cfg.device, backend=process_group_backend(config), timeout_s=dist_cfg.timeout_s)
     _check_checkpoints(config, model, engine, env.rank)
     launched = dist_cfg.nproc_per_node if env.launcher == "none" and dist_cfg.nproc_per_node > 1 else env.world_size
     if parallel.shards_params and launched < 2:

@@ -25,7 +25,7 @@ from torch.utils.data import Dataset
 from ampddp.compile_model import ModelCompiler
 from ampddp.config import IMPORT_PATH_FORM, PrecisionConfig, RunConfig, is_import_path
 from ampddp.data import build_datasets
-from ampddp.distributed.env import seed_everything
+from ampddp.distributed.env import HOST_AND_CUDA, seed_everything
 from ampddp.distributed.fsdp2 import FSDPOptions
 from ampddp.distributed.parallel import Parallel
 from ampddp.distributed.wrap import DDPOptions
@@ -298,6 +298,13 @@ def ddp_options(config: RunConfig) -> DDPOptions:
         find_unused_parameters=dist_cfg.find_unused_parameters, static_graph=dist_cfg.static_graph,
         gradient_as_bucket_view=dist_cfg.gradient_as_bucket_view, bucket_cap_mb=dist_cfg.bucket_cap_mb, comm_hook=dist_cfg.comm_hook,
     )  # fmt: skip
+
+
+def process_group_backend(config: RunConfig) -> str:
+    """distributed.backend, where ``auto`` with FSDP2's CPU offload asks for gloo beside NCCL: the
+    offloaded shards are host tensors, and the collectives on them need a host backend."""
+    dist_cfg = config.distributed
+    return HOST_AND_CUDA if dist_cfg.backend == "auto" and dist_cfg.fsdp_cpu_offload else dist_cfg.backend
 
 
 def fsdp_options(config: RunConfig) -> FSDPOptions:

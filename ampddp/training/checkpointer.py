@@ -22,11 +22,11 @@ from torch.optim import Optimizer
 
 from ampddp.checkpoint import keys
 from ampddp.checkpoint.finite import refuse_non_finite
-from ampddp.checkpoint.manifest import config_digest
+from ampddp.checkpoint.manifest import Manifest, config_digest, step_of
 from ampddp.checkpoint.restore import check_model_state, check_optimizer_state, check_sampler_state, restore_precision
 from ampddp.checkpoint.rng import capture_rng, derive_rng, restore_rng
-from ampddp.checkpoint.sharded import local_shards, read_into_live, shape_view, shards_problem, split_state, verify_shards
-from ampddp.checkpoint.store import CheckpointRef, CheckpointStore, find_checkpoint, plan_resume
+from ampddp.checkpoint.sharded import local_shards, read_into_live, shape_view, shard_files, shards_problem, split_state, verify_shards
+from ampddp.checkpoint.store import CheckpointRef, CheckpointStore, plan_resume
 from ampddp.distributed.data import ResumableSampler, broadcast_from_main, sum_across_ranks
 from ampddp.distributed.env import DistEnv
 from ampddp.distributed.fsdp2 import is_sharded
@@ -159,27 +159,30 @@ class Checkpointer:
                 raise (ConfigError if kind == "ConfigError" else CheckpointError)(message)
             if plan["start"] is None:
                 return
-            ref = find_checkpoint(plan["start"])
-            problem = None if plan["shards_verified"] else shards_problem(ref.path, ref.manifest(), self.env)
+            ref = CheckpointRef(Path(plan["start"]), step_of(Path(plan["start"])) or 0)  # rank 0 found it: no look on this rank
+            problem = None if plan["shards_verified"] else shards_problem(ref.path, self.env)
             if problem is None:
                 self.load(ref, finished, shards_verified=True)
                 return
             logger.warning("checkpoint step %d does not verify, skipped and left on disk: %s", ref.step, problem)
             passed_over.append(plan["start"])
 
-    def _read_and_check(self, ref: CheckpointRef, shards_verified: bool) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        """The shared entries and this rank's RNG, read, verified and checked against the live run on every rank."""
+    def _read_and_check(self, ref: CheckpointRef, shards_verified: bool) -> tuple[dict[str, Any], dict[str, Any] | None, Manifest | None]:
+        """The shared entries, this rank's RNG and the manifest, read, verified and checked against the
+        live run on every rank."""
         where = str(ref.shared_file)
         error: Exception | None = None
         shared: dict[str, Any] = {}
-        rng = None
+        rng = manifest = None
         try:
             manifest = ref.manifest()
             shared = CheckpointStore.load_shared(ref, manifest)
             rank_state = CheckpointStore.load_rank(ref, self.env.rank, manifest)
             rng = rank_state[keys.RNG] if rank_state is not None else None
             if shared.get(keys.SHARDS) is not None:  # checked by shape and dtype; this rank verifies its share of the files
-                if not shards_verified:
+                if shards_verified:
+                    shard_files(ref.path, manifest)  # the manifest vouches for the shards DCP will read
+                else:
                     verify_shards(ref.path, manifest, self.env)
                 shared = shape_view(shared, where)
             check_model_state(shared[keys.MODEL], self.state.module, where)
@@ -193,7 +196,7 @@ class Checkpointer:
             raise error
         if failed:
             raise CheckpointError(f"{ref.path}: {failed} rank(s) could not read or check their part of this checkpoint; nothing loaded")
-        return shared, rng
+        return shared, rng, manifest
 
     def _check_extra(self, saved: Any, where: str) -> None:
         missing = [name for name in self.state.extra if not isinstance(saved, dict) or name not in saved]
@@ -207,10 +210,10 @@ class Checkpointer:
         ``finished(progress)`` says whether the saved run is complete (then its schedule is not
         re-planned); ``shards_verified``: a sharded checkpoint's files were just hashed (not again).
         """
-        shared, rng = self._read_and_check(ref, shards_verified)
+        shared, rng, manifest = self._read_and_check(ref, shards_verified)
         state = self.state
         if shared.get(keys.SHARDS) is not None:  # collective: each rank reads its part, cut as it holds the tensors
-            shared = read_into_live(ref.path, shared, state.module.state_dict(), state.optimizer, self.env)
+            shared = read_into_live(ref.path, shared, manifest, state.module.state_dict(), state.optimizer, self.env)
         changed = check_resume_settings(shared.get(keys.CONFIG), self.config, str(ref.path))
         saved_progress = Progress()
         saved_progress.load_state_dict(shared[keys.PROGRESS])

@@ -123,6 +123,12 @@ MALFORMED_RECORDS = {
         lambda record: {**record, "optimizer/x/exp_avg": {"shape": [2], "dtype": "float32"}},
         r"names no optimizer state",
     ),
+    "another shape": (
+        lambda record: {**record, "model/4.weight": {"shape": [3], "dtype": "float32"}},
+        r"records model/4.weight as \[3\] float32, but the shards hold \[4, 32\] torch.float32",
+    ),
+    "a huge shape": (lambda record: {**record, "model/4.weight": {"shape": [2**40], "dtype": "float32"}}, r"but the shards hold"),
+    "another dtype": (lambda record: {**record, "model/4.weight": {"shape": [4, 32], "dtype": "float16"}}, r"but the shards hold"),
 }
 
 
@@ -136,5 +142,24 @@ def test_a_malformed_shards_record_is_one_checkpoint_error(tmp_path, case):
     _replace_listed(step, "shared.pt", (tmp_path / "shared.pt").read_bytes())
     with pytest.raises(CheckpointError, match=message):
         summarize(step)
-    with pytest.raises(CheckpointError, match=message):
+    with pytest.raises(CheckpointError, match=f"{message}|checkpoint is for a different model"):  # a resume compares with the model first
         make_trainer(tmp_path / "run", "O2", max_steps=4, layout="sharded").fit()
+
+
+def test_shards_the_manifest_does_not_list_are_never_read(tmp_path, caplog):
+    # A COMPLETE rewritten without its shard entries, and a shard flipped: nothing vouches for the shards.
+    run_dir = tmp_path / "run"
+    make_trainer(run_dir, "O2", max_steps=2, layout="sharded", checkpoint_every=1).fit()
+    newest = CheckpointStore(run_dir).latest().path
+    marker = json.loads((newest / "COMPLETE").read_text())
+    marker["files"] = {name: entry for name, entry in marker["files"].items() if not name.endswith((".distcp", ".metadata"))}
+    (newest / "COMPLETE").write_text(json.dumps(marker))
+    shard = newest / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"\.metadata: a shard file COMPLETE does not list: incomplete checkpoint"):
+        summarize(newest)
+    trainer = make_trainer(run_dir, "O2", max_steps=3, layout="sharded", checkpoint_every=1)
+    trainer.fit()
+    assert "checkpoint step 2 does not verify" in caplog.text and trainer.progress.global_step == 3

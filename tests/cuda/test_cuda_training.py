@@ -168,9 +168,9 @@ def offload_worker(env, mode):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="FSDP2 over NCCL needs 2 GPUs (one process per GPU)")
 @pytest.mark.parametrize("mode", ["O2", "O5", "native-fp16"])
 def test_fsdp2_cpu_offload_keeps_the_shards_on_the_host_and_trains_as_without(mode):
-    (on_device, devices), (offloaded, offloaded_devices) = launch_local(offload_worker, 2, (mode,), device="cuda", backend="nccl")[
-        0
-    ].values()
+    (on_device, devices), (offloaded, offloaded_devices) = launch_local(
+        offload_worker, 2, (mode,), device="cuda", backend="cpu:gloo,cuda:nccl"
+    )[0].values()
     assert devices == {"cuda"} and offloaded_devices == {"cpu"}
     assert all(torch.isfinite(torch.tensor(offloaded)))
     torch.testing.assert_close(torch.tensor(offloaded), torch.tensor(on_device), rtol=1e-2, atol=1e-2)

@@ -140,40 +140,50 @@ class BatchNormNet(nn.Sequential):
 
 def batchnorm_worker(env) -> dict[str, dict[str, object]]:
     """Ten steps of a BatchNorm MLP per strategy and mode, each rank on its own data (rank 1's four
-    times as spread: its running statistics differ from rank 0's unless buffers are synchronised)."""
+    times as spread: its running statistics differ from rank 0's unless buffers are synchronised),
+    then an evaluation forward of the same input on every rank."""
     results: dict[str, dict[str, object]] = {}
-    for strategy in ("ddp", "fsdp2"):
-        for mode in ("O0", "O2", "O5"):
-            run = prepare(BatchNormNet(), lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9), env,
-                          precision=mode, parallel=Parallel(strategy))  # fmt: skip
-            generator = torch.Generator().manual_seed(10 + env.rank)
-            losses = []
-            for _ in range(10):
-                inputs, labels = torch.randn(8, 16, generator=generator) * (1 + 3 * env.rank), torch.randint(4, (8,), generator=generator)
-                with run.engine.forward_context():
-                    out = run.model(inputs)
-                    loss = nn.functional.cross_entropy(out, labels)
-                run.engine.backward(loss)
-                run.engine.step(run.optimizer)
-                run.engine.zero_grad(run.optimizer)
-                losses.append(mean_over_ranks(loss))
-            buffers = {name: buffer.detach().float().clone() for name, buffer in run.module.named_buffers()}
-            results[f"{strategy} {mode}"] = {"losses": losses, "buffers": buffers, "output": str(out.dtype)}
-            run.engine.teardown()
+    runs = [(strategy, mode, FSDPOptions()) for strategy in ("ddp", "fsdp2") for mode in ("O0", "O2", "O5")]
+    runs.append(("fsdp2", "O5 named", FSDPOptions(blocks=("BatchNorm1d",))))  # BatchNorm units named as blocks too
+    for strategy, mode, fsdp in runs:
+        run = prepare(BatchNormNet(), lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9), env,
+                      precision=mode.split()[0], parallel=Parallel(strategy, fsdp=fsdp))  # fmt: skip
+        generator = torch.Generator().manual_seed(10 + env.rank)
+        losses = []
+        for _ in range(10):
+            inputs, labels = torch.randn(8, 16, generator=generator) * (1 + 3 * env.rank), torch.randint(4, (8,), generator=generator)
+            with run.engine.forward_context():
+                out = run.model(inputs)
+                loss = nn.functional.cross_entropy(out, labels)
+            run.engine.backward(loss)
+            run.engine.step(run.optimizer)
+            run.engine.zero_grad(run.optimizer)
+            losses.append(mean_over_ranks(loss))
+        buffers = {name: buffer.detach().float().clone() for name, buffer in run.module.named_buffers()}
+        run.model.eval()
+        with torch.no_grad(), run.engine.forward_context():
+            evaluated = run.model(torch.ones(4, 16)).float()
+        results[f"{strategy} {mode}"] = {"losses": losses, "buffers": buffers, "output": str(out.dtype), "eval": evaluated}
+        run.engine.teardown()
     return results
 
 
 def test_batchnorm_models_shard_in_every_mode_with_ddps_buffer_semantics():
     # BatchNorm layers are FSDP2 units of their own in their stored fp32 (O2/O5 keep them fp32, as
-    # apex did); rank 0's running statistics reach every rank before each training forward, as
-    # under DDP; O2/O5 hand the loss fp32 outputs, as apex's model cast does.
-    for rank, runs in enumerate(launch_local(batchnorm_worker, 2, device="cpu", timeout_s=300)):
+    # apex did); rank 0's running statistics reach every rank before the forward after a training
+    # step, as under DDP (so an evaluation is the same on every rank); O2/O5 hand the loss fp32
+    # outputs, as apex's model cast does.
+    ranks = launch_local(batchnorm_worker, 2, device="cpu", timeout_s=300)
+    for rank, runs in enumerate(ranks):
         for mode, tolerance in (("O0", 1e-5), ("O2", 5e-2), ("O5", 5e-2)):
             ddp, fsdp2 = runs[f"ddp {mode}"], runs[f"fsdp2 {mode}"]
             assert largest_gap(ddp["losses"], fsdp2["losses"]) <= tolerance, (rank, mode, ddp["losses"], fsdp2["losses"])
             for name, value in ddp["buffers"].items():
                 assert torch.allclose(fsdp2["buffers"][name], value, rtol=tolerance, atol=tolerance), (rank, mode, name)
             assert fsdp2["output"] == ddp["output"] == "torch.float32", (mode, fsdp2["output"], ddp["output"])
+    for name in ranks[0]:
+        assert torch.equal(ranks[0][name]["eval"], ranks[1][name]["eval"]), f"{name}: the ranks evaluate differently"
+    assert ranks[0]["fsdp2 O5 named"]["losses"] == ranks[0]["fsdp2 O5"]["losses"]
 
 
 def recompute_worker(env) -> list[float]:

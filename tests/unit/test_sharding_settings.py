@@ -167,3 +167,20 @@ def test_the_sharded_layout_refuses_tensors_nested_in_an_optimizer_entry():
     del state["state"][0]["factors"]
     tensors, rest, _ = split_state({}, state)
     assert list(tensors) == ["optimizer/0/step"] and rest["state"] == {0: {"note": "kept"}}
+
+
+def test_batchnorm_kept_fp32_is_the_only_choice_under_fsdp2():
+    with pytest.raises(ConfigError, match=r"keep_batchnorm_fp32=False with O5 under fsdp2: BatchNorm layers are FSDP2 units"):
+        Precision("O5", overrides={"keep_batchnorm_fp32": False}).build_sharded_engine()
+
+
+def test_cpu_offload_asks_for_a_host_backend_beside_nccl(tmp_path):
+    from ampddp.distributed.env import HOST_AND_CUDA, detect_env
+    from ampddp.recipe.factories import process_group_backend
+
+    config = load_config(Path(__file__).parents[2] / "recipes" / "gpt-fsdp2-O5.yaml", ["distributed.fsdp_cpu_offload=true"])
+    assert process_group_backend(config) == HOST_AND_CUDA
+    config = load_config(Path(__file__).parents[2] / "recipes" / "gpt-fsdp2-O5.yaml", ["distributed.backend=gloo"])
+    assert process_group_backend(config) == "gloo"
+    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    assert detect_env(torchrun, backend=HOST_AND_CUDA, device="cpu").backend == "gloo"  # a CPU run's host half
