@@ -71,14 +71,20 @@ def test_a_hostile_metadata_pickle_never_runs(tmp_path, capsys):
     assert not ran.exists() and not (tmp_path / "m.safetensors").exists()
 
 
-def test_a_corrupted_or_missing_shard_is_named_and_resume_falls_back(tmp_path, caplog):
-    run_dir = tmp_path / "run"
+def two_checkpoints_the_newest_flipped(run_dir: Path) -> tuple[Path, Path]:
+    """A run's checkpoints of steps 1 and 2, a byte of step 2's first shard flipped: (step 2's folder, that shard)."""
     make_trainer(run_dir, "O2", max_steps=2, layout="sharded", checkpoint_every=1).fit()
     newest = CheckpointStore(run_dir).latest().path
     shard = newest / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
+    return newest, shard
+
+
+def test_a_corrupted_or_missing_shard_is_named_and_resume_falls_back(tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    newest, shard = two_checkpoints_the_newest_flipped(run_dir)
     with pytest.raises(CheckpointError, match=r"__0_0\.distcp: checksum mismatch"):
         summarize(newest)
     trainer = make_trainer(run_dir, "O2", max_steps=3, layout="sharded", checkpoint_every=1)
@@ -149,15 +155,10 @@ def test_a_malformed_shards_record_is_one_checkpoint_error(tmp_path, case):
 def test_shards_the_manifest_does_not_list_are_never_read(tmp_path, caplog):
     # A COMPLETE rewritten without its shard entries, and a shard flipped: nothing vouches for the shards.
     run_dir = tmp_path / "run"
-    make_trainer(run_dir, "O2", max_steps=2, layout="sharded", checkpoint_every=1).fit()
-    newest = CheckpointStore(run_dir).latest().path
+    newest, _ = two_checkpoints_the_newest_flipped(run_dir)
     marker = json.loads((newest / "COMPLETE").read_text())
     marker["files"] = {name: entry for name, entry in marker["files"].items() if not name.endswith((".distcp", ".metadata"))}
     (newest / "COMPLETE").write_text(json.dumps(marker))
-    shard = newest / "__0_0.distcp"
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    shard.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=r"\.metadata: a shard file COMPLETE does not list: incomplete checkpoint"):
         summarize(newest)
     trainer = make_trainer(run_dir, "O2", max_steps=3, layout="sharded", checkpoint_every=1)
