@@ -80,18 +80,26 @@ class TrackedRuns:
         self.ids = dict(state)
 
 
+FILE_ONLY_RECORDS = ("start", "fp8_layers")
+"""Records metrics.jsonl keeps that are no time series for the loggers: where a run starts, and what
+O6's set-up made of each linear layer."""
+
+
 class RunObserver:
     """Receives step and evaluation records from the trainer; only rank 0 writes or prints.
 
     ``run_dir`` None: progress on the console only. ``scales_loss`` False: the loss scale and skipped
     steps (always 1 and 0) are left out of the console and the loggers; metrics.jsonl keeps them.
+    ``fp8_layers``: O6's verdict on each linear layer, recorded where the run starts.
     """
 
     def __init__(self, run_dir: str | Path | None, env: DistEnv, *, progress: str = "auto", loggers: Sequence[MetricLogger] = (),
                  total_steps: int | None = None, config: Mapping[str, Any] | None = None,
-                 tracked_runs: TrackedRuns | None = None, scales_loss: bool = True, plots: bool = True) -> None:  # fmt: skip
+                 tracked_runs: TrackedRuns | None = None, scales_loss: bool = True, plots: bool = True,
+                 fp8_layers: Sequence[Mapping[str, Any]] = ()) -> None:  # fmt: skip
         self.run_dir = None if run_dir is None else Path(run_dir)
         self.env = env
+        self.fp8_layers = [dict(layer) for layer in fp8_layers]
         self.active = env.is_main
         self.start = time.perf_counter()
         self._last_time, self._last_samples = self.start, 0
@@ -126,7 +134,7 @@ class RunObserver:
                     self._metrics = open_for_append(path)  # closed in close()
                 self._metrics.write(json.dumps(record) + "\n")  # one write per record, then flushed
                 self._metrics.flush()
-        if record["kind"] == "start":
+        if record["kind"] in FILE_ONLY_RECORDS:
             return
         values = numbers(record)
         if not self._scales_loss:
@@ -204,6 +212,9 @@ class RunObserver:
         self._rate_steps = (self._last_time, step)
         if self.active:
             self._write({"kind": "start", "step": step, "epoch": epoch})
+            if self.fp8_layers:
+                in_fp8 = sum(bool(layer["fp8"]) for layer in self.fp8_layers)
+                self._write({"kind": "fp8_layers", "step": step, "in_fp8": in_fp8, "layers": self.fp8_layers})
             self._start_loggers(step)
         if self._wants_bar and self._bar is None:
             self._open_bar(step)

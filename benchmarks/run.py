@@ -25,6 +25,7 @@ import checkpoint_io
 import compile_modes
 import cuda_suite
 import ddp_scaling
+import fp8
 import fused_optimizers
 import input_pipeline
 import memory
@@ -46,6 +47,7 @@ BENCHMARKS = {
     "checkpoint": checkpoint_io.run,
     "ddp": ddp_scaling.run,
     "sharding": sharding.run,
+    "fp8": fp8.run,
     "compile": compile_modes.run,
     "op-cost": op_cost.run,
     "input": input_pipeline.run,

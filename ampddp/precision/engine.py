@@ -168,6 +168,11 @@ class PrecisionEngine(ABC):
         """Whether the optimizers step fp32 copies of low-precision model params (O2/O5), not the params."""
         return False
 
+    def fp8_plan(self) -> list[dict[str, Any]]:
+        """Each linear layer of the set-up models with whether it runs in fp8 and why not (O6; empty
+        for the modes without fp8), for the run's records."""
+        return []
+
     def optimizer_grads(self, optimizer: Optimizer) -> OptimizerGrads | None:
         """This engine's masters and gradient bookkeeping for ``optimizer``, where it keeps them (opt levels)."""
         return None

@@ -213,6 +213,9 @@ class OptLevelEngine(PrecisionEngine):
     def forward_context(self) -> AbstractContextManager[Any]:
         return self._cast_context if self._cast_context is not None else contextlib.nullcontext()
 
+    def fp8_plan(self) -> list[dict[str, Any]]:
+        return [verdict.to_dict() for verdict in self.fp8_verdicts]
+
     def recompute_context(self) -> AbstractContextManager[Any]:
         active = self._cast_context is not None and self._cast_context.active  # the forward ran inside it: so does the recompute
         return self._cast_context if active else contextlib.nullcontext()

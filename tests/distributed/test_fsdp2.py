@@ -17,7 +17,8 @@ from typing import ClassVar
 import pytest
 import torch
 import torch.distributed as dist
-from resume_helpers import assert_identical, final_state
+from helpers import HAS_TORCHAO, NO_TORCHAO
+from resume_helpers import O6_SMALL_MODEL, assert_identical, final_state
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import Subset
@@ -67,15 +68,21 @@ def train_losses(env, mode: str, strategy: str, islands: bool | None = None, fsd
         else (lambda params: torch.optim.AdamW(params, lr=3e-3))
     )
     run = prepare(tiny_gpt(), optimizer, env, precision=precision, parallel=parallel)
+    losses = gpt_steps(run, env, STEPS)
+    run.engine.teardown()
+    return losses
+
+
+def gpt_steps(run, env, steps: int) -> list[float]:
+    """``steps`` training steps of a prepared GPT run on ``step_batches``; the loss of each, averaged over the ranks."""
     losses = []
-    for batch in step_batches(env.rank, env.world_size, STEPS):
+    for batch in step_batches(env.rank, env.world_size, steps):
         with run.engine.forward_context():
             loss = run.model(**batch)["loss"]
         run.engine.backward(loss)
         run.engine.step(run.optimizer)
         run.engine.zero_grad(run.optimizer)
         losses.append(mean_over_ranks(loss))
-    run.engine.teardown()
     return losses
 
 
@@ -205,6 +212,25 @@ def recompute_worker(env) -> list[float]:
 def test_checkpointed_blocks_recompute_in_the_context_their_forward_ran_in():
     losses = launch_local(recompute_worker, 2, device="cpu", timeout_s=300)[0]
     assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses))), losses
+
+
+def fp8_worker(env) -> dict[str, tuple[list[float], tuple[str, ...]]]:
+    runs = {}
+    for strategy in ("ddp", "fsdp2"):
+        precision = Precision("O6", overrides=O6_SMALL_MODEL)
+        run = prepare(tiny_gpt(), lambda params: torch.optim.AdamW(params, lr=3e-3), env, precision=precision, parallel=Parallel(strategy))
+        runs[strategy] = (gpt_steps(run, env, 10), run.engine.precision_state().fp8_layers)
+        run.engine.teardown()
+    return runs
+
+
+@pytest.mark.skipif(not HAS_TORCHAO, reason=NO_TORCHAO)
+def test_o6_shards_its_fp8_layers_and_follows_ddp():
+    # The linear layers become fp8 before FSDP2 shards them (no fp8 all-gather: bf16 gathers).
+    runs = launch_local(fp8_worker, 2, device="cpu", timeout_s=300)[0]
+    (ddp, ddp_layers), (fsdp2, fsdp2_layers) = runs["ddp"], runs["fsdp2"]
+    assert len(fsdp2_layers) == 9 and fsdp2_layers == ddp_layers, fsdp2_layers
+    assert largest_gap(ddp, fsdp2) <= 1e-3 and fsdp2[-1] < fsdp2[0] - 0.5, (ddp, fsdp2)
 
 
 class OpDtypes(TorchDispatchMode):

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import HAS_TORCHAO, NO_TORCHAO
 from image_folders import make_image_folder
 
 from ampddp import PRECISION_MODES
@@ -57,7 +58,7 @@ def test_resnet_recipes_differ_only_in_precision():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["precision.mode=O7"], "precision.mode='O7' is not valid (did you mean 'O5'?); valid choices: O0, O1"),
+        (["precision.mode=O7"], "precision.mode='O7' is not valid (did you mean 'O6'?); valid choices: O0, O1"),
         (["precision.keep_bn_fp32=true"], "unknown key precision.keep_bn_fp32 (did you mean 'keep_batchnorm_fp32'?)"),
         (["trainer.max_epoch=3"], "did you mean 'max_epochs'"),
         (["trainr.max_epochs=3"], "unknown section 'trainr' (did you mean 'trainer'?)"),
@@ -65,7 +66,7 @@ def test_resnet_recipes_differ_only_in_precision():
         (["distributed.strategy=horovod"], "valid choices: ddp, apex-ddp, fsdp2, dp, none"),
         (["distributed.sync_bn=yes"], "distributed.sync_bn=True has the wrong type"),
         (["precision.mode=O1", "precision.cast_model_type=fp16"], "cast_model_type=float16 is not valid with opt_level O1"),
-        (["precision.mode=native-bf16", "precision.keep_batchnorm_fp32=true"], "precision.keep_batchnorm_fp32 applies to the O0-O5"),
+        (["precision.mode=native-bf16", "precision.keep_batchnorm_fp32=true"], "precision.keep_batchnorm_fp32 applies to the O0-O6"),
         (["precision.loss_scale=huge"], "loss_scale='huge'"),
         (["precision.float_functions=[torch.not_a_function]"], "torch has no attribute 'not_a_function'"),
         (["model.name=resnet81"], "did you mean 'resnet18'"),
@@ -129,9 +130,11 @@ def check_run_dir(run_dir: Path, steps: int = 2) -> dict:
 @pytest.mark.parametrize("recipe", [r for r in RECIPES if "ddp" not in r.stem], ids=lambda p: p.stem)
 def test_each_recipe_runs_end_to_end(tmp_path, recipe):
     config = load_config(recipe)
+    if config.precision.mode == "O6" and not HAS_TORCHAO:
+        pytest.skip(NO_TORCHAO)
     data = [f"data.root={make_image_folder(tmp_path / 'images')}", *IMAGEFOLDER_ON_CPU] if config.data.name == "imagefolder" else []
-    if config.distributed.strategy == "fsdp2":
-        data = ["optimizer.warmup_steps=1"]  # the GPT recipe: its 2 processes stay (FSDP2 needs them), a shorter warmup
+    if config.model.name == "ampddp.models:gpt":
+        data = ["optimizer.warmup_steps=1"]  # the GPT recipes (FSDP2's 2 processes stay), a warmup shorter than the 2 steps
     result = subprocess.run(
         [sys.executable, "-m", "ampddp", "train", str(recipe), f"trainer.run_dir={tmp_path / 'run'}",
          small_images(config.precision.mode), *FAST, *data],
@@ -139,6 +142,13 @@ def test_each_recipe_runs_end_to_end(tmp_path, recipe):
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     check_run_dir(tmp_path / "run")
+    if config.precision.mode == "O6":  # the verdict on each linear layer is part of the run's record
+        (plan,) = [r for r in read_metrics(tmp_path / "run") if r["kind"] == "fp8_layers"]
+        assert (
+            plan["in_fp8"] == 15
+            and len(plan["layers"]) == 17
+            and "O6: 15 of 17 linear layer(s) in fp8 (rowwise scaling)" in result.stdout + result.stderr
+        )
 
 
 @pytest.mark.smoke
