@@ -164,7 +164,7 @@ class Amp:
                     "masters); pass each optimizer through initialize once, as apex required: build a new optimizer over "
                     "the model's parameters for a new set-up"
                 )
-        check_models_and_optimizers(model_list, optimizer_list, allow_low)
+        check_models_and_optimizers(model_list, optimizer_list, allow_low, fp8=opt_level == "O6")
         wrappers = wrappers_around(model_list) if engine.casts_model_params or engine.steps_fp32_masters else Wrappers()
         wrappers.check(engine.casts_model_params, engine.steps_fp32_masters)
         self.end_casts()

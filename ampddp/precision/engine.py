@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 
 from ampddp.errors import AmpUsageError
 from ampddp.precision.casting import first_non_fp32_param
+from ampddp.precision.fp8 import fp8_layer_in
 from ampddp.precision.master import OptimizerGrads
 from ampddp.precision.policy import PrecisionPolicy
 from ampddp.precision.state import PrecisionState
@@ -27,12 +28,14 @@ NATIVE_MODES = {"native-fp16": torch.float16, "native-bf16": torch.bfloat16}
 
 
 def check_models_and_optimizers(
-    models: Sequence[nn.Module], optimizers: Sequence[Optimizer], allow_low_precision_models: bool = False
+    models: Sequence[nn.Module], optimizers: Sequence[Optimizer], allow_low_precision_models: bool = False, fp8: bool = False
 ) -> None:
     """Refuse the inputs apex refused (and the ones it silently mishandled), for every engine's ``setup``.
 
     ``allow_low_precision_models`` accepts models with fp16/bf16 params on entry (apex's
     ``_amp_state.allow_incoming_model_not_fp32``); their masters then start from those values.
+    ``fp8``: the set-up is O6's; any other refuses a model an O6 set-up converted (it would go on
+    running those layers in fp8 unseen).
     """
     wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
     for index, model in enumerate(models):
@@ -42,6 +45,12 @@ def check_models_and_optimizers(
             raise AmpUsageError(
                 f"models[{index}] is already wrapped in {type(model).__name__}: pass the bare model to "
                 "initialize/setup and wrap it in DistributedDataParallel afterwards"
+            )
+        converted = None if fp8 else fp8_layer_in(model)
+        if converted is not None:
+            raise AmpUsageError(
+                f"models[{index}] layer {converted!r} runs in fp8 (torchao's Float8Linear, from an O6 set-up): only O6 runs such "
+                "a model; build the model anew for another mode (an O6 checkpoint loads into it)"
             )
         bad = None if allow_low_precision_models else first_non_fp32_param(model)
         if bad is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ampddp.choices import IMPLS, PRECISION_MODES
-from ampddp.errors import choice_error
+from ampddp.errors import ConfigError, choice_error
 from ampddp.precision.apex_backend import ApexEngine
 from ampddp.precision.engine import NATIVE_MODES, PrecisionEngine
 from ampddp.precision.native import NativeAmpEngine
@@ -31,5 +31,7 @@ def build_engine(
             raise choice_error(f"precision impl for {mode}", impl, ["builtin"])
         return NativeAmpEngine(NATIVE_MODES[mode], **overrides)
     if impl == "apex":
+        if mode == "O6":
+            raise ConfigError("opt level O6 is ampddp's own (fp8 matmuls through torchao): NVIDIA apex's amp has no O6; use impl builtin")
         return ApexEngine(mode, registry=registry, **overrides)
     return OptLevelEngine(resolve_policy(mode, **overrides), registry=registry, allow_low_precision_models=allow_low_precision_models)

@@ -71,10 +71,15 @@ def plan_fp8(model: nn.Module, recipe: str, skip: tuple[str, ...] | None, min_si
     for index, (name, module) in enumerate(linears):
         out_features, in_features = module.weight.shape
         matched = next((pattern for pattern in skip or () if fnmatch.fnmatchcase(name, pattern)), None)
+        altered = _alterations(module)
         if isinstance(module, float8.float8_linear.Float8Linear):
             fp8, reason = True, "fp8 (converted before)"
         elif type(module) is not nn.Linear:
             fp8, reason = False, f"a {type(module).__name__} (a subclass of nn.Linear: its forward may not be Linear's)"
+        elif module is model:
+            fp8, reason = False, "the model itself (a conversion replaces a layer inside a model: wrap it, e.g. in nn.Sequential)"
+        elif altered:
+            fp8, reason = False, f"has {altered}, which fp8's Float8Linear would not carry over"
         elif matched is not None:
             fp8, reason = False, f"matches precision.fp8_filter {matched!r}"
         elif name in ends:
@@ -91,9 +96,31 @@ def plan_fp8(model: nn.Module, recipe: str, skip: tuple[str, ...] | None, min_si
     return verdicts
 
 
+def _alterations(module: nn.Linear) -> str:
+    """What a Linear holds beyond its weight and bias (extra params or buffers, submodules, hooks, a
+    parametrized weight), in words; empty when it is a plain one that converts without loss."""
+    found = []
+    extra = [name for name, _ in module.named_parameters(recurse=False) if name not in ("weight", "bias")]
+    extra += [name for name, _ in module.named_buffers(recurse=False)]
+    if extra or type(module.weight) is not nn.Parameter:
+        found.append(f"own tensors ({', '.join(extra) or 'a parametrized weight'})")
+    if any(True for _ in module.children()):
+        found.append("submodules")
+    hooks = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
+             "_load_state_dict_pre_hooks", "_state_dict_pre_hooks", "_load_state_dict_post_hooks")  # fmt: skip
+    if any(getattr(module, name, None) for name in hooks):
+        found.append("hooks")
+    return " and ".join(found)
+
+
 def native_fp8(device: torch.device) -> bool:
-    """Whether ``device`` has fp8 matmul hardware (CUDA compute capability 8.9+: Ada, Hopper, Blackwell)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    """Whether ``device`` has fp8 matmul hardware: NVIDIA compute capability 8.9+ (Ada, Hopper,
+    Blackwell), AMD MI300 and later (gfx94x, gfx95x)."""
+    if device.type != "cuda":
+        return False
+    if torch.version.hip:
+        return torch.cuda.get_device_properties(device).gcnArchName.startswith(("gfx94", "gfx95"))
+    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def float8_config(recipe: str, device: torch.device) -> Any:
@@ -102,6 +129,8 @@ def float8_config(recipe: str, device: torch.device) -> Any:
     if recipe not in FP8_RECIPES:
         raise ConfigError(f"fp8_recipe={recipe!r} is not valid; valid: {', '.join(FP8_RECIPES)}")
     config = torchao_float8().Float8LinearConfig.from_recipe_name(recipe)
+    if device.type == "cuda":  # GPU fp8 matmuls need every inner dim a multiple of 16, the tokens of a batch too
+        config = replace(config, pad_inner_dim=True)
     return replace(config, emulate=True) if device.type == "cuda" and not native_fp8(device) else config
 
 
@@ -110,8 +139,10 @@ def convert_to_fp8(model: nn.Module, verdicts: list[LinearVerdict], config: Any)
     float8 = torchao_float8()
     swapped = 0
     for verdict in verdicts:
-        module = model.get_submodule(verdict.name) if verdict.name != "(the model)" else model
-        if not verdict.fp8 or isinstance(module, float8.float8_linear.Float8Linear) or module is model:
+        if not verdict.fp8:
+            continue
+        module = model.get_submodule(verdict.name)
+        if isinstance(module, float8.float8_linear.Float8Linear):
             continue
         parent_name, _, child = verdict.name.rpartition(".")
         converted = float8.float8_linear.Float8Linear.from_float(module, config=config)
@@ -119,6 +150,13 @@ def convert_to_fp8(model: nn.Module, verdicts: list[LinearVerdict], config: Any)
         setattr(model.get_submodule(parent_name), child, converted)
         swapped += 1
     return swapped
+
+
+def fp8_layer_in(model: nn.Module) -> str | None:
+    """The name of a layer an O6 set-up made fp8 in ``model`` (torchao's Float8Linear), or None:
+    found without importing torchao."""
+    found = (name for name, m in model.named_modules() if type(m).__name__ == "Float8Linear" and type(m).__module__.startswith("torchao"))
+    return next(found, None)
 
 
 def verdict_table(verdicts: list[LinearVerdict]) -> str:

@@ -27,7 +27,7 @@ from ampddp.precision.casting import convert_model, device_types
 from ampddp.precision.compile_support import run_eagerly_as_own_frame
 from ampddp.precision.diagnostics import overflow_origin
 from ampddp.precision.engine import PrecisionEngine, check_loss, check_models_and_optimizers, policy_compute_dtype
-from ampddp.precision.fp8 import LinearVerdict, convert_to_fp8, float8_config, plan_fp8, report_plan
+from ampddp.precision.fp8 import LinearVerdict, convert_to_fp8, float8_config, plan_fp8, report_plan, torchao_float8
 from ampddp.precision.master import GradPhase, OptimizerGrads
 from ampddp.precision.master_sync import active_ddp_group, reconcile_masters
 from ampddp.precision.model_hooks import ForwardHooks, install_fp32_state_hooks
@@ -71,6 +71,8 @@ class OptLevelEngine(PrecisionEngine):
         self._forward_hooks: ForwardHooks | None = None
         self._param_names: dict[int, str] = {}
         self._pending: _PendingStep | None = None
+        if policy.enabled and policy.fp8_recipe is not None:
+            torchao_float8()  # missing: refused now, in one line, before any model or run dir is made
         self._fp8_models: list[nn.Module] = []
         self.fp8_verdicts: list[LinearVerdict] = []
         """O6: every linear layer of the set-up models, whether it runs in fp8 and why not."""
@@ -96,7 +98,7 @@ class OptLevelEngine(PrecisionEngine):
             report_plan(verdicts, policy.fp8_recipe, device)
 
     def setup(self, models: list[nn.Module], optimizers: list[Optimizer]) -> tuple[list[nn.Module], list[Optimizer]]:
-        check_models_and_optimizers(models, optimizers, self._allow_low_precision_models)
+        check_models_and_optimizers(models, optimizers, self._allow_low_precision_models, fp8=self.policy.fp8_recipe is not None)
         self.teardown()
         policy = self.policy
         casts_model = policy.enabled and policy.cast_model_type not in (None, torch.float32)

@@ -53,14 +53,14 @@ class PrecisionPolicy:
     verbosity: int = 1
     enabled: bool = True
     sharded_param_dtype: torch.dtype | None = None
+    """Under FSDP2 (O2/O5, see :meth:`for_sharded_params`): the dtype FSDP2 gives the params for
+    compute; the fp32 shards the optimizer steps are the master weights."""
     fp8_recipe: str | None = None
     """O6: torchao's fp8 scaling recipe for the eligible linear layers (None: no fp8)."""
     fp8_filter: tuple[str, ...] | None = None
     """O6: name patterns of linear layers kept out of fp8; None: the first and the last one."""
     fp8_min_size: int | None = None
     """O6: the smallest dim a linear layer runs in fp8 with; None: where fp8 paid off on an H100."""
-    """Under FSDP2 (O2/O5, see :meth:`for_sharded_params`): the dtype FSDP2 gives the params for
-    compute; the fp32 shards the optimizer steps are the master weights."""
 
     @property
     def dynamic_loss_scale(self) -> bool:
@@ -282,7 +282,9 @@ def resolve_policy(opt_level: str = "O1", **overrides: Any) -> PrecisionPolicy:
         _check_op_casting_level(level, given)
     fp8 = [key for key in FP8_SETTINGS if key in given]
     if fp8 and level != "O6":
-        raise ConfigError(f"{fp8[0]} applies to opt level O6 (fp8 matmuls), not to {level}; use O6 or remove it")
+        raise ConfigError(
+            f"{', '.join(fp8)} {'applies' if len(fp8) == 1 else 'apply'} to opt level O6 (fp8 matmuls), not to {level}; use O6 or remove it"
+        )
     policy = dataclasses.replace(OPT_LEVELS[level], **given)
     _check_scale_bounds(policy)
     return policy

@@ -19,8 +19,10 @@ import torch
 
 from ampddp.errors import ConfigError
 
-STATE_VERSION = 1
-"""Written as ``version`` by ``PrecisionState.to_dict``; states without one (before versioning) read as version 1."""
+STATE_VERSION = 2
+"""The newest ``version`` ``PrecisionState.to_dict`` writes and this ampddp reads: 2 for a state with
+fp8 layers (O6), so that an older ampddp says it was written by a newer one; 1 otherwise (states
+without a version, from before versioning, read as 1)."""
 APEX_KEYS = ("loss_scale", "unskipped")
 GRAD_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 _COUNTERS = ("skipped_steps", "consecutive_skips", "hysteresis_left")
@@ -123,8 +125,8 @@ class PrecisionState:
     fp8_layers: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        """The checkpoint form (``PrecisionEngine.state_dict``), tagged with ``STATE_VERSION``."""
-        out: dict[str, Any] = {"version": STATE_VERSION, "mode": self.mode}
+        """The checkpoint form (``PrecisionEngine.state_dict``), tagged with its version (``STATE_VERSION``)."""
+        out: dict[str, Any] = {"version": STATE_VERSION if self.fp8_layers else 1, "mode": self.mode}
         if self.impl is not None:
             out["impl"] = self.impl
         if self.policy is not None:

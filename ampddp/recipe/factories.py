@@ -37,6 +37,7 @@ from ampddp.paths import expand_path
 from ampddp.precision.choice import Precision
 from ampddp.precision.engine import NATIVE_MODES
 from ampddp.precision.native import NATIVE_SETTINGS
+from ampddp.precision.policy import FP8_SETTINGS
 from ampddp.precision.registry import FP32, LOW, PROMOTE, OpRegistry
 from ampddp.recipe.schedule import LRSchedule, lr_scheduler
 from ampddp.training.checkpoint_settings import CheckpointSettings
@@ -57,6 +58,11 @@ def precision_overrides(config: RunConfig) -> dict[str, Any]:
     values = dataclasses.asdict(config.precision)
     set_keys = {k: v for k, v in values.items() if k not in ("mode", "impl", "fp32_islands", *REGISTRATION_KEYS) and v is not None}
     if config.precision.mode in NATIVE_MODES:
+        fp8 = [f"precision.{key}" for key in set_keys if key in FP8_SETTINGS]
+        if fp8:
+            mode = config.precision.mode
+            verb = "applies" if len(fp8) == 1 else "apply"
+            raise ConfigError(f"{', '.join(fp8)} {verb} to opt level O6 (fp8 matmuls), not to {mode}; use O6 or remove it")
         for key in set_keys:
             if key not in NATIVE_KEYS:
                 raise ConfigError(

@@ -226,7 +226,7 @@ def fp8_worker(env) -> dict[str, tuple[list[float], tuple[str, ...]]]:
 
 @pytest.mark.skipif(not HAS_TORCHAO, reason=NO_TORCHAO)
 def test_o6_shards_its_fp8_layers_and_follows_ddp():
-    # The linear layers become fp8 before FSDP2 shards them (no fp8 all-gather: bf16 gathers).
+    # The linear layers become fp8 before FSDP2 shards them (no fp8 all-gather: the fp32 weights are gathered).
     runs = launch_local(fp8_worker, 2, device="cpu", timeout_s=300)[0]
     (ddp, ddp_layers), (fsdp2, fsdp2_layers) = runs["ddp"], runs["fsdp2"]
     assert len(fsdp2_layers) == 9 and fsdp2_layers == ddp_layers, fsdp2_layers

@@ -59,6 +59,8 @@ def test_resnet_recipes_differ_only_in_precision():
     ("overrides", "message"),
     [
         (["precision.mode=O7"], "precision.mode='O7' is not valid (did you mean 'O6'?); valid choices: O0, O1"),
+        (["precision.mode=native-bf16", "precision.fp8_recipe=tensorwise"], "precision.fp8_recipe applies to opt level O6 (fp8 matmuls)"),
+        (["precision.mode=O4", "precision.fp8_min_size=64"], "fp8_min_size applies to opt level O6 (fp8 matmuls), not to O4"),
         (["precision.keep_bn_fp32=true"], "unknown key precision.keep_bn_fp32 (did you mean 'keep_batchnorm_fp32'?)"),
         (["trainer.max_epoch=3"], "did you mean 'max_epochs'"),
         (["trainr.max_epochs=3"], "unknown section 'trainr' (did you mean 'trainer'?)"),

@@ -15,7 +15,7 @@ from resume_helpers import O6_SMALL_MODEL, final_state, make_trainer
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ampddp import ConfigError, Precision
+from ampddp import AmpUsageError, ConfigError, Precision
 from ampddp.amp import Amp
 from ampddp.checkpoint.inspect import summarize
 from ampddp.models import GPT
@@ -61,9 +61,33 @@ def test_the_plan_says_which_linear_layers_run_in_fp8_and_why_the_others_do_not(
     assert reasons(big, min_size=None)["1"] == "fp8"  # torchao's H100 sizes: large enough for rowwise
 
 
+def test_layers_fp8_would_change_are_left_alone_and_say_why():
+    altered = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64))
+    altered[1].register_parameter("lora_a", nn.Parameter(torch.zeros(4, 64)))
+    altered[2].register_forward_hook(lambda module, args, output: None)
+    altered[3] = nn.utils.parametrizations.weight_norm(altered[3])
+    plan = reasons(altered, skip=())
+    assert plan["1"] == "has own tensors (lora_a), which fp8's Float8Linear would not carry over"
+    assert plan["2"] == "has hooks, which fp8's Float8Linear would not carry over"
+    assert plan["3"].startswith("a ParametrizedLinear") and plan["4"] == plan["0"] == "fp8"
+    assert reasons(nn.Linear(64, 64), skip=()) == {
+        "(the model)": "the model itself (a conversion replaces a layer inside a model: wrap it, e.g. in nn.Sequential)"
+    }
+
+
+def test_only_o6_runs_a_model_an_o6_set_up_converted():
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    Precision("O6", overrides=O6_SMALL_MODEL).build_engine().setup([model], [torch.optim.SGD(model.parameters(), lr=0.1)])
+    for mode in ("O4", "native-bf16"):
+        with pytest.raises(AmpUsageError, match=r"models\[0\] layer '0' runs in fp8 \(torchao's Float8Linear, from an O6 set-up\)"):
+            Precision(mode).build_engine().setup([model], [torch.optim.SGD(model.parameters(), lr=0.1)])
+    with pytest.raises(ConfigError, match=r"NVIDIA apex's amp has no O6; use impl builtin"):
+        Precision("O6", impl="apex").build_engine()
+
+
 def test_fp8_settings_are_o6_only_and_checked():
-    with pytest.raises(ConfigError, match=r"fp8_recipe applies to opt level O6 \(fp8 matmuls\), not to O4"):
-        Precision("O4", overrides={"fp8_recipe": "rowwise"}).build_engine()
+    with pytest.raises(ConfigError, match=r"fp8_recipe, fp8_min_size apply to opt level O6 \(fp8 matmuls\), not to O4"):
+        Precision("O4", overrides={"fp8_recipe": "rowwise", "fp8_min_size": 16}).build_engine()
     with pytest.raises(ConfigError, match=r"fp8_recipe='rowwize' is not valid \(did you mean 'rowwise'\?\); valid: rowwise, tensorwise"):
         Precision("O6", overrides={"fp8_recipe": "rowwize"}).build_engine()
     with pytest.raises(ConfigError, match=r"fp8_filter='head' is not valid; give a list of layer name patterns"):
@@ -79,10 +103,8 @@ def test_without_torchao_o6_is_one_line_naming_the_extra(monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_torchao)
-    model = nn.Sequential(nn.Linear(16, 16))
-    engine = Precision("O6").build_engine()
     with pytest.raises(ConfigError, match=r"opt level O6 runs its matmuls in fp8 through torchao, which is not installed .*ampddp\[fp8\]"):
-        engine.setup([model], [torch.optim.SGD(model.parameters(), lr=0.1)])
+        Precision("O6").build_engine()  # at once: a recipe check refuses it before any work
 
 
 def tiny_gpt() -> GPT:

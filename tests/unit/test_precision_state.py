@@ -52,7 +52,7 @@ def test_every_mode_round_trips_through_dict_and_into_a_fresh_engine(mode):
     state = engine.precision_state()
     assert state.mode == mode and state.impl == "builtin"
     saved = state.to_dict()
-    assert saved["version"] == STATE_VERSION and saved == engine.state_dict()
+    assert saved["version"] == (STATE_VERSION if saved.get("fp8_layers") else 1) and saved == engine.state_dict()  # 2: O6's fp8 layers
     assert PrecisionState.from_dict(saved) == state
     target = fresh(mode)
     target.load_precision_state(state)
