@@ -133,13 +133,30 @@ class Float8Matmuls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class ScaledMatmulsInGraphs:
+    """A torch.compile backend (AOT autograd, run eagerly) counting torch's fp8 matmuls (``_scaled_mm``)
+    in the forward and backward graphs it is given."""
+
+    def __init__(self) -> None:
+        from torch._dynamo.backends.common import aot_autograd
+
+        self.count = 0
+        self.backend = aot_autograd(fw_compiler=self._counted, bw_compiler=self._counted)
+
+    def _counted(self, graph: torch.fx.GraphModule, example_inputs):
+        self.count += sum(node.target is torch.ops.aten._scaled_mm.default for node in graph.graph.nodes)
+        return graph.forward
+
+
 def gpt_losses(mode: str, overrides: dict | None = None, steps: int = 50, compile: bool = False) -> tuple[list[float], int]:
-    """Losses of ``steps`` AdamW steps of a small GPT, and how many matmuls of the first forward ran in fp8."""
+    """Losses of ``steps`` AdamW steps of a small GPT, and how many matmuls ran in fp8: in the first
+    forward, or (``compile``) in the compiled graphs."""
     model = tiny_gpt()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     engine = Precision(mode, overrides=overrides or {}).build_engine()
     engine.setup([model], [optimizer])
-    forward = torch.compile(model, backend="aot_eager") if compile else model
+    graphs = ScaledMatmulsInGraphs()
+    forward = torch.compile(model, backend=graphs.backend) if compile else model
     losses, seen = [], Float8Matmuls()
     for index, batch in enumerate(gpt_batches(steps)):
         with seen if index == 0 and not compile else contextlib.nullcontext(), engine.forward_context():
@@ -149,7 +166,7 @@ def gpt_losses(mode: str, overrides: dict | None = None, steps: int = 50, compil
         engine.zero_grad(optimizer)
         losses.append(loss.item())
     engine.teardown()
-    return losses, seen.count
+    return losses, graphs.count if compile else seen.count
 
 
 def largest_gap(a: list[float], b: list[float]) -> float:
@@ -167,10 +184,11 @@ def test_o6_runs_the_eligible_matmuls_in_fp8_and_follows_o4():
         assert losses[-1] < losses[0] - 2.0
 
 
-def test_o6_compiles_and_trains_as_eager():
+def test_o6_compiles_with_its_fp8_matmuls_in_the_graphs_and_trains_as_eager():
     eager, _ = gpt_losses("O6", O6_SMALL_MODEL, steps=3)
-    compiled, _ = gpt_losses("O6", O6_SMALL_MODEL, steps=3, compile=True)
+    compiled, fp8 = gpt_losses("O6", O6_SMALL_MODEL, steps=3, compile=True)
     assert compiled == pytest.approx(eager, rel=1e-3)
+    assert fp8 == 3 * 9, f"{fp8} fp8 matmuls in the graphs: 9 layers, each 1 forward + 2 backward"
 
 
 def test_o6_checkpoints_move_to_o4_and_back_and_load_without_torchao(tmp_path, caplog):
