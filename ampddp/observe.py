@@ -91,15 +91,18 @@ class RunObserver:
     ``run_dir`` None: progress on the console only. ``scales_loss`` False: the loss scale and skipped
     steps (always 1 and 0) are left out of the console and the loggers; metrics.jsonl keeps them.
     ``fp8_layers``: O6's verdict on each linear layer, recorded where the run starts.
+    ``precision``: the precision mode, in the start record (a run resumed in another mode, O6 -> O4
+    say, tells from which step its records are that mode's).
     """
 
     def __init__(self, run_dir: str | Path | None, env: DistEnv, *, progress: str = "auto", loggers: Sequence[MetricLogger] = (),
                  total_steps: int | None = None, config: Mapping[str, Any] | None = None,
                  tracked_runs: TrackedRuns | None = None, scales_loss: bool = True, plots: bool = True,
-                 fp8_layers: Sequence[Mapping[str, Any]] = ()) -> None:  # fmt: skip
+                 fp8_layers: Sequence[Mapping[str, Any]] = (), precision: str | None = None) -> None:  # fmt: skip
         self.run_dir = None if run_dir is None else Path(run_dir)
         self.env = env
         self.fp8_layers = [dict(layer) for layer in fp8_layers]
+        self.precision = precision
         self.active = env.is_main
         self.start = time.perf_counter()
         self._last_time, self._last_samples = self.start, 0
@@ -211,7 +214,7 @@ class RunObserver:
         self._last_time, self._last_samples = time.perf_counter(), samples_seen
         self._rate_steps = (self._last_time, step)
         if self.active:
-            self._write({"kind": "start", "step": step, "epoch": epoch})
+            self._write({"kind": "start", "step": step, "epoch": epoch, **({"precision": self.precision} if self.precision else {})})
             if self.fp8_layers:
                 in_fp8 = sum(bool(layer["fp8"]) for layer in self.fp8_layers)
                 self._write({"kind": "fp8_layers", "step": step, "in_fp8": in_fp8, "layers": self.fp8_layers})

@@ -152,6 +152,7 @@ class Trainer(TrainingLoop):
             checkpoints.run_dir, env, progress=report.progress, loggers=report.loggers, plots=report.plots,
             total_steps=loop.max_steps or loop.max_epochs * epoch_steps, config=checkpoints.config,
             tracked_runs=state.tracked_runs, scales_loss=state.engine.scales_loss, fp8_layers=state.engine.fp8_plan(),
+            precision=state.engine.mode,
         )  # fmt: skip
         return [ObserverCallback(observer, epoch_samples=samples)]
 

@@ -14,6 +14,14 @@ HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
 NO_TORCHAO = "opt level O6 needs torchao (pip install 'ampddp[fp8]'), not installed here"
 RUNNABLE_MODES = tuple(mode for mode in PRECISION_MODES if mode != "O6" or HAS_TORCHAO)
 """Every precision mode, less O6 where torchao is missing (tests looping over modes use this)."""
+O6_SMALL_MODEL = {"fp8_filter": [], "fp8_min_size": 16}
+"""O6's settings for the small models of the tests: every linear layer with dims of 16 or more in fp8
+(O6's defaults keep layers this small, and the first and last, in bf16: the run would be O4's)."""
+
+
+def small_model_settings(mode: str) -> dict[str, object]:
+    """The settings a mode-wide test gives ``mode`` on its small models: O6's that convert their layers."""
+    return dict(O6_SMALL_MODEL) if mode == "O6" else {}
 
 
 def make_mlp(seed: int = 0, width: int = 32, batchnorm: bool = True) -> nn.Module:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from helpers import O6_SMALL_MODEL
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -36,8 +37,6 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 4))
 
 
-O6_SMALL_MODEL = {"fp8_filter": [], "fp8_min_size": 16}
-"""O6's settings for the small models of the tests: every linear layer with dims of 16 or more in fp8."""
 CHECKPOINT_FIELDS = ("keep_last", "resume", "init_from", "config", "layout")
 
 

@@ -34,6 +34,7 @@ from ampddp.checkpoint import keys
 from ampddp.checkpoint.manifest import FileDigest, Manifest, hash_open_file, read_manifest, verify_file
 from ampddp.distributed.data import gather_objects
 from ampddp.distributed.env import DistEnv
+from ampddp.distributed.full_state import plain_tensor
 from ampddp.errors import CheckpointError, CheckpointWriteError
 from ampddp.precision.dtypes import dtype_name
 
@@ -52,13 +53,13 @@ def split_state(
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
     """(the tensors each rank writes, keyed ``model/<name>`` and ``optimizer/<index>/<entry>``; the
     optimizer state without them; the record of each tensor's shape and dtype for the shared file)."""
-    tensors: dict[str, torch.Tensor] = {f"{MODEL_PREFIX}{name}": value for name, value in model_state.items()}
+    tensors: dict[str, torch.Tensor] = {f"{MODEL_PREFIX}{name}": plain_tensor(value) for name, value in model_state.items()}
     rest: dict[int, dict[str, Any]] = {}
     for index, entries in optimizer_state["state"].items():
         rest[index] = {}
         for entry, value in entries.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"{OPTIMIZER_PREFIX}{index}/{entry}"] = value
+                tensors[f"{OPTIMIZER_PREFIX}{index}/{entry}"] = plain_tensor(value)
             elif _holds_tensors(value):  # rank 0's copy alone would be saved: wrong for per-rank (sharded) values
                 raise CheckpointError(
                     f"optimizer state {index}/{entry} holds tensors inside a {type(value).__name__}; the sharded layout saves "
@@ -348,7 +349,7 @@ def read_into_live(
             index = int(name.removeprefix(OPTIMIZER_PREFIX).split("/", 1)[0])
             like = params[index] if index < len(params) else None
         if isinstance(like, torch.Tensor) and like.shape == shape:
-            templates[name] = torch.empty_like(like, dtype=dtype)
+            templates[name] = torch.empty_like(plain_tensor(like), dtype=dtype)
         else:
             templates[name] = _allocated(lambda shape=shape, dtype=dtype: {"": torch.empty(shape, dtype=dtype)}, where)[""]
     _load(reader, templates, folder, no_dist=not env.distributed)

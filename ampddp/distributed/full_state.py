@@ -14,6 +14,25 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+
+def plain_tensor(value: torch.Tensor) -> torch.Tensor:
+    """``value`` without a tensor subclass that only wraps one tensor of its shape and dtype (torchao's
+    fp8-all-gather weights and the optimizer state made like them), a DTensor's local shard included:
+    a checkpoint holds plain tensors, loadable with ``weights_only`` and without the library."""
+    if isinstance(value, DTensor):
+        local = value.to_local()
+        inner = plain_tensor(local)
+        if inner is local:
+            return value
+        return DTensor.from_local(inner, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride())
+    if is_traceable_wrapper_subclass(value):
+        names, _ = value.__tensor_flatten__()
+        inner = getattr(value, names[0]) if len(names) == 1 else None
+        if isinstance(inner, torch.Tensor) and inner.shape == value.shape and inner.dtype == value.dtype:
+            return plain_tensor(inner)
+    return value
 
 
 def gathered(state: Any, keep: bool = True) -> Any:
@@ -22,7 +41,7 @@ def gathered(state: Any, keep: bool = True) -> Any:
     (a module's state keeps its ``_metadata``). ``keep=False``: this rank takes part in each gather
     but keeps no copy (None in its place): only the rank that writes a checkpoint needs one."""
     if isinstance(state, DTensor):
-        whole = state.full_tensor()
+        whole = plain_tensor(state).full_tensor()
         return whole.cpu() if keep else None
     if isinstance(state, dict):
         values = {key: gathered(value, keep) for key, value in state.items()}

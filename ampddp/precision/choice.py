@@ -69,7 +69,8 @@ class Precision:
     def build_sharded_engine(self) -> PrecisionEngine:
         """A fresh engine for a model FSDP2 shards: O2/O5 keep fp32 sharded params (the masters) that
         FSDP2 hands to the forward in fp16/bf16, with apex's fp32 islands unless ``fp32_islands`` is
-        False; every other mode is its single-process self (O3's params are fp16 shards)."""
+        False; O6 with tensorwise scaling all-gathers its fp8 weights in fp8; every other mode is its
+        single-process self (O3's params are fp16 shards)."""
         if self.impl != "builtin":
             raise ConfigError(
                 f"precision impl={self.impl} cannot shard: NVIDIA apex's amp predates FSDP2; use impl builtin with strategy fsdp2"
@@ -79,7 +80,7 @@ class Precision:
                 f"fp32_islands={self.fp32_islands} applies to {' and '.join(SHARDED_MASTER_MODES)} under fsdp2, not to {self.mode} "
                 "(O1/O4 and the native modes always run their fp32 ops in fp32; O3 is pure fp16): remove it"
             )
-        if self.mode not in SHARDED_MASTER_MODES:
+        if self.mode not in (*SHARDED_MASTER_MODES, "O6"):
             return build_engine(self.mode, impl=self.impl, registry=self.registry, **self.overrides)
         policy = resolve_policy(self.mode, **self.overrides)
         if policy.keep_batchnorm_fp32 is False:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from ampddp.choices import FP8_RECIPES
 from ampddp.errors import ConfigError
@@ -59,12 +60,14 @@ def _pays_off(recipe: str, out_features: int, in_features: int) -> bool:
 def plan_fp8(model: nn.Module, recipe: str, skip: tuple[str, ...] | None, min_size: int | None) -> list[LinearVerdict]:
     """Every ``nn.Linear`` of ``model`` with its verdict, in module order.
 
-    ``skip`` (precision.fp8_filter): name patterns (``fnmatch``, e.g. ``head`` or ``blocks.*.mlp.*``) of layers kept in bf16;
-    None keeps the first and the last linear layer (the input projection and the output head, whose
-    precision matters most). ``min_size``: both dims at least this; None: the sizes where fp8 paid
-    off for ``recipe`` on an H100. Dims must be multiples of 16 (fp8 matmul kernels need them).
+    Layers are named inside the wrappers (:func:`unwrapped`). ``skip`` (precision.fp8_filter): name
+    patterns (``fnmatch``, e.g. ``head`` or ``blocks.*.mlp.*``) of layers kept in bf16; None keeps
+    the first and the last linear layer (the input projection and the output head, whose precision
+    matters most). ``min_size``: both dims at least this; None: the sizes where fp8 paid off for
+    ``recipe`` on an H100. Dims must be multiples of 16 (fp8 matmul kernels need them).
     """
     float8 = torchao_float8()
+    model = unwrapped(model)
     linears = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     ends = {linears[0][0], linears[-1][0]} if skip is None and linears else set()
     verdicts = []
@@ -96,6 +99,18 @@ def plan_fp8(model: nn.Module, recipe: str, skip: tuple[str, ...] | None, min_si
     return verdicts
 
 
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The model inside DDP, DataParallel and ``torch.compile``'s wrappers: its layers named as the
+    user wrote them (``blocks.0.mlp``, not ``module._orig_mod.blocks.0.mlp``), so filters match."""
+    while True:
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
 def _alterations(module: nn.Linear) -> str:
     """What a Linear holds beyond its weight and bias (extra params or buffers, submodules, hooks, a
     parametrized weight), in words; empty when it is a plain one that converts without loss."""
@@ -123,12 +138,17 @@ def native_fp8(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def float8_config(recipe: str, device: torch.device) -> Any:
+def float8_config(recipe: str, device: torch.device, all_gather: bool = False) -> Any:
     """torchao's configuration for ``recipe``; emulated on a GPU without fp8 matmuls (torch's own CPU
-    fp8 matmul serves the CPU)."""
+    fp8 matmul serves the CPU). ``all_gather``: FSDP2 will shard the layers and gather their weights
+    in fp8 (tensorwise only; under DDP such weights would not train)."""
     if recipe not in FP8_RECIPES:
         raise ConfigError(f"fp8_recipe={recipe!r} is not valid; valid: {', '.join(FP8_RECIPES)}")
+    if all_gather and recipe != "tensorwise":
+        raise ConfigError(f"fp8 all-gather needs one scale per tensor: fp8_recipe tensorwise, not {recipe}")
     config = torchao_float8().Float8LinearConfig.from_recipe_name(recipe)
+    if all_gather:
+        config = replace(config, enable_fsdp_float8_all_gather=True)
     if device.type == "cuda":  # GPU fp8 matmuls need every inner dim a multiple of 16, the tokens of a batch too
         config = replace(config, pad_inner_dim=True)
     return replace(config, emulate=True) if device.type == "cuda" and not native_fp8(device) else config
@@ -137,6 +157,7 @@ def float8_config(recipe: str, device: torch.device) -> Any:
 def convert_to_fp8(model: nn.Module, verdicts: list[LinearVerdict], config: Any) -> int:
     """Swap the linear layers ``verdicts`` marks fp8 for ``Float8Linear`` in place; returns how many were swapped."""
     float8 = torchao_float8()
+    model = unwrapped(model)
     swapped = 0
     for verdict in verdicts:
         if not verdict.fp8:
@@ -152,10 +173,63 @@ def convert_to_fp8(model: nn.Module, verdicts: list[LinearVerdict], config: Any)
     return swapped
 
 
+class EagerFp8Warning:
+    """Warns once when an fp8 layer on a GPU runs outside ``torch.compile``: torchao's casts then run
+    as separate kernels and the step is slower than bf16. The check sits in the layers' forward, so
+    it holds however the model is compiled (the Trainer's ``compile``, ``torch.compile(model)``,
+    per-block under FSDP2) or not; traced inside a compiled graph it is nothing."""
+
+    def __init__(self, devices: tuple[str, ...] = ("cuda",)) -> None:
+        self.devices = devices
+        self._handles: list[RemovableHandle] = []
+
+    def install(self, model: nn.Module) -> list[RemovableHandle]:
+        """Watch the fp8 layers of ``model`` on ``devices``; the handles remove the watch."""
+        layers = [m for m in unwrapped(model).modules() if _is_float8(m) and m.weight.device.type in self.devices]
+        self._handles = [layer.register_forward_pre_hook(self._check) for layer in layers]
+        return list(self._handles)
+
+    def _check(self, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        for handle in self._handles:
+            handle.remove()
+        logger.warning(
+            "O6: fp8 layers run without torch.compile on the GPU: torchao's fp8 casts then run as separate kernels and the step "
+            "is slower than bf16; compile the model for fp8's speed (trainer.compile: true, Trainer(compile=True), torch.compile)"
+        )
+
+
+def _is_float8(module: nn.Module) -> bool:
+    """torchao's Float8Linear, told without importing torchao."""
+    return type(module).__name__ == "Float8Linear" and type(module).__module__.startswith("torchao")
+
+
+def refresh_fp8_scales(model: nn.Module) -> None:
+    """The scales of the fp8 weights FSDP2 gathers in fp8, taken from the current weights in one
+    all-reduce for the whole model (instead of one per layer inside each gather): registered to
+    run before every forward of the root, so a scale never outlives the weights it was taken from
+    (an optimizer step, a checkpoint load, a user's edit)."""
+    torchao_float8().precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def gathers_fp8(model: nn.Module) -> bool:
+    """Whether FSDP2 gathers some of ``model``'s weights in fp8 (tensorwise fp8 layers it shards)."""
+    from torch.distributed.tensor import DTensor
+
+    float8 = torchao_float8()
+    return any(
+        isinstance(m, float8.float8_linear.Float8Linear)
+        and isinstance(m.weight, DTensor)
+        and isinstance(m.weight.to_local(), float8.fsdp_utils.WeightWithDynamicFloat8CastTensor)
+        for m in model.modules()
+    )
+
+
 def fp8_layer_in(model: nn.Module) -> str | None:
     """The name of a layer an O6 set-up made fp8 in ``model`` (torchao's Float8Linear), or None:
     found without importing torchao."""
-    found = (name for name, m in model.named_modules() if type(m).__name__ == "Float8Linear" and type(m).__module__.startswith("torchao"))
+    found = (name for name, m in model.named_modules() if _is_float8(m))
     return next(found, None)
 
 

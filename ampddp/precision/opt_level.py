@@ -9,6 +9,7 @@ never patched.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -27,7 +28,17 @@ from ampddp.precision.casting import convert_model, device_types
 from ampddp.precision.compile_support import run_eagerly_as_own_frame
 from ampddp.precision.diagnostics import overflow_origin
 from ampddp.precision.engine import PrecisionEngine, check_loss, check_models_and_optimizers, policy_compute_dtype
-from ampddp.precision.fp8 import LinearVerdict, convert_to_fp8, float8_config, plan_fp8, report_plan, torchao_float8
+from ampddp.precision.fp8 import (
+    EagerFp8Warning,
+    LinearVerdict,
+    convert_to_fp8,
+    float8_config,
+    gathers_fp8,
+    plan_fp8,
+    refresh_fp8_scales,
+    report_plan,
+    torchao_float8,
+)
 from ampddp.precision.master import GradPhase, OptimizerGrads
 from ampddp.precision.master_sync import active_ddp_group, reconcile_masters
 from ampddp.precision.model_hooks import ForwardHooks, install_fp32_state_hooks
@@ -84,14 +95,16 @@ class OptLevelEngine(PrecisionEngine):
             self._allow_low_precision_models = True
         self._convert_fp8(model)
 
-    def _convert_fp8(self, model: nn.Module) -> None:
-        """O6: the eligible linear layers to fp8, once per model, the verdicts logged and kept."""
+    def _convert_fp8(self, model: nn.Module, prefix: str = "") -> None:
+        """O6: the eligible linear layers to fp8, once per model, the verdicts logged and kept (the
+        layers named with ``prefix``: ``models[i].`` when a set-up has several)."""
         policy = self.policy
         if not (policy.enabled and policy.fp8_recipe is not None) or any(model is seen for seen in self._fp8_models):
             return
         device = next((param.device for param in model.parameters()), torch.device("cpu"))
         verdicts = plan_fp8(model, policy.fp8_recipe, policy.fp8_filter, policy.fp8_min_size)
-        convert_to_fp8(model, verdicts, float8_config(policy.fp8_recipe, device))
+        convert_to_fp8(model, verdicts, float8_config(policy.fp8_recipe, device, policy.fp8_all_gather))
+        verdicts = [dataclasses.replace(verdict, name=prefix + verdict.name) for verdict in verdicts] if prefix else verdicts
         self._fp8_models.append(model)
         self.fp8_verdicts.extend(verdicts)
         if policy.verbosity > 0:
@@ -105,10 +118,10 @@ class OptLevelEngine(PrecisionEngine):
         fp32_data: dict[int, torch.Tensor] = {}
         if casts_model and policy.uses_master_weights:
             fp32_data = {id(p): p.data for opt in optimizers for group in opt.param_groups for p in group["params"]}
-        for model in models:
+        for index, model in enumerate(models):
             if casts_model:
                 convert_model(model, policy.cast_model_type, bool(policy.keep_batchnorm_fp32))
-            self._convert_fp8(model)
+            self._convert_fp8(model, f"models[{index}]." if len(models) > 1 else "")
         self._param_names = {id(p): f"models[{i}].{name}" for i, model in enumerate(models) for name, p in model.named_parameters()}
         self._records = {}
         for optimizer in optimizers:
@@ -124,6 +137,7 @@ class OptLevelEngine(PrecisionEngine):
         self._forward_hooks = ForwardHooks(self._cast_context, input_dtype, output_dtype)
         for model in models:
             self._handles += self._forward_hooks.install(model)
+            self._handles += self._fp8_hooks(model)
             if casts_model:
                 self._handles += install_fp32_state_hooks(model, self._master_of)
         if casts_model and policy.uses_master_weights:
@@ -136,6 +150,14 @@ class OptLevelEngine(PrecisionEngine):
             logger.info("precision %s", policy.summary())
             logger.debug("precision %s settings: %s", policy.opt_level, policy.describe())
         return models, optimizers
+
+    def _fp8_hooks(self, model: nn.Module) -> list[RemovableHandle]:
+        """O6's forward hooks: the warning for fp8 outside torch.compile on a GPU; under FSDP2's fp8
+        all-gather, the weights' scales taken before the forward (first, before FSDP2's own hook gathers the root)."""
+        handles = EagerFp8Warning().install(model)
+        if self.policy.fp8_all_gather and gathers_fp8(model):
+            handles.append(model.register_forward_pre_hook(lambda module, args: refresh_fp8_scales(module), prepend=True))
+        return handles
 
     def add_optimizer(self, optimizer: Optimizer, fp32_data: dict[int, torch.Tensor] | None = None) -> None:
         """Track an optimizer (masters, skip hooks); ``setup`` calls it, the legacy ``amp.init`` handle

@@ -44,11 +44,6 @@ class RunSetup:
         model = self.device.convert(model)
         run = prepare(model, make_optimizer, env, precision=self.precision, parallel=self.parallel)
         warn_slow_half_convolutions(run)
-        if run.env.device.type == "cuda" and self.compiler is None and any(layer["fp8"] for layer in run.engine.fp8_plan()):
-            logger.warning(
-                "O6 on CUDA without torch.compile: torchao's fp8 casts then run as separate kernels and the step is slower than "
-                "bf16; set trainer.compile: true (Trainer(compile=True)) for fp8's speed"
-            )
         if self.compiler is not None:
             run = self.compiler.compile(run, on_first_step=on_compiled)
         return run

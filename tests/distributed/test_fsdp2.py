@@ -17,8 +17,8 @@ from typing import ClassVar
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import HAS_TORCHAO, NO_TORCHAO
-from resume_helpers import O6_SMALL_MODEL, assert_identical, final_state
+from helpers import HAS_TORCHAO, NO_TORCHAO, O6_SMALL_MODEL
+from resume_helpers import assert_identical, final_state
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import Subset
@@ -214,23 +214,53 @@ def test_checkpointed_blocks_recompute_in_the_context_their_forward_ran_in():
     assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses))), losses
 
 
-def fp8_worker(env) -> dict[str, tuple[list[float], tuple[str, ...]]]:
+def fp8_worker(env) -> dict[tuple[str, str], tuple[list[float], tuple[str, ...], bool]]:
+    from ampddp.precision.fp8 import gathers_fp8
+
     runs = {}
-    for strategy in ("ddp", "fsdp2"):
-        precision = Precision("O6", overrides=O6_SMALL_MODEL)
-        run = prepare(tiny_gpt(), lambda params: torch.optim.AdamW(params, lr=3e-3), env, precision=precision, parallel=Parallel(strategy))
-        runs[strategy] = (gpt_steps(run, env, 10), run.engine.precision_state().fp8_layers)
-        run.engine.teardown()
+    for recipe in ("rowwise", "tensorwise"):
+        for strategy in ("ddp", "fsdp2"):
+            precision = Precision("O6", overrides={**O6_SMALL_MODEL, "fp8_recipe": recipe})
+            parallel = Parallel(strategy)
+            run = prepare(tiny_gpt(), lambda params: torch.optim.AdamW(params, lr=3e-3), env, precision=precision, parallel=parallel)
+            runs[recipe, strategy] = (gpt_steps(run, env, 10), run.engine.precision_state().fp8_layers, gathers_fp8(run.model))
+            run.engine.teardown()
     return runs
 
 
 @pytest.mark.skipif(not HAS_TORCHAO, reason=NO_TORCHAO)
 def test_o6_shards_its_fp8_layers_and_follows_ddp():
-    # The linear layers become fp8 before FSDP2 shards them (no fp8 all-gather: the fp32 weights are gathered).
+    # The linear layers become fp8 before FSDP2 shards them; with one scale per tensor (tensorwise) FSDP2
+    # gathers their weights in fp8 (the same math: each scale is taken from the whole weight).
     runs = launch_local(fp8_worker, 2, device="cpu", timeout_s=300)[0]
-    (ddp, ddp_layers), (fsdp2, fsdp2_layers) = runs["ddp"], runs["fsdp2"]
-    assert len(fsdp2_layers) == 9 and fsdp2_layers == ddp_layers, fsdp2_layers
-    assert largest_gap(ddp, fsdp2) <= 1e-3 and fsdp2[-1] < fsdp2[0] - 0.5, (ddp, fsdp2)
+    for recipe in ("rowwise", "tensorwise"):
+        (ddp, ddp_layers, ddp_gathers), (fsdp2, fsdp2_layers, fsdp2_gathers) = runs[recipe, "ddp"], runs[recipe, "fsdp2"]
+        assert len(fsdp2_layers) == 9 and fsdp2_layers == ddp_layers, fsdp2_layers
+        assert largest_gap(ddp, fsdp2) <= 1e-3 and fsdp2[-1] < fsdp2[0] - 0.5, (recipe, ddp, fsdp2)
+        assert not ddp_gathers and fsdp2_gathers == (recipe == "tensorwise"), recipe
+
+
+def fp8_gather_worker(env, run_dir: str) -> dict[str, object]:
+    precision = Precision("O6", overrides={**O6_SMALL_MODEL, "fp8_recipe": "tensorwise"})
+    for name, steps, layout in (("straight", 6, "sharded"), ("resumed", 3, "sharded"), ("resumed", 6, "sharded"), ("whole", 6, "whole")):
+        trainer = gpt_trainer(Path(run_dir) / name, "fsdp2", steps, env, mode=precision, layout=layout)
+        trainer.fit()
+    weights = [module.weight._local_tensor for module in trainer.run.module.modules() if type(module).__name__ == "Float8Linear"]
+    return {"layers": len(weights), "kinds": {type(weight).__name__ for weight in weights},
+            "scaled": all(weight._precomputed_scale is not None for weight in weights)}  # fmt: skip
+
+
+@pytest.mark.skipif(not HAS_TORCHAO, reason=NO_TORCHAO)
+def test_fp8_all_gather_keeps_plain_checkpoints_that_resume_bit_exactly(tmp_path):
+    result = launch_local(fp8_gather_worker, 2, (str(tmp_path),), device="cpu", timeout_s=400)[0]
+    # Every fp8 layer's weight is gathered in fp8, with the scale taken before the forward from the current weights.
+    assert result == {"layers": 9, "kinds": {"WeightWithDynamicFloat8CastTensor"}, "scaled": True}, result
+    straight, resumed = final_state(tmp_path / "straight"), final_state(tmp_path / "resumed")
+    assert_identical(straight, resumed)
+    assert_identical(straight, final_state(tmp_path / "whole"))
+    # The shards hold plain tensors (DCP reads them weights_only): no torchao class in the checkpoint.
+    assert all(type(value) is torch.Tensor for value in straight["model"].values())
+    assert not any(b"torchao" in path.read_bytes() for path in tmp_path.rglob("*") if path.is_file() and path.suffix != ".log")
 
 
 class OpDtypes(TorchDispatchMode):
@@ -313,7 +343,7 @@ def test_the_o2_scaler_skips_on_every_rank_when_one_shard_overflows():
         assert result["groups"] == {"torch.float32"}
 
 
-def gpt_trainer(run_dir, strategy: str, max_steps: int, env, batch_size: int = 4, mode: str = "O5", layout: str = "auto",
+def gpt_trainer(run_dir, strategy: str, max_steps: int, env, batch_size: int = 4, mode: str | Precision = "O5", layout: str = "auto",
                 checkpoint_every: int | None = None, compile: ModelCompiler | None = None) -> Trainer:  # fmt: skip
     train, held_out = python_docs(sequence_length=16, eval_fraction=0.05)
     return Trainer(

@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import make_batches, make_mlp
+from helpers import make_batches, make_mlp, small_model_settings
 
 from ampddp import PRECISION_MODES, AmpUsageError, ConfigError, OpRegistry, build_engine
 
@@ -17,7 +17,7 @@ from ampddp import PRECISION_MODES, AmpUsageError, ConfigError, OpRegistry, buil
 def setup(mode, **overrides):
     model = make_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    engine = build_engine(mode, **overrides)
+    engine = build_engine(mode, **{**small_model_settings(mode), **overrides})
     engine.setup([model], [optimizer])
     return engine, model, optimizer
 
@@ -42,6 +42,7 @@ def test_every_mode_trains_and_reports_scale_and_state(mode):
     assert losses[-1] < losses[0]
     state = engine.state_dict()
     assert state["mode"] == mode and isinstance(state["scalers"], list)
+    assert len(engine.precision_state().fp8_layers) == (2 if mode == "O6" else 0)  # O6 runs the two 16-multiple layers in fp8
     # Dynamic scaling starts at 2**16 (O1, O2, native-fp16); O3 and the fp32/bf16 levels use a static 1.0. Eight
     # small steps overflow nothing, so the scale has not moved and no step was skipped.
     expected = 2.0**16 if mode in ("O1", "O2", "native-fp16") else 1.0

@@ -10,8 +10,8 @@ import logging
 
 import pytest
 import torch
-from helpers import HAS_TORCHAO, NO_TORCHAO
-from resume_helpers import O6_SMALL_MODEL, final_state, make_trainer
+from helpers import HAS_TORCHAO, NO_TORCHAO, O6_SMALL_MODEL
+from resume_helpers import final_state, make_trainer
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -19,7 +19,8 @@ from ampddp import AmpUsageError, ConfigError, Precision
 from ampddp.amp import Amp
 from ampddp.checkpoint.inspect import summarize
 from ampddp.models import GPT
-from ampddp.precision.fp8 import plan_fp8
+from ampddp.observe import Reporting, read_metrics
+from ampddp.precision.fp8 import EagerFp8Warning, plan_fp8
 from ampddp.text import ByteWindows, corpus_bytes
 
 pytestmark = pytest.mark.skipif(not HAS_TORCHAO, reason=NO_TORCHAO)
@@ -193,13 +194,17 @@ def test_o6_compiles_with_its_fp8_matmuls_in_the_graphs_and_trains_as_eager():
 
 def test_o6_checkpoints_move_to_o4_and_back_and_load_without_torchao(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="ampddp")
-    make_trainer(tmp_path, "O6", max_steps=3).fit()
+    make_trainer(tmp_path, "O6", max_steps=3, report=Reporting(progress="off", plots=False)).fit()
     summary = summarize(tmp_path)
     assert summary["mode"] == "O6" and summary["fp8_layers"] == ["0"] and summary["fp8_recipe"] == "rowwise"
-    make_trainer(tmp_path, "O4", max_steps=5).fit()
-    make_trainer(tmp_path, "O6", max_steps=7).fit()
+    make_trainer(tmp_path, "O4", max_steps=5, report=Reporting(progress="off", plots=False)).fit()
+    make_trainer(tmp_path, "O6", max_steps=7, report=Reporting(progress="off", plots=False)).fit()
     state = final_state(tmp_path)
     assert state["progress"]["global_step"] == 7
+    # metrics.jsonl says in which mode each stretch ran, and O6's table where it starts.
+    records = read_metrics(tmp_path)
+    assert [(r["step"], r["precision"]) for r in records if r["kind"] == "start"] == [(0, "O6"), (3, "O4"), (5, "O6")]
+    assert [(r["step"], r["in_fp8"]) for r in records if r["kind"] == "fp8_layers"] == [(0, 1), (5, 1)]
     plain = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 4))
     plain.load_state_dict(state["model"])  # the keys of nn.Linear: no torchao needed to read the weights
     assert "1 of 2 linear layer(s) in fp8" in caplog.text
@@ -218,3 +223,36 @@ def test_the_amp_facade_takes_o6_with_its_settings():
     optimizer.step()
     assert not torch.equal(model[2].weight, before) and model[2].weight.dtype == torch.float32
     assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 1.0
+
+
+def test_layers_are_named_inside_wrappers_and_per_model_when_a_set_up_has_several():
+    model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 64))
+    compiled = torch.compile(model, backend="aot_eager")
+    assert list(reasons(nn.DataParallel(compiled), skip=("1",))) == ["0", "1", "2"]  # not module._orig_mod.1
+    assert reasons(compiled, skip=("1",))["1"] == "matches precision.fp8_filter '1'"
+    first, second = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 64)), nn.Sequential(nn.Linear(64, 64))
+    optimizer = torch.optim.SGD([*first.parameters(), *second.parameters()], lr=0.1)
+    engine = Precision("O6", overrides=O6_SMALL_MODEL).build_engine()
+    engine.setup([first, second], [optimizer])
+    assert engine.precision_state().fp8_layers == ("models[0].0", "models[0].1", "models[1].0")
+    engine.teardown()
+
+
+def test_fp8_outside_torch_compile_on_the_watched_device_warns_once(caplog):
+    # On a GPU (the watched device) eager fp8 is slower than bf16; compiled, the check is traced away.
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 16))
+    Precision("O6", overrides=O6_SMALL_MODEL).build_engine().convert_storage(model)
+    for compiled in (True, False):
+        caplog.clear()
+        watch = EagerFp8Warning(devices=("cpu",))
+        handles = watch.install(model)
+        assert len(handles) == 3
+        run = torch.compile(model, backend="aot_eager") if compiled else model
+        with caplog.at_level(logging.WARNING, logger="ampddp"):
+            for _ in range(2):
+                run(torch.randn(4, 32))
+        warnings = [r.message for r in caplog.records if "without torch.compile" in r.message]
+        assert len(warnings) == (0 if compiled else 1), warnings
+        for handle in handles:
+            handle.remove()
+    assert EagerFp8Warning().install(model) == []  # the default watches GPUs only

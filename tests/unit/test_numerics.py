@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import make_batches, make_mlp, max_relative_difference
+from helpers import make_batches, make_mlp, max_relative_difference, small_model_settings
 
 from ampddp import PRECISION_MODES, build_engine
 from ampddp.amp import Amp
@@ -36,7 +36,7 @@ def train_fp32_reference():
 def train_with_engine(mode):
     model, batches = make_mlp(), make_batches(STEPS)
     optimizer = make_optimizer(model)
-    engine = build_engine(mode)
+    engine = build_engine(mode, **small_model_settings(mode))
     engine.setup([model], [optimizer])
     for x, y in batches:
         optimizer.zero_grad()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import make_batches, make_mlp
+from helpers import make_batches, make_mlp, small_model_settings
 
 from ampddp import PRECISION_MODES, ConfigError, build_engine
 from ampddp.amp import Amp
@@ -25,7 +25,7 @@ def trained(mode, steps=3, overflow_at=1, **overrides):
     """An engine after a few steps, one of them with non-finite grads (skipped where the scale is dynamic)."""
     model = make_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = build_engine(mode, **overrides)
+    engine = build_engine(mode, **{**small_model_settings(mode), **overrides})
     engine.setup([model], [optimizer])
     for index, (x, y) in enumerate(make_batches(steps)):
         optimizer.zero_grad()
@@ -38,7 +38,7 @@ def trained(mode, steps=3, overflow_at=1, **overrides):
 
 def fresh(mode, **overrides):
     model = make_mlp()
-    engine = build_engine(mode, **overrides)
+    engine = build_engine(mode, **{**small_model_settings(mode), **overrides})
     engine.setup([model], [torch.optim.SGD(model.parameters(), lr=0.1)])
     return engine
 
