@@ -4,11 +4,14 @@ On the CPU there is no fp8 hardware: torch's CPU fp8 matmul is correct and slowe
 CPU row is the price of testing fp8 here, not a speed claim. On CUDA (compute capability 8.9+) the
 rows are the decision a user makes: a GPT with 4096-wide layers, compiled, in O6, O4 and O5
 (tokens/s), and ResNet-50, whose only linear layer is its head (kept bf16 by
-default): no layer qualifies, O6 is O4 there, and the row says so with its number.
+default): no layer qualifies, O6 is O4 there, and the row says so with its number. On 2 CPU
+processes under FSDP2: the bytes a rank all-gathers per step with tensorwise scaling (fp8 weights
+gathered in fp8) against rowwise (gathered in fp32).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
 import logging
@@ -16,9 +19,12 @@ import logging
 import torch
 from harness import Budget, Row, side_by_side
 from loops import batch, engine_loop, resnet
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from ampddp import Precision
+from ampddp import Parallel, Precision
+from ampddp.distributed import launch_local
 from ampddp.models import GPT
+from ampddp.prepare import prepare
 
 logger = logging.getLogger("benchmarks")
 
@@ -57,6 +63,50 @@ def _cpu_rows(budget: Budget) -> list[Row]:
                          "matmul): the price of testing O6 on a CPU, not a speed claim (below 1 expected)")]  # fmt: skip
 
 
+class GatheredBytes(TorchDispatchMode):
+    """The bytes this rank sends into all-gathers (FSDP2 gathering its params), as dispatched."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.c10d._allgather_base_.default:
+            sent = args[1]  # (output, input, group, ...): the input is this rank's shard
+            self.sent += sent.numel() * sent.element_size()
+        return func(*args, **(kwargs or {}))
+
+
+def _gathered_per_step(env, width: int) -> dict[str, int]:
+    """Bytes one rank sends into FSDP2's all-gathers in a training step of an O6 GPT, per fp8 recipe."""
+    sent = {}
+    for recipe in ("rowwise", "tensorwise"):
+        torch.manual_seed(0)
+        model = GPT(256, layers=2, width=width, heads=max(1, width // 64), context=64)
+        precision = Precision("O6", overrides={"fp8_recipe": recipe, "fp8_min_size": 16, "verbosity": 0})
+        run = prepare(model, lambda params: torch.optim.AdamW(params, lr=1e-4), env, precision=precision, parallel=Parallel("fsdp2"))
+        ids = torch.randint(256, (4, 65), generator=torch.Generator().manual_seed(env.rank))
+        for counted in (False, True):  # the first step builds FSDP2's state; the second is counted
+            with GatheredBytes() if counted else contextlib.nullcontext() as mode:
+                with run.engine.forward_context():
+                    loss = run.model(input_ids=ids[:, :-1], labels=ids[:, 1:])["loss"]
+                run.engine.backward(loss)
+                run.engine.step(run.optimizer)
+                run.engine.zero_grad(run.optimizer)
+        sent[recipe] = mode.sent
+        run.engine.teardown()
+    return sent
+
+
+def _gather_rows(budget: Budget) -> list[Row]:
+    width = budget.pick(64, 256, 512)
+    sent = launch_local(_gathered_per_step, 2, (width,), device="cpu", timeout_s=600)[0]
+    ours, theirs = sent["tensorwise"] / 2**20, sent["rowwise"] / 2**20
+    return [Row(f"fp8/2-processes/fsdp2-gpt-width{width}/all-gather-bytes-tensorwise-vs-rowwise", ours, theirs, "MiB/step/rank",
+                theirs / ours, 1, 0.0, "bytes a rank sends into FSDP2's all-gathers per O6 step (forward + backward re-gather): "
+                "tensorwise gathers the fp8 layers' weights in fp8, rowwise in fp32; embeddings, norms, head stay fp32")]  # fmt: skip
+
+
 def _cuda_rows(budget: Budget) -> list[Row]:
     size = budget.pick((256, 1, 128, 2), (4096, 2, 2048, 2), (4096, 4, 2048, 4))  # two models alive at once: ~30 GB at full
     steps, repeats = budget.pick((1, 1), (5, 5), (10, 7))
@@ -83,4 +133,4 @@ def run(device: str, budget: Budget) -> list[Row]:
     if importlib.util.find_spec("torchao") is None:
         logger.warning("fp8: skipped, torchao is not installed (pip install 'ampddp[fp8]')")
         return []
-    return _cuda_rows(budget) if device == "cuda" else _cpu_rows(budget)
+    return _cuda_rows(budget) if device == "cuda" else _cpu_rows(budget) + _gather_rows(budget)
