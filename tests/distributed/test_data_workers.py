@@ -1,5 +1,5 @@
-"""Loader workers change nothing but speed: the same model for 0, 1 and 2 workers in 1 and 2
-processes, and a SIGTERM to the whole process group mid-epoch, workers included, checkpoints and
+"""Loader workers change nothing but speed: the same model for 0, 1 and 2 workers in 1 process and
+for 0 and 2 in 2 processes, and a SIGTERM to the whole process group mid-epoch, workers included, checkpoints and
 resumes to the uninterrupted result."""
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ def train(run_dir: Path, *extra: str, timeout: int = 300) -> subprocess.Complete
 @pytest.mark.parametrize("processes", [1, 2])
 def test_the_trained_model_is_the_same_for_0_1_and_2_workers(tmp_path, processes):
     digests = {}
-    for workers in (0, 1, 2):
+    counts = (0, 1, 2) if processes == 1 else (0, 2)  # 2 ranks of 2 workers each interleave as much as any
+    for workers in counts:
         run_dir = tmp_path / f"workers-{workers}"
         done = train(run_dir, f"data.num_workers={workers}", f"distributed.nproc_per_node={processes}", "trainer.max_steps=60")
         assert done.returncode == 0, done.stderr[-3000:]
@@ -40,7 +41,7 @@ def test_the_trained_model_is_the_same_for_0_1_and_2_workers(tmp_path, processes
         records = [r for r in read_metrics(run_dir) if r["kind"] == "train"]
         assert records and all(r["data_wait_s"] >= 0 for r in records)
         assert json.loads((run_dir / "summary.json").read_text())["steps"] == 60
-    assert digests[0] == digests[1] == digests[2]
+    assert len(set(digests.values())) == 1, digests
 
 
 @pytest.mark.timeout(900)

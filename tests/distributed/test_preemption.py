@@ -38,7 +38,7 @@ def test_sigterm_at_random_moments_checkpoints_exits_75_and_resumes_bit_exactly(
     rng = random.Random(1)
     run_dir = tmp_path / "interrupted"
     preemptions = 0
-    for attempt in range(10):
+    for attempt in range(6):
         process = subprocess.Popen(train_command(run_dir, *steps), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         line = process.stdout.readline()
         while line and not line.startswith("step "):
@@ -53,7 +53,7 @@ def test_sigterm_at_random_moments_checkpoints_exits_75_and_resumes_bit_exactly(
         assert code == EXIT_PREEMPTED, f"attempt {attempt}: exit status {code}"
         preemptions += 1
         assert summarize(run_dir)["step"] < 600
-    assert preemptions == 10
+    assert preemptions == 6
     finished = subprocess.run(train_command(run_dir, *steps), capture_output=True, text=True, timeout=300)
     assert finished.returncode == 0, finished.stderr[-2000:]
     assert summarize(run_dir)["model_sha256"] == summarize(tmp_path / "straight")["model_sha256"]
