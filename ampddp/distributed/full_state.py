@@ -18,9 +18,10 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
 def plain_tensor(value: torch.Tensor) -> torch.Tensor:
-    """``value`` without a tensor subclass that only wraps one tensor of its shape and dtype (torchao's
-    fp8-all-gather weights and the optimizer state made like them), a DTensor's local shard included:
-    a checkpoint holds plain tensors, loadable with ``weights_only`` and without the library."""
+    """``value`` without a tensor subclass that wraps one tensor of its shape and dtype (torchao's
+    fp8-all-gather weights, with or without the scale they may hold beside it), a DTensor's local
+    shard included: a checkpoint holds plain tensors, loadable with ``weights_only`` and without the
+    library."""
     if isinstance(value, DTensor):
         local = value.to_local()
         inner = plain_tensor(local)
@@ -29,9 +30,10 @@ def plain_tensor(value: torch.Tensor) -> torch.Tensor:
         return DTensor.from_local(inner, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride())
     if is_traceable_wrapper_subclass(value):
         names, _ = value.__tensor_flatten__()
-        inner = getattr(value, names[0]) if len(names) == 1 else None
-        if isinstance(inner, torch.Tensor) and inner.shape == value.shape and inner.dtype == value.dtype:
-            return plain_tensor(inner)
+        inner = [getattr(value, name) for name in names]  # beside the value, e.g. a scale torchao may hold
+        same = [tensor for tensor in inner if tensor.shape == value.shape and tensor.dtype == value.dtype]
+        if len(same) == 1:
+            return plain_tensor(same[0])
     return value
 
 

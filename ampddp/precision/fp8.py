@@ -10,6 +10,7 @@ one that does not: the table a user needs to know what fp8 is doing to their mod
 from __future__ import annotations
 
 import fnmatch
+import functools
 import logging
 from dataclasses import dataclass, replace
 from typing import Any
@@ -174,29 +175,35 @@ def convert_to_fp8(model: nn.Module, verdicts: list[LinearVerdict], config: Any)
 
 
 class EagerFp8Warning:
-    """Warns once when an fp8 layer on a GPU runs outside ``torch.compile``: torchao's casts then run
-    as separate kernels and the step is slower than bf16. The check sits in the layers' forward, so
-    it holds however the model is compiled (the Trainer's ``compile``, ``torch.compile(model)``,
-    per-block under FSDP2) or not; traced inside a compiled graph it is nothing."""
+    """Warns once when an fp8 layer computes on a GPU outside ``torch.compile``: torchao's casts then
+    run as separate kernels and the step is slower than bf16. The check sits in the layers' forward,
+    so it holds however the model is compiled (the Trainer's ``compile``, ``torch.compile(model)``,
+    per-block under FSDP2) or not; traced inside a compiled graph it is nothing. One instance watches
+    every model of a set-up; after warning it stays in place (removing hooks would make compiled
+    graphs that contain the layers recompile)."""
 
     def __init__(self, devices: tuple[str, ...] = ("cuda",)) -> None:
         self.devices = devices
-        self._handles: list[RemovableHandle] = []
+        self.warned = False
 
     def install(self, model: nn.Module) -> list[RemovableHandle]:
-        """Watch the fp8 layers of ``model`` on ``devices``; the handles remove the watch."""
-        layers = [m for m in unwrapped(model).modules() if _is_float8(m) and m.weight.device.type in self.devices]
-        self._handles = [layer.register_forward_pre_hook(self._check) for layer in layers]
-        return list(self._handles)
+        """Watch the fp8 layers of ``model``; the handles remove the watch."""
+        named = [(name, m) for name, m in unwrapped(model).named_modules() if _is_float8(m)]
+        return [layer.register_forward_pre_hook(functools.partial(self._check, name)) for name, layer in named]
 
-    def _check(self, module: nn.Module, args: Any) -> None:
-        if torch.compiler.is_compiling():
+    def _check(self, name: str, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling() or self.warned:
             return
-        for handle in self._handles:
-            handle.remove()
+        computes_on = next((arg.device.type for arg in args if isinstance(arg, torch.Tensor)), None)
+        if computes_on not in self.devices:
+            return
+        self.warned = True
         logger.warning(
-            "O6: fp8 layers run without torch.compile on the GPU: torchao's fp8 casts then run as separate kernels and the step "
-            "is slower than bf16; compile the model for fp8's speed (trainer.compile: true, Trainer(compile=True), torch.compile)"
+            "O6: fp8 layer %s runs without torch.compile on the GPU: torchao's fp8 casts then run as separate kernels and the step "
+            "is slower than bf16; compile the model for fp8's speed (trainer.compile: true, Trainer(compile=True), torch.compile). "
+            "Under FSDP2 the Trainer compiles block by block: an fp8 layer outside the blocks stays eager (keep it out of fp8 "
+            "with precision.fp8_filter)",
+            name,
         )
 
 
@@ -205,11 +212,13 @@ def _is_float8(module: nn.Module) -> bool:
     return type(module).__name__ == "Float8Linear" and type(module).__module__.startswith("torchao")
 
 
-def refresh_fp8_scales(model: nn.Module) -> None:
+def refresh_fp8_scales(model: nn.Module, args: Any = ()) -> None:
     """The scales of the fp8 weights FSDP2 gathers in fp8, taken from the current weights in one
-    all-reduce for the whole model (instead of one per layer inside each gather): registered to
-    run before every forward of the root, so a scale never outlives the weights it was taken from
-    (an optimizer step, a checkpoint load, a user's edit)."""
+    all-reduce for the whole model (instead of one per layer inside each gather): a forward
+    pre-hook of the root, so a scale never outlives the weights it was taken from (an optimizer
+    step, a checkpoint load, a user's edit). Where FSDP2 replaces the shards' wrappers before the
+    gather (CPU offload copies them to the GPU; the first forward of uneven shards), torchao takes
+    each weight's scale in its own gather instead: the same values."""
     torchao_float8().precompute_float8_dynamic_scale_for_fsdp(model)
 
 

@@ -135,9 +135,10 @@ class OptLevelEngine(PrecisionEngine):
         low_params = input_dtype is not None or policy.sharded_param_dtype is not None  # apex casts such outputs to fp32
         output_dtype = policy.cast_model_outputs or (torch.float32 if low_params else None)
         self._forward_hooks = ForwardHooks(self._cast_context, input_dtype, output_dtype)
+        eager_fp8 = EagerFp8Warning()
         for model in models:
             self._handles += self._forward_hooks.install(model)
-            self._handles += self._fp8_hooks(model)
+            self._handles += self._fp8_hooks(model, eager_fp8)
             if casts_model:
                 self._handles += install_fp32_state_hooks(model, self._master_of)
         if casts_model and policy.uses_master_weights:
@@ -151,12 +152,14 @@ class OptLevelEngine(PrecisionEngine):
             logger.debug("precision %s settings: %s", policy.opt_level, policy.describe())
         return models, optimizers
 
-    def _fp8_hooks(self, model: nn.Module) -> list[RemovableHandle]:
+    def _fp8_hooks(self, model: nn.Module, eager_warning: EagerFp8Warning) -> list[RemovableHandle]:
         """O6's forward hooks: the warning for fp8 outside torch.compile on a GPU; under FSDP2's fp8
-        all-gather, the weights' scales taken before the forward (first, before FSDP2's own hook gathers the root)."""
-        handles = EagerFp8Warning().install(model)
+        all-gather, the weights' scales taken before the forward (first, before FSDP2's own hook
+        gathers the root; plain Python when dynamo meets it as a frame of its own, as the other hooks)."""
+        handles = eager_warning.install(model)
         if self.policy.fp8_all_gather and gathers_fp8(model):
-            handles.append(model.register_forward_pre_hook(lambda module, args: refresh_fp8_scales(module), prepend=True))
+            run_eagerly_as_own_frame(refresh_fp8_scales)
+            handles.append(model.register_forward_pre_hook(refresh_fp8_scales, prepend=True))
         return handles
 
     def add_optimizer(self, optimizer: Optimizer, fp32_data: dict[int, torch.Tensor] | None = None) -> None:

@@ -245,15 +245,19 @@ def fp8_gather_worker(env, run_dir: str) -> dict[str, object]:
     for name, steps, layout in (("straight", 6, "sharded"), ("resumed", 3, "sharded"), ("resumed", 6, "sharded"), ("whole", 6, "whole")):
         trainer = gpt_trainer(Path(run_dir) / name, "fsdp2", steps, env, mode=precision, layout=layout)
         trainer.fit()
-    weights = [module.weight._local_tensor for module in trainer.run.module.modules() if type(module).__name__ == "Float8Linear"]
+    # The run ended with an evaluation after its last step: each scale must be the one of the weights as they are now.
+    layers = [module for module in trainer.run.module.modules() if type(module).__name__ == "Float8Linear"]
+    weights = [layer.weight._local_tensor for layer in layers]
+    current = [(torch.finfo(torch.float8_e4m3fn).max / layer.weight.full_tensor().abs().max().double()).float() for layer in layers]
     return {"layers": len(weights), "kinds": {type(weight).__name__ for weight in weights},
-            "scaled": all(weight._precomputed_scale is not None for weight in weights)}  # fmt: skip
+            "scaled": all(weight._precomputed_scale is not None and torch.equal(weight._precomputed_scale, scale)
+                          for weight, scale in zip(weights, current))}  # fmt: skip
 
 
 @pytest.mark.skipif(not HAS_TORCHAO, reason=NO_TORCHAO)
 def test_fp8_all_gather_keeps_plain_checkpoints_that_resume_bit_exactly(tmp_path):
     result = launch_local(fp8_gather_worker, 2, (str(tmp_path),), device="cpu", timeout_s=400)[0]
-    # Every fp8 layer's weight is gathered in fp8, with the scale taken before the forward from the current weights.
+    # Every fp8 layer's weight is gathered in fp8, with the scale taken before the forward from the weights of that forward.
     assert result == {"layers": 9, "kinds": {"WeightWithDynamicFloat8CastTensor"}, "scaled": True}, result
     straight, resumed = final_state(tmp_path / "straight"), final_state(tmp_path / "resumed")
     assert_identical(straight, resumed)

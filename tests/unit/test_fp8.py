@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ampddp import AmpUsageError, ConfigError, Precision
 from ampddp.amp import Amp
 from ampddp.checkpoint.inspect import summarize
+from ampddp.distributed.full_state import plain_tensor
 from ampddp.models import GPT
 from ampddp.observe import Reporting, read_metrics
 from ampddp.precision.fp8 import EagerFp8Warning, plan_fp8
@@ -242,17 +243,28 @@ def test_fp8_outside_torch_compile_on_the_watched_device_warns_once(caplog):
     # On a GPU (the watched device) eager fp8 is slower than bf16; compiled, the check is traced away.
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 16))
     Precision("O6", overrides=O6_SMALL_MODEL).build_engine().convert_storage(model)
-    for compiled in (True, False):
+    for devices, compiled, warnings_expected in ((("cpu",), True, 0), (("cpu",), False, 1), (("cuda",), False, 0)):
         caplog.clear()
-        watch = EagerFp8Warning(devices=("cpu",))
-        handles = watch.install(model)
+        handles = EagerFp8Warning(devices=devices).install(model)
         assert len(handles) == 3
         run = torch.compile(model, backend="aot_eager") if compiled else model
         with caplog.at_level(logging.WARNING, logger="ampddp"):
             for _ in range(2):
                 run(torch.randn(4, 32))
         warnings = [r.message for r in caplog.records if "without torch.compile" in r.message]
-        assert len(warnings) == (0 if compiled else 1), warnings
+        assert len(warnings) == warnings_expected, (devices, compiled, warnings)
+        assert all("fp8 layer 0 runs" in warning for warning in warnings)
         for handle in handles:
             handle.remove()
-    assert EagerFp8Warning().install(model) == []  # the default watches GPUs only
+
+
+def test_checkpoints_take_fp8_all_gather_weights_as_plain_tensors_with_or_without_a_scale():
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    data = torch.randn(16, 32)
+    for scale in (None, torch.tensor(2.0)):  # the scale a forward's refresh leaves on the live weight
+        wrapped = WeightWithDynamicFloat8CastTensor(data, LinearMMConfig(), torch.float8_e4m3fn, scale)
+        plain = plain_tensor(wrapped)
+        assert type(plain) is torch.Tensor and plain is data
+    assert plain_tensor(data) is data
