@@ -15,7 +15,7 @@ from typing import Any
 
 from ampddp.choices import IMPLS, PRECISION_MODES
 from ampddp.errors import ConfigError, choice_error
-from ampddp.precision.engine import PrecisionEngine
+from ampddp.precision.engine import NATIVE_MODES, PrecisionEngine
 from ampddp.precision.factory import build_engine
 from ampddp.precision.opt_level import OptLevelEngine
 from ampddp.precision.policy import resolve_policy
@@ -80,10 +80,10 @@ class Precision:
                 f"fp32_islands={self.fp32_islands} applies to {' and '.join(SHARDED_MASTER_MODES)} under fsdp2, not to {self.mode} "
                 "(O1/O4 and the native modes always run their fp32 ops in fp32; O3 is pure fp16): remove it"
             )
-        if self.mode not in (*SHARDED_MASTER_MODES, "O6"):
+        if self.mode in NATIVE_MODES:
             return build_engine(self.mode, impl=self.impl, registry=self.registry, **self.overrides)
         policy = resolve_policy(self.mode, **self.overrides)
-        if policy.keep_batchnorm_fp32 is False:
+        if self.mode in SHARDED_MASTER_MODES and policy.keep_batchnorm_fp32 is False:
             raise ConfigError(
                 f"keep_batchnorm_fp32=False with {self.mode} under fsdp2: BatchNorm layers are FSDP2 units of their own there "
                 "and compute in fp32 (a unit's params share one dtype); remove the setting"

@@ -226,13 +226,8 @@ def gathers_fp8(model: nn.Module) -> bool:
     """Whether FSDP2 gathers some of ``model``'s weights in fp8 (tensorwise fp8 layers it shards)."""
     from torch.distributed.tensor import DTensor
 
-    float8 = torchao_float8()
-    return any(
-        isinstance(m, float8.float8_linear.Float8Linear)
-        and isinstance(m.weight, DTensor)
-        and isinstance(m.weight.to_local(), float8.fsdp_utils.WeightWithDynamicFloat8CastTensor)
-        for m in model.modules()
-    )
+    wrapper = torchao_float8().fsdp_utils.WeightWithDynamicFloat8CastTensor
+    return any(_is_float8(m) and isinstance(m.weight, DTensor) and isinstance(m.weight._local_tensor, wrapper) for m in model.modules())
 
 
 def fp8_layer_in(model: nn.Module) -> str | None:

@@ -91,14 +91,13 @@ class PrecisionPolicy:
         what plain FSDP2 loses; False keeps apex's pure O2/O5 (every op in the low dtype). O6 with
         tensorwise scaling all-gathers its fp8 layers' weights in fp8.
         """
-        if self.enabled and self.fp8_recipe == "tensorwise":
-            # One scale per tensor is the same whether taken before or after the gather: the same math, less traffic.
-            return dataclasses.replace(self, fp8_all_gather=True)
+        # One scale per tensor is the same whether taken before or after the gather: the same math, less traffic.
+        sharded = dataclasses.replace(self, fp8_all_gather=self.enabled and self.fp8_recipe == "tensorwise")
         if not (self.enabled and self.uses_master_weights and self.cast_model_type not in (None, torch.float32)):
-            return self
+            return sharded
         low = self.cast_model_type
         return dataclasses.replace(
-            self, cast_model_type=None, keep_batchnorm_fp32=None, master_weights=None, sharded_param_dtype=low,
+            sharded, cast_model_type=None, keep_batchnorm_fp32=None, master_weights=None, sharded_param_dtype=low,
             patch_torch_functions=fp32_islands, op_cast_dtype=low if fp32_islands else None,
         )  # fmt: skip
 
