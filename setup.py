@@ -30,6 +30,8 @@ setup(
     long_description=Path("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["ampddp", "ampddp.*"]),
+    # The apex distribution record the runner's shim folder holds (found as installed only under the runner).
+    package_data={"ampddp.apex._shim": ["apex-0.1.dist-info/*"]},
     python_requires=">=3.10",
     # torch: the oldest release CI proves (ampddp.torch_compat.MIN_TORCH refuses older ones at import);
     # no upper cap, so a new torch installs at once: CI also runs the newest on the registry.

@@ -16,7 +16,10 @@ returns on the same thread — the loss computed outside the model — until ``s
 an optimizer of the set-up steps, a model's next forward begins, or ``end_casts()``. After the
 forward only apex's op lists apply (no device autocast), as with apex's patched functions. Inside
 ``process_wide_casts()`` (``python -m ampddp.apex`` runs programs there) apex's own scope applies:
-every op on the initializing thread from ``initialize`` on, except in ``scale_loss`` and the step.
+every op on the initializing thread from ``initialize`` on, except in ``scale_loss`` and the step,
+and apex's one global list of loss scalers: each ``initialize`` gives its fresh scalers to the earlier
+set-ups whose scalers work the same way (apex's ``_amp_state.loss_scalers[loss_id]``, read by every
+``scale_loss``), so a reference and a restored model restart their scales together, as under apex.
 The engine API (``build_engine``) keeps casting inside the forward.
 """
 
@@ -34,6 +37,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ampddp.amp_setup import CastScope, SetUp
+from ampddp.distributed.env import launched_rank_without_a_group
 from ampddp.distributed.rewrap import Wrappers, wrappers_around
 from ampddp.errors import AmpUsageError, ConfigError
 from ampddp.precision.cast_context import end_thread_casts, suspend_thread_casts
@@ -82,6 +86,7 @@ class Amp:
         self.allow_incoming_model_not_fp32 = False
         """Accept models with fp16/bf16 params in ``initialize`` (apex's ``_amp_state`` flag of that name)."""
         self._scope = CastScope()
+        self._warned_ranks_apart = False
 
     @contextlib.contextmanager
     def process_wide_casts(self) -> Iterator[None]:
@@ -177,11 +182,31 @@ class Amp:
         setup.install_hooks()
         setup.mark_optimizers()
         self._reopen_process_casts(setup)
+        if self._scope.process_wide:  # apex's one global list of loss scalers, replaced by each initialize
+            for earlier in self.setups:
+                earlier.engine.share_loss_scalers(engine)
         self._setups = [ref for ref in self._setups if (live := ref()) is not None and live.live]
         self._setups.append(weakref.ref(setup))
         self._newest = setup
         self._initialized_optimizers.update(optimizer_list)
+        self._warn_if_ranks_train_apart()
         return _shaped(model_list, models_were_list, optimizer_list if optimizers is not None else None, optimizers_were_list)
+
+    def _warn_if_ranks_train_apart(self) -> None:
+        """Under apex's scope (the runner): a script started on several processes that never joined them
+        trains one independent copy per rank, each writing the same files; say so once."""
+        if not self._scope.process_wide or self._warned_ranks_apart:
+            return
+        env = launched_rank_without_a_group()
+        if env is None:
+            return
+        self._warned_ranks_apart = True
+        warnings.warn(
+            f"rank {env.rank} of {env.world_size}: amp.initialize ran with no process group started, so the "
+            f"{env.world_size} processes train independent copies on all the data (and write the same files); "
+            "call torch.distributed.init_process_group(...) and wrap the model in DistributedDataParallel, or run one process",
+            stacklevel=3,
+        )
 
     def _repeats_a_setup(self, models: list[nn.Module], optimizers: list[Optimizer], request: tuple[Any, ...]) -> bool:
         """True when exactly these objects were initialized with exactly this request: mmengine calls

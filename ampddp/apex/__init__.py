@@ -14,6 +14,8 @@ from typing import Any
 
 from ampddp.apex._names import unknown_name
 
+__version__ = "0.1"
+"""The version every apex build reports (its setup.py never changed it): what apex-era version checks read."""
 SUBMODULES = ("amp", "parallel", "fp16_utils", "optimizers", "normalization", "multi_tensor_apply")
 REPLACEMENTS = {
     "contrib": "the torch equivalents (apex.contrib's extensions are not provided): torch.nn.functional.cross_entropy "

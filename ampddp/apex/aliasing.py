@@ -6,17 +6,26 @@ provide fails with a ``ModuleNotFoundError`` that names it and what to use inste
 (``python -m ampddp.apex``) installs it, and puts a small shim folder on ``PYTHONPATH`` so that
 processes the program starts (``spawn`` workers, subprocesses) alias ``apex`` too; a program can also
 call :func:`alias_apex` itself.
+
+Libraries ask whether apex is *installed*, not only importable (transformers reads
+``importlib.metadata.version("apex")``, others scan distributions or run ``pip show apex``). The shim
+folder holds an ``apex-0.1.dist-info`` (0.1: the version every apex build reports), so wherever the
+shim is on the path, under the runner and in the processes it starts, apex is found as installed
+by every standard tool; a process that aliases itself gets the same record from the hook. Nothing is
+written to the user's environment: outside the runner no apex is found.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.abc
+import importlib.metadata
 import importlib.util
 import os
 import sys
 from pathlib import Path
 from types import ModuleType
+from collections.abc import Iterator
 from typing import Any
 
 ALIASES = {"apex": "ampddp.apex", "amp_C": "ampddp.apex.amp_C", "apex_C": "ampddp.apex.apex_C"}
@@ -58,9 +67,32 @@ class ApexAliasFinder(importlib.abc.MetaPathFinder):
         # The loader hands back the real ampddp module, which keeps its own __spec__ and __path__.
         return importlib.util.spec_from_loader(fullname, _AliasLoader(aliased))
 
+    def find_distributions(self, context: Any = None) -> Iterator[importlib.metadata.Distribution]:
+        """apex's distribution record, unless the shim folder is on the searched path (the path finder
+        then finds it there: answering here too would list apex twice)."""
+        context = context or importlib.metadata.DistributionFinder.Context()
+        if context.name is not None and _normalized(context.name) != "apex":
+            return
+        if any(_is_shim_dir(entry) for entry in context.path):
+            return
+        yield importlib.metadata.PathDistribution(APEX_DIST_INFO)
+
 
 SHIM_DIR = Path(__file__).with_name("_shim")
 """Put on PYTHONPATH by the runner: child processes find ``apex`` there, which aliases itself."""
+APEX_DIST_INFO = SHIM_DIR / "apex-0.1.dist-info"
+"""The metadata an installed apex 0.1 has, for ``importlib.metadata``, ``pkg_resources`` and pip."""
+
+
+def _normalized(name: str) -> str:
+    return name.lower().replace("-", "_").replace(".", "_")
+
+
+def _is_shim_dir(entry: Any) -> bool:
+    try:
+        return isinstance(entry, str) and Path(entry or ".").resolve() == SHIM_DIR.resolve()
+    except OSError:
+        return False
 PROCESS_WIDE_ENV = "AMPDDP_APEX_PROCESS_WIDE"
 """Set to 1 by the runner for the processes it starts: their ``apex.amp`` casts O1/O4 process-wide, as the runner's does."""
 

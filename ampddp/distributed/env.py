@@ -218,6 +218,17 @@ def detect_env(
     return replace(env, device=chosen, backend=_resolve_backend(backend, chosen) if env.distributed else None)
 
 
+def launched_rank_without_a_group(environ: Mapping[str, str] | None = None) -> DistEnv | None:
+    """This process's place when a launcher started several (torchrun, SLURM) but no process group
+    exists: the ranks then train independent copies. None otherwise, or when the variables do not parse."""
+    try:
+        env = detect_env(environ, device="cpu")
+    except ConfigError:
+        return None
+    joined = dist.is_available() and dist.is_initialized()
+    return env if env.distributed and not joined else None
+
+
 def _resolve_backend(backend: str, device: torch.device) -> str:
     """The process group's backend for ``device``: ``auto`` picks NCCL on GPUs and gloo on the CPU."""
     if backend == "auto":

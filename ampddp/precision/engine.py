@@ -209,6 +209,11 @@ class PrecisionEngine(ABC):
             f"grad_scaler_state_dict needs the builtin opt-level engine (impl='builtin'); this {self.mode} engine has no such scaler"
         )
 
+    def share_loss_scalers(self, newer: PrecisionEngine) -> bool:
+        """Use ``newer``'s loss scalers from now on when they work like this engine's (apex kept one global
+        list, replaced by each ``initialize``); True when taken. Engines without apex scalers keep theirs."""
+        return False
+
     def unwind_interrupted_forwards(self) -> None:  # noqa: B027 - optional for engines without forward contexts
         """Exit forward contexts that a KeyboardInterrupt left entered on this thread."""
 

@@ -262,6 +262,14 @@ class OptLevelEngine(PrecisionEngine):
             raise ConfigError(f"loss_id={loss_id!r} is not valid; num_losses={len(self.scalers)} gives ids 0..{len(self.scalers) - 1}")
         return self.scalers[loss_id]
 
+    def share_loss_scalers(self, newer: PrecisionEngine) -> bool:
+        if not isinstance(newer, OptLevelEngine) or newer is self:
+            return False
+        if [scaler.settings for scaler in newer.scalers] != [scaler.settings for scaler in self.scalers]:
+            return False
+        self.scalers = newer.scalers
+        return True
+
     def passes_through(self, scaler: LossScaler) -> bool:
         """Disabled, or static scale 1 without masters: nothing to unscale, check or copy (apex O0/O3)."""
         if not self.policy.enabled:

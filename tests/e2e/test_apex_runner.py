@@ -59,6 +59,39 @@ def test_without_the_runner_the_script_has_no_apex(tmp_path):
     assert done.returncode != 0 and "NameError" in done.stderr  # its apex path is switched off: apex is not installed
 
 
+PROBE = Path(__file__).resolve().parents[1] / "apex_discovery_probe.py"
+APEX_MODULES = ("apex", "apex.amp", "apex.parallel", "apex.optimizers", "apex.normalization", "apex.fp16_utils", "amp_C", "apex_C")
+
+
+@pytest.mark.timeout(300)
+def test_under_the_runner_apex_is_found_installed_by_every_standard_check_and_nowhere_else(tmp_path):
+    """transformers asks find_spec *and* importlib.metadata.version("apex"); others scan distributions,
+    map top-level names to distributions, or run pip show: each answers as for an installed apex 0.1, in
+    the runner's process and in the Python processes it starts; without the runner, nothing does."""
+    done = run(["-m", "ampddp.apex", str(PROBE)], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout)
+    assert found["version"] == found["distribution"] == found["__version__"] == found["child_version"] == "0.1"
+    assert found["metadata"] == ["apex", "0.1"] and found["requires"] == ["packaging>20.6"]
+    assert found["files"] == ["amp_C.py", "apex/__init__.py", "apex_C.py"] and found["files_exist"]
+    assert found["distributions"] == 1  # listed once, not by both the path finder and the alias hook
+    assert found["packages"] == {"apex": ["apex"], "amp_C": ["apex"], "apex_C": ["apex"]}
+    assert found["specs"] == dict.fromkeys(APEX_MODULES, True)
+    assert "Name: apex\nVersion: 0.1" in found["pip_show"]
+
+    done = run([str(PROBE)], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    plain = json.loads(done.stdout)
+    assert plain["version"] == plain["files"] == "PackageNotFoundError" and plain["distributions"] == 0
+    assert plain["specs"]["apex"] is False and plain["packages"]["apex"] is None
+    assert plain["pip_show"] == plain["child_version"] == "exit 1"
+
+    aliased = "from ampddp.apex.aliasing import alias_apex; alias_apex(); import importlib.metadata as m; "
+    aliased += "print(m.version('apex'), sum(d.metadata['Name'] == 'apex' for d in m.distributions()))"
+    done = run(["-c", aliased], cwd=tmp_path)
+    assert done.stdout.split() == ["0.1", "1"], done.stderr[-2000:]  # a program that aliases itself: the hook answers
+
+
 @pytest.mark.smoke
 @pytest.mark.timeout(400)
 def test_torchrun_two_processes_run_the_script_and_agree(tmp_path):
@@ -68,6 +101,27 @@ def test_torchrun_two_processes_run_the_script_and_agree(tmp_path):
     first, second = reports(tmp_path, 2)
     assert first["params"] == second["params"] and first["masters"] == second["masters"]
     assert first["loss_dtypes"] == ["torch.float32"] * 4
+    assert "no process group" not in done.stderr  # the script joined its ranks: nothing to warn about
+
+
+def test_a_script_launched_on_several_processes_that_never_joins_them_is_warned_once_per_rank(tmp_path):
+    """torchrun's variables without init_process_group: every rank trains its own copy on all the data."""
+    script = tmp_path / "unjoined.py"
+    script.write_text(
+        "import torch\ntry:\n    from apex import amp\nexcept ImportError:\n    from ampddp import amp\n"
+        "for _ in range(2):\n"
+        "    model = torch.nn.Linear(4, 4)\n"
+        "    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "    model, optimizer = amp.initialize(model, optimizer, opt_level='O1', verbosity=0)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), LOCAL_WORLD_SIZE="2")
+    done = subprocess.run([sys.executable, "-m", "ampddp.apex", str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count("rank 1 of 2: amp.initialize ran with no process group started") == 1, done.stderr
+    assert "init_process_group" in done.stderr
+    plain = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    assert plain.returncode == 0 and "no process group" not in plain.stderr  # the library (no runner): scripts own their launch
 
 
 @pytest.mark.timeout(400)
