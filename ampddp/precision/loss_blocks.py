@@ -57,7 +57,10 @@ class OptLevelLossBlocks:
     ) -> Iterator[torch.Tensor]:
         """Scale ``loss``; on exit unscale the block's new gradients and decide whether the next step skips.
 
-        ``delay_unscale=True`` leaves them scaled for a later block to unscale with its own.
+        ``delay_unscale=True`` leaves them scaled for a later block to unscale with its own; so does a
+        backward of a forward run under DDP's ``no_sync`` (gradient accumulation as Hugging Face's Trainer
+        does it): DDP all-reduces the accumulated gradients at the next synchronising backward, which
+        apex's unscale-at-once had already moved away, so ranks trained apart.
         ``delay_overflow_check=True`` (apex's, for callers that reduce gradients themselves first, as
         NVIDIA's BERT does): unscale, but leave the scale update and the skip decision to the caller's
         ``update_scale()`` on apex's scaler view; the non-finite flags wait in ``scaler.deferred_found_inf``.
@@ -71,6 +74,7 @@ class OptLevelLossBlocks:
         if not optimizers:
             raise AmpUsageError("scale_loss needs the optimizer(s) whose gradients this backward produces")
         records = engine.records_for(optimizers)
+        delay_unscale = delay_unscale or engine.forward_under_no_sync
         if engine.passes_through(scaler):
             yield loss.float()
             return

@@ -25,11 +25,31 @@ BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
 """Same bucket size DDP uses for its start-up broadcast."""
 
 
-def active_ddp_group(module: nn.Module) -> Any:
-    """The process group of the DDP wrapper whose forward is running ``module`` now, or None."""
+def active_ddp(module: nn.Module) -> DistributedDataParallel | None:
+    """The DDP wrapper whose forward is running ``module`` now, or None."""
     active = getattr(DistributedDataParallel, "_get_active_ddp_module", None)
     ddp = active() if active is not None else None
-    return ddp.process_group if ddp is not None and ddp.module is module else None
+    return ddp if ddp is not None and ddp.module is module else None
+
+
+class DdpForwards:
+    """A forward pre-hook on a set-up's models: the DDP wrapper they run in. Its group serves the masters'
+    first-step agreement; ``under_no_sync`` says the last forward ran under the wrapper's ``no_sync``, so
+    its backward all-reduces nothing and its gradients must wait, scaled, for the synchronising one."""
+
+    def __init__(self) -> None:
+        self.group: Any = None
+        self.under_no_sync = False
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        ddp = active_ddp(module)
+        self.under_no_sync = ddp is not None and not ddp.require_backward_grad_sync
+        if self.group is None and ddp is not None:
+            self.group = ddp.process_group
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DdpForwards:
+        """A deep copy of a set-up model (an EMA copy) shares its engine's hooks."""
+        return self
 
 
 def reconcile_masters(record: OptimizerGrads, ddp_group: Any = None) -> None:

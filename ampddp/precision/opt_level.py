@@ -40,7 +40,7 @@ from ampddp.precision.fp8 import (
     torchao_float8,
 )
 from ampddp.precision.master import GradPhase, OptimizerGrads
-from ampddp.precision.master_sync import active_ddp_group, reconcile_masters
+from ampddp.precision.master_sync import DdpForwards, reconcile_masters
 from ampddp.precision.model_hooks import ForwardHooks, install_fp32_state_hooks
 from ampddp.precision.op_table import build_op_table
 from ampddp.precision.policy import PrecisionPolicy
@@ -77,7 +77,7 @@ class OptLevelEngine(PrecisionEngine):
         self._records: dict[int, OptimizerGrads] = {}
         self._handles: list[RemovableHandle] = []
         self._buffer_guard: BufferGuard | None = None
-        self._ddp_group: Any = None
+        self._ddp_forwards = DdpForwards()
         self._cast_context: OpCastContext | None = None
         self._forward_hooks: ForwardHooks | None = None
         self._param_names: dict[int, str] = {}
@@ -141,9 +141,9 @@ class OptLevelEngine(PrecisionEngine):
             self._handles += self._fp8_hooks(model, eager_fp8)
             if casts_model:
                 self._handles += install_fp32_state_hooks(model, self._master_of)
-        if casts_model and policy.uses_master_weights:
-            run_eagerly_as_own_frame(self._note_ddp_group)
-            self._handles += [model.register_forward_pre_hook(self._note_ddp_group) for model in models]
+        if policy.enabled:
+            run_eagerly_as_own_frame(DdpForwards.__call__)
+            self._handles += [model.register_forward_pre_hook(self._ddp_forwards) for model in models]
         if any(scaler.dynamic for scaler in self.scalers):
             self._buffer_guard = BufferGuard(models)
             self._handles += self._buffer_guard.install(models)
@@ -187,7 +187,7 @@ class OptLevelEngine(PrecisionEngine):
             record.sync_param_groups()
             if first_step[0]:
                 first_step[0] = False
-                reconcile_masters(record, self._ddp_group)
+                reconcile_masters(record, self._ddp_forwards.group)
             if record.skip_pending:
                 self._restore_buffers()
                 record.drop_grads()
@@ -196,10 +196,11 @@ class OptLevelEngine(PrecisionEngine):
 
         return pre_step
 
-    def _note_ddp_group(self, module: nn.Module, args: Any) -> None:
-        """Remember the DDP wrapper's group a model runs in, for the masters' first-step agreement."""
-        if self._ddp_group is None:
-            self._ddp_group = active_ddp_group(module)
+    @property
+    def forward_under_no_sync(self) -> bool:
+        """The last forward ran under a DDP wrapper's ``no_sync``: its backward all-reduces nothing (apex
+        blocks unscaled such gradients at once, so they were accumulated locally and never reduced)."""
+        return self._ddp_forwards.under_no_sync
 
     def _restore_buffers(self) -> None:
         """A skipped step leaves no trace: buffers its forwards changed (BatchNorm statistics) go back."""

@@ -4,6 +4,8 @@ and master params, and model == master in the model dtype."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -110,3 +112,57 @@ def test_without_ddp_ranks_stay_independent_and_masters_follow_local_writes():
     (param0, master0), (param1, master1) = launch_local(independent_models_worker, 2, timeout_s=60, job_timeout_s=150)
     assert torch.all(param0 == 1) and torch.all(param1 == 2)
     assert torch.equal(master0, param0.float()) and torch.equal(master1, param1.float())
+
+
+def accumulate(amp, model, optimizer, micro_batches, no_sync):
+    """One step over several micro-batches the way Hugging Face's Trainer accumulates under DDP: every
+    backward but the last inside ``no_sync``, each in its own ``scale_loss`` block."""
+    optimizer.zero_grad()
+    for index, (x, y) in enumerate(micro_batches):
+        last = index == len(micro_batches) - 1
+        with contextlib.nullcontext() if last else no_sync():
+            loss = F.cross_entropy(model(x), y)
+            with amp.scale_loss(loss, optimizer) as scaled:
+                scaled.backward()
+    optimizer.step()
+
+
+def no_sync_accumulation_worker(env, levels):
+    finals = {}
+    for opt_level in levels:
+        amp = Amp()
+        model = make_mlp(seed=3, batchnorm=False)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0)
+        ddp = DistributedDataParallel(model)
+        for x, y in make_batches(3, batch=16, seed=9):
+            shards = [(x[i : i + 4], y[i : i + 4]) for i in range(env.rank * 4, 16, 8)]  # 2 micro-batches per rank
+            accumulate(amp, ddp, optimizer, shards, ddp.no_sync)
+        finals[opt_level] = [p.detach().float().clone() for p in amp.master_params(optimizer)]
+    return finals
+
+
+@pytest.mark.timeout(300)
+def test_gradient_accumulation_under_ddp_no_sync_reduces_every_micro_batch():
+    """A backward under ``no_sync`` all-reduces nothing: its gradients wait, scaled, for the synchronising
+    one. apex unscaled them into the masters (or stashed them) at once, so DDP reduced the last micro-batch
+    only and the ranks trained apart; both ranks must equal one process that sees every micro-batch."""
+    levels = ("O1", "O2")
+    first, second = launch_local(no_sync_accumulation_worker, 2, (levels,), timeout_s=60, job_timeout_s=240)
+    for opt_level in levels:
+        amp = Amp()
+        model = make_mlp(seed=3, batchnorm=False)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0)
+        for x, y in make_batches(3, batch=16, seed=9):
+            # DDP averages the two ranks' sums over their micro-batches: each of the 4 losses counts one half
+            halves = [(x[i : i + 4], y[i : i + 4]) for i in range(0, 16, 4)]
+            optimizer.zero_grad()
+            for mx, my in halves:
+                with amp.scale_loss(F.cross_entropy(model(mx), my) / 2, optimizer) as scaled:
+                    scaled.backward()
+            optimizer.step()
+        whole = [p.detach().float() for p in amp.master_params(optimizer)]
+        for a, b, ref in zip(first[opt_level], second[opt_level], whole):
+            assert torch.equal(a, b), f"{opt_level}: ranks trained apart"
+            torch.testing.assert_close(a, ref, atol=2e-3, rtol=2e-3, msg=f"{opt_level}: not the whole batch's step")
