@@ -1,6 +1,7 @@
 """How libraries and NVIDIA's examples that still import apex drive it, one pattern per name, written
 from reading their sources (no code of theirs): NVIDIA DeepLearningExamples' BERT pretraining and
-SQuAD, GNMT and SSD; ColossalAI's ``convert_to_apex_amp``; DeepSpeed's ``"amp"`` config path; OpenNMT-py.
+SQuAD, GNMT and SSD; ColossalAI's ``convert_to_apex_amp``; DeepSpeed's ``"amp"`` config path; OpenNMT-py;
+fairseq's fused layer norm, FusedAdam subclass and grad norm.
 
 Run under the runner, one pattern per process: ``python -m ampddp.apex tests/apex_importer_patterns.py
 PATTERN --out DIR`` (``bert-pretraining`` and ``bert-squad`` under ``torchrun --nproc-per-node 2``).
@@ -278,8 +279,65 @@ def opennmt():
     return model
 
 
+def fairseq():
+    """fairseq's apex imports without amp: its LayerNorm subclasses apex's FusedLayerNorm; its FusedAdamV2
+    subclasses apex's FusedAdam, checks for ``multi_tensor_adam`` and steps through
+    ``multi_tensor_applier(self.multi_tensor_adam, self._dummy_overflow_buf, [g, p, m, v], ...)``; its
+    grad norm is ``amp_C.multi_tensor_l2norm`` with a ``(1, 1)`` flag. Checked against torch's AdamW."""
+
+    class FairseqLayerNorm(apex.normalization.FusedLayerNorm):
+        def forward(self, x):
+            return super().forward(x)
+
+    class FusedAdamV2(FusedAdam):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            if not hasattr(self, "multi_tensor_adam"):
+                raise RuntimeError("Apex installation is outdated. Please install an updated version of apex.")
+
+        def step(self, closure=None):
+            for group in self.param_groups:
+                group["step"] = group.get("step", 0) + 1
+                beta1, beta2 = group["betas"]
+                g32, p32, m32, v32 = [], [], [], []
+                for param in group["params"]:
+                    if param.grad is None:
+                        continue
+                    state = self.state[param]
+                    if not state:
+                        state["exp_avg"] = torch.zeros_like(param, dtype=torch.float)
+                        state["exp_avg_sq"] = torch.zeros_like(param, dtype=torch.float)
+                    g32.append(param.grad.data)
+                    p32.append(param.data)
+                    m32.append(state["exp_avg"])
+                    v32.append(state["exp_avg_sq"])
+                multi_tensor_applier(self.multi_tensor_adam, self._dummy_overflow_buf, [g32, p32, m32, v32], group["lr"], beta1,
+                                     beta2, group["eps"], group["step"], self.adam_w_mode, 1, group["weight_decay"])  # fmt: skip
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 64), FairseqLayerNorm(64), nn.GELU(), nn.Linear(64, 4))
+
+    model, reference = build(), build()
+    optimizer = FusedAdamV2(model.parameters(), lr=1e-2, weight_decay=0.01)
+    torch_adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    for step in range(args.steps):
+        x, y = batch(step)
+        for net, opt in ((model, optimizer), (reference, torch_adamw)):
+            opt.zero_grad()
+            loss = F.cross_entropy(net(x), y)
+            loss.backward()
+            opt.step()
+        grads = [p.grad for p in model.parameters()]
+        norm, _ = multi_tensor_applier(amp_C.multi_tensor_l2norm, torch.zeros((1, 1), dtype=torch.int), [grads], False)
+        report.setdefault("norms", []).append([norm.item(), torch.norm(torch.stack([g.norm() for g in grads])).item()])
+        report["losses"].append(loss.item())
+    report["max_diff_to_torch_adamw"] = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
+    return model
+
+
 PATTERNS = {"bert-pretraining": bert_pretraining, "bert-squad": bert_squad, "gnmt": gnmt, "ssd": ssd,
-            "colossalai": colossalai, "deepspeed": deepspeed, "opennmt": opennmt}  # fmt: skip
+            "colossalai": colossalai, "deepspeed": deepspeed, "opennmt": opennmt, "fairseq": fairseq}  # fmt: skip
 trained = PATTERNS[args.pattern]()
 report["params"] = [p.detach().float().tolist() for p in trained.parameters()]
 report["dtypes"] = sorted({str(p.dtype) for p in trained.parameters()})

@@ -44,10 +44,21 @@ class Classifier(pl.LightningModule):
 
 x = torch.randn(64, 16, generator=torch.Generator().manual_seed(1))
 loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x[:, :4].argmax(1)), batch_size=16)
-backend = {"amp_backend": "apex", "amp_level": args.opt_level, "precision": 16} if args.flags else {"plugins": [ApexMixedPrecisionPlugin(amp_level=args.opt_level)]}
+backend = (
+    {"amp_backend": "apex", "amp_level": args.opt_level, "precision": 16}
+    if args.flags
+    else {"plugins": [ApexMixedPrecisionPlugin(amp_level=args.opt_level)]}
+)
 model = Classifier()
 trainer = pl.Trainer(
-    accelerator="cpu", devices=1, max_epochs=3, gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False, **backend
+    accelerator="cpu",
+    devices=1,
+    max_epochs=3,
+    gradient_clip_val=1.0,
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    **backend,
 )
 trainer.fit(model, loader)
 from apex import amp  # noqa: E402 - what Lightning's plugin used

@@ -113,7 +113,9 @@ if not stopping:
     metrics = trainer.evaluate()
     report["eval_loss"] = metrics["eval_loss"]
     prediction = trainer.predict(Counting(8, seed=3))
-    report["predictions_shape"] = list(prediction.predictions[0].shape if isinstance(prediction.predictions, tuple) else prediction.predictions.shape)
+    report["predictions_shape"] = list(
+        prediction.predictions[0].shape if isinstance(prediction.predictions, tuple) else prediction.predictions.shape
+    )
     trainer.save_model(str(out / "saved"))
 if not stopping and trainer.is_world_process_zero():
     saved = load_file(str(out / "saved" / "model.safetensors"))

@@ -23,9 +23,9 @@ import importlib.metadata
 import importlib.util
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
-from collections.abc import Iterator
 from typing import Any
 
 ALIASES = {"apex": "ampddp.apex", "amp_C": "ampddp.apex.amp_C", "apex_C": "ampddp.apex.apex_C"}
@@ -93,6 +93,8 @@ def _is_shim_dir(entry: Any) -> bool:
         return isinstance(entry, str) and Path(entry or ".").resolve() == SHIM_DIR.resolve()
     except OSError:
         return False
+
+
 PROCESS_WIDE_ENV = "AMPDDP_APEX_PROCESS_WIDE"
 """Set to 1 by the runner for the processes it starts: their ``apex.amp`` casts O1/O4 process-wide, as the runner's does."""
 

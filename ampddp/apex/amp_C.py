@@ -27,7 +27,7 @@ import torch
 
 from ampddp.apex._names import unknown_name
 
-__all__ = ["multi_tensor_scale", "multi_tensor_l2norm", "multi_tensor_unscale_l2norm", "multi_tensor_axpby"]
+__all__ = ["multi_tensor_scale", "multi_tensor_l2norm", "multi_tensor_unscale_l2norm", "multi_tensor_axpby", "multi_tensor_adam"]
 
 _OPTIMIZER_OPS = "torch.optim with foreach=True/fused=True, or the optimizers in ampddp.apex.optimizers (apex's fused optimizer kernels)"
 REPLACEMENTS = {
@@ -292,6 +292,60 @@ def multi_tensor_unscale_l2norm(
     _check_flag(op, noop_flag)
     (tensors,) = _lists(op, tensor_lists, ("tensors",))
     return _l2norm(op, noop_flag, tensors, per_tensor, inv_scale)
+
+
+ADAM_L2, ADAM_W = 0, 1
+"""``multi_tensor_adam``'s ``mode``: weight decay added to the gradient (L2), or decoupled (AdamW)."""
+
+
+def multi_tensor_adam(
+    chunk_size: int,
+    noop_flag: torch.Tensor,
+    tensor_lists: Sequence[Sequence[torch.Tensor]],
+    lr: float,
+    beta1: float,
+    beta2: float,
+    epsilon: float,
+    step: int,
+    mode: int,
+    bias_correction: int,
+    weight_decay: float,
+) -> None:
+    """One Adam step over ``[grads, params, exp_avgs, exp_avg_sqs]`` in place, apex's kernel math in float32
+    (fairseq's FusedAdamV2 calls it through ``FusedAdam.multi_tensor_adam``): ``mode`` 0 adds
+    ``weight_decay * p`` to the gradient, 1 decays ``p`` decoupled; ``bias_correction`` 1 divides the
+    moments by ``1 - beta**step``. Params and moments keep their dtypes. ``noop_flag`` is not read, as
+    apex's kernel did not."""
+    op = "multi_tensor_adam"
+    _check_flag(op, noop_flag)
+    if mode not in (ADAM_L2, ADAM_W) or isinstance(mode, bool):
+        raise ValueError(f"{op}: mode must be 0 (L2 weight decay) or 1 (decoupled, AdamW), got {mode!r}")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"{op}: step must be a whole number >= 1 (the step being taken), got {step!r}")
+    grads, params, exp_avgs, exp_avg_sqs = _lists(op, tensor_lists, ("grads", "params", "exp_avgs", "exp_avg_sqs"))
+    correction1, correction2 = (1 - beta1**step, 1 - beta2**step) if bias_correction == 1 else (1.0, 1.0)
+    with torch.no_grad():
+        for _, idx in _by_device(params).items():
+            acc = [_acc(params[i].dtype, grads[i].dtype) for i in idx]
+            g = [grads[i].to(dtype=a, copy=True).reshape(params[i].shape) for i, a in zip(idx, acc)]
+            p = [params[i].to(dtype=a, copy=True) for i, a in zip(idx, acc)]
+            m = [exp_avgs[i].to(dtype=a, copy=True).reshape(params[i].shape) for i, a in zip(idx, acc)]
+            v = [exp_avg_sqs[i].to(dtype=a, copy=True).reshape(params[i].shape) for i, a in zip(idx, acc)]
+            if mode == ADAM_L2 and weight_decay != 0:
+                torch._foreach_add_(g, p, alpha=weight_decay)
+            torch._foreach_lerp_(m, g, 1 - beta1)
+            torch._foreach_mul_(v, beta2)
+            torch._foreach_addcmul_(v, g, g, value=1 - beta2)
+            denom = torch._foreach_div(v, correction2)
+            torch._foreach_sqrt_(denom)
+            torch._foreach_add_(denom, epsilon)
+            update = torch._foreach_div(m, correction1)
+            torch._foreach_div_(update, denom)
+            if mode == ADAM_W and weight_decay != 0:
+                torch._foreach_add_(update, p, alpha=weight_decay)
+            torch._foreach_add_(p, update, alpha=-lr)
+            for targets, values in ((params, p), (exp_avgs, m), (exp_avg_sqs, v)):
+                torch._foreach_copy_([targets[i] for i in idx], values)
 
 
 def __getattr__(name: str) -> Any:

@@ -173,7 +173,8 @@ class OptimizerGrads:
         if self.phase is GradPhase.SCALED:
             raise AmpUsageError(
                 "optimizer.step() called while gradients are still scaled (after scale_loss(..., delay_unscale=True), "
-                "a backward under DDP's no_sync, which all-reduces nothing, or engine.backward). Finish with a scale_loss(..., delay_unscale=False) call, or step through "
+                "a backward under DDP's no_sync, which all-reduces nothing, or engine.backward). Finish with a "
+                "scale_loss(..., delay_unscale=False) call, or step through "
                 "engine.step(optimizer), which unscales first."
             )
         if any(p.grad is not None for p in self.model_params):

@@ -74,7 +74,15 @@ class LossScaler:
     @property
     def settings(self) -> tuple[Any, ...]:
         """What the scale does, apart from where it stands: scalers with equal settings are interchangeable."""
-        return (self.dynamic, self.min_scale, self.max_scale, self.growth_factor, self.backoff_factor, self.growth_interval, self.hysteresis)
+        return (
+            self.dynamic,
+            self.min_scale,
+            self.max_scale,
+            self.growth_factor,
+            self.backoff_factor,
+            self.growth_interval,
+            self.hysteresis,
+        )
 
     @property
     def floor(self) -> float:

@@ -70,3 +70,12 @@ def test_single_process_patterns_train(tmp_path, pattern):
     assert min(losses[3:]) < losses[0]
     expected = {"deepspeed": ["torch.float32"], "ssd": ["torch.float16", "torch.float32"]}.get(pattern, ["torch.float16"])
     assert report["dtypes"] == expected
+
+
+@pytest.mark.timeout(300)
+def test_fairseq_subclasses_apex_fused_adam_and_steps_through_its_kernel_handle(tmp_path):
+    (report,) = run_pattern(tmp_path, "fairseq")
+    assert report["max_diff_to_torch_adamw"] < 1e-5  # apex's kernel math: torch's AdamW
+    for fused, plain in report["norms"]:
+        assert fused == pytest.approx(plain, rel=1e-5)
+    assert report["losses"][-1] < report["losses"][0] and report["dtypes"] == ["torch.float32"]

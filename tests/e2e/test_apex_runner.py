@@ -116,7 +116,9 @@ def test_a_script_launched_on_several_processes_that_never_joins_them_is_warned_
     )
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), LOCAL_WORLD_SIZE="2")
-    done = subprocess.run([sys.executable, "-m", "ampddp.apex", str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    done = subprocess.run(
+        [sys.executable, "-m", "ampddp.apex", str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stderr.count("rank 1 of 2: amp.initialize ran with no process group started") == 1, done.stderr
     assert "init_process_group" in done.stderr

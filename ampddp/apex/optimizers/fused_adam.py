@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 from torch.optim.adam import adam as _torch_adam
 
+from ampddp.apex import amp_C
 from ampddp.apex.optimizers._base import (
     RefusedOptionError,
     _apex_group_step_to_state,
@@ -54,6 +55,10 @@ class FusedAdam(_ApexOptimizer, torch.optim.Adam):
         torch.optim.Optimizer.__init__(self, params, defaults)
         if self.capturable:
             self._make_capturable()
+        # apex's kernel handles, which subclasses call themselves (fairseq's FusedAdamV2 checks for them)
+        first = next((p for group in self.param_groups for p in group["params"]), None)
+        self._dummy_overflow_buf = torch.zeros(1, dtype=torch.int, device=first.device if first is not None else "cpu")
+        self.multi_tensor_adam = amp_C.multi_tensor_adam
 
     def _make_capturable(self) -> None:
         on_cpu = [tuple(p.shape) for g in self.param_groups for p in g["params"] if not p.is_cuda]
