@@ -37,9 +37,10 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ampddp.amp_setup import CastScope, SetUp
+from ampddp.amp_state_io import load_amp_state
 from ampddp.distributed.env import launched_rank_without_a_group
 from ampddp.distributed.rewrap import Wrappers, wrappers_around
-from ampddp.errors import AmpUsageError, ConfigError
+from ampddp.errors import AmpUsageError
 from ampddp.precision.cast_context import end_thread_casts, suspend_thread_casts
 from ampddp.precision.engine import PrecisionEngine, check_loss, check_models_and_optimizers
 from ampddp.precision.factory import build_engine
@@ -56,7 +57,6 @@ from ampddp.precision.registry import (
     half_function,
     promote_function,
 )
-from ampddp.precision.state import PrecisionState
 
 
 def _as_list(value: Any, kind: type, name: str) -> tuple[list[Any], bool]:
@@ -315,25 +315,7 @@ class Amp:
 
         Call after ``initialize``, as apex documents. Nothing changes unless the whole dict is valid.
         """
-        engine = self.engine
-        state = PrecisionState.from_dict(state_dict, where="amp state")
-        count = len(engine.precision_state().scalers)
-        if len(state.scalers) != count:
-            held = "one scaler" if len(state.scalers) == 1 else f"{len(state.scalers)} scalers"
-            raise ConfigError(
-                f"amp state holds {held} but this amp has {count} (num_losses={count}): expected exactly "
-                f"loss_scaler0..loss_scaler{count - 1}"
-            )
-        unscaled = all(own.dynamic is False and own.loss_scale == 1.0 for own in engine.precision_state().scalers)
-        scaled = [saved.loss_scale for saved in state.scalers if saved.loss_scale != 1.0]
-        if unscaled and scaled:  # as a checkpoint resumed in such a mode drops it (precision.state.convert)
-            warnings.warn(
-                f"amp.load_state_dict: dropping loss scale {scaled[0]:g} of the loaded state: {engine.mode} does not scale "
-                "the loss (the state was saved by a scaled opt level such as O1/O2)",
-                stacklevel=2,
-            )
-            return
-        engine.load_precision_state(state)
+        load_amp_state(self.engine, state_dict)
 
 
 default = Amp()

@@ -17,6 +17,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from ampddp.amp_stash import mark_optimizer, unmark_optimizer
+from ampddp.amp_state_io import carry_amp_state
 from ampddp.precision.cast_context import (
     OpCastContext,
     Opening,
@@ -114,6 +115,8 @@ class SetUp:
             self.hooks.append(model.register_forward_hook(open_after_forward))
         self.hooks += [optimizer.register_step_pre_hook(close_before_step) for optimizer in self.optimizers]
         self.hooks += [optimizer.register_step_post_hook(reopen_after_step) for optimizer in self.optimizers]
+        for optimizer in self.optimizers:
+            self.hooks += carry_amp_state(optimizer, self.engine)
 
     @property
     def on_initializing_thread(self) -> bool:

@@ -55,6 +55,16 @@ class StopAt(TrainerCallback):
         return control
 
 
+class StartScaleAt1024(TrainerCallback):
+    """A fresh run starts its loss scale at 1024 (apex-era scripts set ``_amp_state.loss_scalers[0]._loss_scale``),
+    so that a resumed run shows whether the scale came back from the checkpoint or restarted at 2**16."""
+
+    def on_train_begin(self, training_args, state, control, **kwargs):
+        from apex.amp import _amp_state
+
+        _amp_state.loss_scalers[0]._loss_scale = 1024.0
+
+
 def build_model():
     torch.manual_seed(0)
     if args.model == "t5":
@@ -93,7 +103,7 @@ trainer = Trainer(
     args=training_args,
     train_dataset=Counting(64, seed=1),
     eval_dataset=Counting(16, seed=2),
-    callbacks=[StopAt()] if stopping else [],
+    callbacks=[] if args.resume else [StartScaleAt1024(), *([StopAt()] if stopping else [])],
 )
 trainer.train(resume_from_checkpoint=str(out / "trainer" / f"checkpoint-{args.stop_at}") if args.resume else None)
 
@@ -104,6 +114,7 @@ report = {
     "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
     "logged_steps": [entry["step"] for entry in trainer.state.log_history if "loss" in entry],
     "global_step": trainer.state.global_step,
+    "loss_scale": amp._amp_state.loss_scalers[0].loss_scale(),
     "apex": apex.__name__,
     "model_dtypes": sorted({str(p.dtype) for p in trainer.model.parameters()}),
     "optimizer": type(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer).__module__,

@@ -60,6 +60,8 @@ def test_o2_saves_the_fp32_masters_and_resumes_from_its_checkpoint_folder_exactl
     (resumed,) = train(tmp_path, "resumed", "gpt2", "--opt-level", "O2", "--stop-at", "4", "--resume")
     assert resumed["logged_steps"] == list(range(1, 9)) and resumed["global_step"] == 8
     assert resumed["losses"] == straight["losses"] and resumed["params"] == straight["params"]
+    # the Trainer saves no amp state, but the optimizer's state_dict carries it: the scale came back
+    assert resumed["loss_scale"] == straight["loss_scale"] == 1024.0
 
 
 @pytest.mark.timeout(600)

@@ -359,3 +359,38 @@ def test_apex_impl_without_apex_explains_the_removal_and_the_alternative():
         Amp().initialize(make_mlp(), opt_level="O1", impl="apex")
     message = str(error.value)
     assert "25.04" in message and "removed" in message and "impl='builtin'" in message
+
+
+def test_an_optimizers_state_dict_carries_its_loss_scales_back():
+    """Code that checkpoints the optimizer but not amp (Hugging Face's Trainer) resumes with the scale it
+    had, not apex's fresh 2**16; a refused or unfitting state changes no scale."""
+    amp = Amp()
+    model = make_mlp(batchnorm=False)
+    optimizer = sgd(model)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", num_losses=2, verbosity=0)
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 7}, "loss_scaler1": {"loss_scale": 8.0, "unskipped": 0}})
+    saved = copy.deepcopy(optimizer.state_dict())
+    assert saved["ampddp_amp"] == amp.state_dict()
+
+    fresh = Amp()
+    again = make_mlp(batchnorm=False)
+    again_optimizer = sgd(again)
+    again, again_optimizer = fresh.initialize(again, again_optimizer, opt_level="O2", num_losses=2, verbosity=0)
+    broken = {**saved, "param_groups": saved["param_groups"] * 2}
+    with pytest.raises(ValueError, match="parameter groups"):
+        again_optimizer.load_state_dict(broken)
+    assert fresh.state_dict()["loss_scaler0"]["loss_scale"] == 2.0**16  # the refused state changed nothing
+    again_optimizer.load_state_dict(saved)
+    assert fresh.state_dict() == amp.state_dict()
+    assert "ampddp_amp" in saved  # the caller's dict is left as it was
+
+    other = Amp()
+    one = make_mlp(batchnorm=False)
+    one_optimizer = sgd(one)
+    one, one_optimizer = other.initialize(one, one_optimizer, opt_level="O1", verbosity=0)
+    with pytest.warns(UserWarning, match=r"holds 2 scalers but this amp has 1.*the loss scale stays as it is"):
+        one_optimizer.load_state_dict(saved)
+    assert other.state_dict()["loss_scaler0"]["loss_scale"] == 2.0**16
+    plain = {key: value for key, value in saved.items() if key != "ampddp_amp"}
+    one_optimizer.load_state_dict(plain)  # an optimizer state from before: the scale stays
+    assert other.state_dict()["loss_scaler0"]["loss_scale"] == 2.0**16
