@@ -22,7 +22,20 @@ def child(code):
     return done.stdout.strip() if done.returncode == 0 else f"exit {done.returncode}"
 
 
+def pkg_resources_version():
+    """setuptools' older API (Lightning 1.x reads it), where setuptools still ships it (< 81)."""
+    try:
+        import pkg_resources
+    except ImportError:
+        return "no pkg_resources"
+    try:
+        return pkg_resources.get_distribution("apex").version
+    except pkg_resources.DistributionNotFound:
+        return "DistributionNotFound"
+
+
 answers = {
+    "pkg_resources": pkg_resources_version(),
     "version": asked(lambda: metadata.version("apex")),
     "metadata": asked(lambda: [metadata.metadata("apex")["Name"], metadata.metadata("apex")["Version"]]),
     "distribution": asked(lambda: metadata.distribution("apex").version),

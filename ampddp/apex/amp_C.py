@@ -32,7 +32,6 @@ __all__ = ["multi_tensor_scale", "multi_tensor_l2norm", "multi_tensor_unscale_l2
 _OPTIMIZER_OPS = "torch.optim with foreach=True/fused=True, or the optimizers in ampddp.apex.optimizers (apex's fused optimizer kernels)"
 REPLACEMENTS = {
     "multi_tensor_sgd": "torch.optim.SGD(..., foreach=True) or ampddp.apex.optimizers.FusedSGD",
-    "multi_tensor_adam": "torch.optim.Adam/AdamW(..., fused=True) or ampddp.apex.optimizers.FusedAdam",
     "multi_tensor_adam_capturable": "torch.optim.Adam/AdamW(..., capturable=True, fused=True)",
     "multi_tensor_adam_capturable_master": "torch.optim.Adam/AdamW(..., capturable=True, fused=True) on fp32 master params",
     "multi_tensor_adagrad": "ampddp.apex.optimizers.FusedAdagrad (the whole optimizer step)",

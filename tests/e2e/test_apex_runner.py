@@ -78,6 +78,7 @@ def test_under_the_runner_apex_is_found_installed_by_every_standard_check_and_no
     assert found["packages"] == {"apex": ["apex"], "amp_C": ["apex"], "apex_C": ["apex"]}
     assert found["specs"] == dict.fromkeys(APEX_MODULES, True)
     assert "Name: apex\nVersion: 0.1" in found["pip_show"]
+    assert found["pkg_resources"] in ("0.1", "no pkg_resources")
 
     done = run([str(PROBE)], cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -85,6 +86,7 @@ def test_under_the_runner_apex_is_found_installed_by_every_standard_check_and_no
     assert plain["version"] == plain["files"] == "PackageNotFoundError" and plain["distributions"] == 0
     assert plain["specs"]["apex"] is False and plain["packages"]["apex"] is None
     assert plain["pip_show"] == plain["child_version"] == "exit 1"
+    assert plain["pkg_resources"] in ("DistributionNotFound", "no pkg_resources")
 
     aliased = "from ampddp.apex.aliasing import alias_apex; alias_apex(); import importlib.metadata as m; "
     aliased += "print(m.version('apex'), sum(d.metadata['Name'] == 'apex' for d in m.distributions()))"

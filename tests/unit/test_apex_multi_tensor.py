@@ -281,9 +281,43 @@ def test_empty_lists_are_no_ops():
     assert buf.item() == 0
 
 
+@pytest.mark.parametrize("mode, reference", [(0, torch.optim.Adam), (1, torch.optim.AdamW)], ids=["L2", "AdamW"])
+def test_multi_tensor_adam_is_apex_kernels_step(mode, reference):
+    """fairseq's FusedAdamV2 steps through it: mode 0 adds the decay to the gradient (torch's Adam), 1
+    decays decoupled (AdamW); fp16 params and fp32 moments in fp32 math; bias_correction=0 skips it."""
+    torch.manual_seed(0)
+    params = [torch.randn(7, 3), torch.randn(5)]
+    grads = [torch.randn_like(p) for p in params]
+    ref = [p.clone().requires_grad_() for p in params]
+    optimizer = reference(ref, lr=0.01, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)
+    moments = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
+    half = [p.half() for p in params]
+    half_moments = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
+    for step in range(1, 4):
+        for r, g in zip(ref, grads):
+            r.grad = g.clone()
+        optimizer.step()
+        amp_C.multi_tensor_adam(2048, torch.zeros(1, dtype=torch.int), [grads, params, *moments], 0.01, 0.8, 0.99, 1e-6, step, mode, 1, 0.1)
+        fp16_grads = [g.half() for g in grads]
+        amp_C.multi_tensor_adam(
+            2048, torch.zeros(1, dtype=torch.int), [fp16_grads, half, *half_moments], 0.01, 0.8, 0.99, 1e-6, step, mode, 1, 0.1
+        )
+    for got, want, low in zip(params, ref, half):
+        torch.testing.assert_close(got, want.detach(), atol=1e-6, rtol=1e-5)
+        assert low.dtype == torch.float16
+        torch.testing.assert_close(low.float(), want.detach(), atol=2e-3, rtol=2e-3)
+    p, g, m, v = torch.ones(4), torch.ones(4), torch.zeros(4), torch.zeros(4)
+    amp_C.multi_tensor_adam(2048, torch.zeros(1, dtype=torch.int), [[g], [p], [m], [v]], 0.1, 0.9, 0.999, 0.0, 1, mode, 0, 0.0)
+    torch.testing.assert_close(p, torch.full((4,), 1 - 0.1 * 0.1 / 0.001**0.5))  # uncorrected moments: m=0.1, v=0.001
+    with pytest.raises(ValueError, match="mode must be 0"):
+        amp_C.multi_tensor_adam(2048, torch.zeros(1, dtype=torch.int), [[g], [p], [m], [v]], 0.1, 0.9, 0.999, 1e-8, 1, 2, 1, 0.0)
+    with pytest.raises(ValueError, match="step must be a whole number >= 1"):
+        amp_C.multi_tensor_adam(2048, torch.zeros(1, dtype=torch.int), [[g], [p], [m], [v]], 0.1, 0.9, 0.999, 1e-8, 0, mode, 1, 0.0)
+
+
 def test_unknown_names_point_to_replacements():
-    with pytest.raises(ImportError, match=r"amp_C.multi_tensor_adam is not provided by ampddp.apex; use torch.optim.Adam"):
-        from ampddp.apex.amp_C import multi_tensor_adam  # noqa: F401
+    with pytest.raises(ImportError, match=r"amp_C.multi_tensor_adam_capturable is not provided by ampddp.apex; use torch.optim"):
+        from ampddp.apex.amp_C import multi_tensor_adam_capturable  # noqa: F401
     assert not hasattr(amp_C, "multi_tensor_lamb")
     with pytest.raises(ImportError, match="provides: MultiTensorApply, multi_tensor_applier"):
         from ampddp.apex.multi_tensor_apply import something_else  # noqa: F401
