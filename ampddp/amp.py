@@ -178,7 +178,7 @@ class Amp:
         engine.setup(model_list, optimizer_list)
         if engine.casts_model_params:
             wrappers.rehook_after_cast()
-        setup = SetUp(engine, model_list, optimizer_list, request, scope=self._scope)
+        setup = SetUp(engine, model_list, optimizer_list, request, scope=self._scope, restores_carried_amp_state=self._owns_its_scalers)
         setup.install_hooks()
         setup.mark_optimizers()
         self._reopen_process_casts(setup)
@@ -191,6 +191,13 @@ class Amp:
         self._initialized_optimizers.update(optimizer_list)
         self._warn_if_ranks_train_apart()
         return _shaped(model_list, models_were_list, optimizer_list if optimizers is not None else None, optimizers_were_list)
+
+    def _owns_its_scalers(self) -> bool:
+        """Under apex's scope the set-ups share one list of loss scalers (apex's global): an optimizer's
+        carried amp state is restored only while its set-up is the only live one. Beside others (apex's
+        test_restoring loads a checkpoint into a second model next to the one that wrote it) the list
+        stays as apex left it."""
+        return not self._scope.process_wide or len(self.setups) <= 1
 
     def _warn_if_ranks_train_apart(self) -> None:
         """Under apex's scope (the runner): a script started on several processes that never joined them

@@ -9,6 +9,7 @@ patched functions had none) on the initializing thread, from a model's forward r
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +58,8 @@ class SetUp:
     live: bool = True
     scope: CastScope = field(default_factory=CastScope)
     """Shared by all set-ups of one ``Amp``: whether casting is apex's process-wide scope."""
+    restores_carried_amp_state: Callable[[], bool] = lambda: True
+    """Whether an optimizer's ``load_state_dict`` restores the amp state its dict carries (see ampddp.amp_state_io)."""
     window: Opening | None = field(init=False, default=None)
     """The op lists outside the forward, made here on the initializing thread (before any compiled
     forward could open it); None without O1/O4 op casting."""
@@ -116,7 +119,7 @@ class SetUp:
         self.hooks += [optimizer.register_step_pre_hook(close_before_step) for optimizer in self.optimizers]
         self.hooks += [optimizer.register_step_post_hook(reopen_after_step) for optimizer in self.optimizers]
         for optimizer in self.optimizers:
-            self.hooks += carry_amp_state(optimizer, self.engine)
+            self.hooks += carry_amp_state(optimizer, self.engine, self.restores_carried_amp_state)
 
     @property
     def on_initializing_thread(self) -> bool:

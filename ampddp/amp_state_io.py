@@ -11,7 +11,7 @@ resume with the scale they had. A later ``amp.load_state_dict`` still wins, as i
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch.optim import Optimizer
@@ -49,10 +49,11 @@ def load_amp_state(engine: PrecisionEngine, state_dict: Mapping[str, Any], where
     engine.load_precision_state(state)
 
 
-def carry_amp_state(optimizer: Optimizer, engine: PrecisionEngine) -> list[RemovableHandle]:
+def carry_amp_state(optimizer: Optimizer, engine: PrecisionEngine, restores: Callable[[], bool]) -> list[RemovableHandle]:
     """Make ``optimizer.state_dict()`` hold ``engine``'s amp state and ``load_state_dict`` restore it
-    (after the optimizer's own state loaded: a refused optimizer state changes no scale). A carried state
-    that does not fit this set-up (another num_losses) leaves the scale as it is, with a warning."""
+    (after the optimizer's own state loaded: a refused optimizer state changes no scale) while
+    ``restores()`` says so. A carried state that does not fit this set-up (another num_losses) leaves
+    the scale as it is, with a warning."""
     if not engine.scales_loss:
         return []
     pending: list[Any] = []
@@ -73,6 +74,8 @@ def carry_amp_state(optimizer: Optimizer, engine: PrecisionEngine) -> list[Remov
         if not pending:
             return
         saved = pending.pop()
+        if not restores():
+            return
         try:
             load_amp_state(engine, saved, where="the amp state in optimizer.load_state_dict")
         except ConfigError as error:

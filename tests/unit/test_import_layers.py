@@ -50,6 +50,7 @@ LAYERS = [
             "ampddp.amp",
             "ampddp.amp_setup",
             "ampddp.amp_stash",
+            "ampddp.amp_state_io",
             "ampddp.apex",
         ),
     ),
