@@ -17,6 +17,7 @@ from ampddp.distributed.env import DistEnv
 from ampddp.distributed.parallel import Parallel
 from ampddp.models import has_convolutions
 from ampddp.precision.choice import Precision
+from ampddp.precision.hardware import slower_than_fp32
 from ampddp.prepare import Prepared, prepare
 from ampddp.training.device import DeviceSettings
 
@@ -43,17 +44,20 @@ class RunSetup:
             load_model_state(initial_weights(self.init_from), model, str(self.init_from))
         model = self.device.convert(model)
         run = prepare(model, make_optimizer, env, precision=self.precision, parallel=self.parallel)
-        warn_slow_half_convolutions(run)
+        warn_if_slower_than_fp32(run)
         if self.compiler is not None:
             run = self.compiler.compile(run, on_first_step=on_compiled)
         return run
 
 
-def warn_slow_half_convolutions(run: Prepared) -> None:
-    """fp16 convolution backward is about 60x slower than fp32 on CPU in current PyTorch: say so once."""
-    if run.env.device.type == "cpu" and run.engine.compute_dtype == torch.float16 and has_convolutions(run.module):
-        logger.warning(
-            "precision %s on CPU with convolutions: fp16 convolution backward is about 60x slower than fp32 on CPU in current "
-            "PyTorch; prefer O4, O5 or native-bf16 there (fp16 pays off on CUDA)",
-            run.engine.mode,
-        )
+def warn_if_slower_than_fp32(run: Prepared) -> None:
+    """A mode whose compute dtype is slower than fp32 on this device (bf16 on a CPU without bf16
+    instructions, fp16 convolutions on CPU): say so once, with the faster choice."""
+    reason = slower_than_fp32(run.env.device, run.engine.compute_dtype, has_convolutions(run.module))
+    if reason is None:
+        return
+    faster = (
+        "O0 (fp32)" if run.engine.compute_dtype == torch.bfloat16 else "O0 (fp32), or O4/O5/native-bf16 on a CPU with bf16 instructions"
+    )
+    logger.warning("precision %s on %s is slower than fp32 here: %s; the faster choice on this machine is %s", run.engine.mode,
+                   run.env.device, reason, faster)  # fmt: skip
