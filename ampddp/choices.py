@@ -10,6 +10,9 @@ from __future__ import annotations
 OPT_LEVEL_NAMES = ("O0", "O1", "O2", "O3", "O4", "O5", "O6")
 NATIVE_MODE_NAMES = ("native-fp16", "native-bf16")
 PRECISION_MODES = (*OPT_LEVEL_NAMES, *NATIVE_MODE_NAMES)
+AUTO_PRECISION = "auto"
+"""The fastest numerically safe mode of the device the run lands on (``ampddp.precision.auto``)."""
+PRECISION_CHOICES = (AUTO_PRECISION, *PRECISION_MODES)
 IMPLS = ("builtin", "apex")
 FP8_RECIPES = ("rowwise", "tensorwise", "rowwise_with_gw_hp")
 """O6's fp8 scaling (torchao's recipes): a scale per row (default), one per tensor (fastest), or per

@@ -25,7 +25,7 @@ from ampddp.choices import (
     IMPLS,
     LOGGER_NAMES,
     NORMALIZATIONS,
-    PRECISION_MODES,
+    PRECISION_CHOICES,
     STRATEGIES,
     SYNC_BN_CHOICES,
 )
@@ -85,8 +85,10 @@ def _between(low: float, high: float, *, low_open: bool = False, high_open: bool
 
 @dataclass
 class PrecisionConfig:
-    mode: str = field(default="O1", metadata=_choices(*PRECISION_MODES))
-    """O0-O5 (apex opt levels), O6 (O4 with fp8 matmuls, torchao) or native-fp16 / native-bf16 (torch.autocast + GradScaler)."""
+    mode: str = field(default="auto", metadata=_choices(*PRECISION_CHOICES))
+    """auto (the fastest numerically safe mode of the device: native-bf16 where bf16 is native, native-fp16 on GPUs before
+    compute capability 8.0, else O0), O0-O5 (apex opt levels), O6 (O4 with fp8 matmuls, torchao) or native-fp16 /
+    native-bf16 (torch.autocast + GradScaler)."""
     impl: str = field(default="builtin", metadata=_choices(*IMPLS))
     """builtin (ampddp on native torch) or apex (delegate to an installed apex.amp, O-levels only)."""
     cast_model_type: str | None = None

@@ -10,6 +10,7 @@ masters and model agree on every rank even if ranks were seeded differently.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,13 +20,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from ampddp.choices import AUTO_PRECISION
 from ampddp.distributed.env import DistEnv
 from ampddp.distributed.model_agreement import check_models_agree
 from ampddp.distributed.parallel import Parallel
 from ampddp.distributed.wrap import GradSync
 from ampddp.errors import ConfigError
+from ampddp.precision.auto import auto_choice_line
 from ampddp.precision.choice import Precision
 from ampddp.precision.engine import PrecisionEngine
+
+logger = logging.getLogger("ampddp.precision")
 
 
 @dataclass
@@ -83,21 +88,25 @@ def prepare(
     make_optimizer: Callable[[Iterable[nn.Parameter]], Optimizer],
     env: DistEnv,
     *,
-    precision: str | Precision = "O1",
+    precision: str | Precision = "auto",
     parallel: Parallel | None = None,
     **moved: Any,
 ) -> Prepared:
     """Set up ``model`` for training on ``env``; ``make_optimizer(params)`` builds the optimizer.
 
     ``precision``: a mode's name (its defaults) or a :class:`Precision` (mode, impl, the mode's
-    settings, registered functions). ``parallel``: a :class:`Parallel` (strategy, sync-BN, torch DDP's
+    settings, registered functions); ``auto`` (the default) picks the fastest numerically safe mode of
+    ``env.device`` and says which. ``parallel``: a :class:`Parallel` (strategy, sync-BN, torch DDP's
     settings, the wrapper's options); None is torch DDP without sync-BN.
     """
     refuse_moved_arguments("prepare", moved)
     if moved:
         raise TypeError(f"prepare() got unexpected keyword argument(s) {', '.join(sorted(moved))}")
     parallel = parallel if parallel is not None else Parallel()
-    precision = Precision.of(precision)
+    requested = Precision.of(precision)
+    precision = requested.resolved(env.device)
+    if requested.mode == AUTO_PRECISION:
+        logger.info(auto_choice_line(env.device))
     model = parallel.synchronise_batchnorm(model, env.device).to(env.device)
     broadcast_from_main(model, env)
     if parallel.shards_params:

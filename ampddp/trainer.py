@@ -69,9 +69,11 @@ class Trainer(TrainingLoop):
     whatever ``batches`` (a ``BatchAdapter``) understands. ``compile``: False (eager), True or a
     torch.compile mode, or a ``ModelCompiler``; checkpoints hold the bare module either way.
     ``precision``: a mode's name or a ``Precision`` (mode, impl, the mode's settings, registered
-    functions); ``parallel``: a ``Parallel`` (strategy, sync-BN, torch DDP's settings; None: torch
-    DDP without sync-BN). ``loading``: loader workers, pinned memory, prefetching (batches do not
-    depend on them: each sample is fetched under its own seed). ``device``: channels_last, cuDNN
+    functions); ``"auto"`` (the default) picks the fastest numerically safe mode of the device and says
+    which (bf16 where it is native, fp16 on GPUs before compute capability 8.0, else fp32);
+    ``parallel``: a ``Parallel`` (strategy, sync-BN, torch DDP's settings; None: torch DDP without
+    sync-BN). ``loading``: loader workers, pinned memory, prefetching (batches do not depend on them:
+    each sample is fetched under its own seed). ``device``: channels_last, cuDNN
     benchmark, TF32. ``checkpoints``: a ``CheckpointSettings`` (run_dir, keep_last, resume, init_from,
     config; None: no checkpoints). ``report``: a ``Reporting`` (console progress; metrics.jsonl,
     summary.json, plots and loggers such as W&B or MLflow in the run dir), by default progress and
@@ -89,7 +91,7 @@ class Trainer(TrainingLoop):
         *,
         eval_set: Dataset | None = None,
         env: DistEnv | None = None,
-        precision: str | Precision = "O1",
+        precision: str | Precision = "auto",
         parallel: Parallel | None = None,
         compile: bool | str | ModelCompiler | None = False,
         make_scheduler: Callable[[Optimizer], Any] | None = None,

@@ -10,11 +10,14 @@ settings a mode takes is the engine's knowledge).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ampddp.choices import IMPLS, PRECISION_MODES
+import torch
+
+from ampddp.choices import AUTO_PRECISION, IMPLS, PRECISION_CHOICES
 from ampddp.errors import ConfigError, choice_error
+from ampddp.precision.auto import auto_mode
 from ampddp.precision.engine import NATIVE_MODES, PrecisionEngine
 from ampddp.precision.factory import build_engine
 from ampddp.precision.opt_level import OptLevelEngine
@@ -24,22 +27,23 @@ from ampddp.precision.registry import OpRegistry
 
 @dataclass(frozen=True)
 class Precision:
-    """``mode``: O0-O6, native-fp16 or native-bf16. ``impl``: builtin, or apex (NVIDIA apex's own
+    """``mode``: ``auto`` (the fastest numerically safe mode of the device: see ``ampddp.precision.auto``;
+    ``resolved(device)`` names it), O0-O6, native-fp16 or native-bf16. ``impl``: builtin, or apex (NVIDIA apex's own
     amp, where an old build is installed; O-levels only). ``overrides``: apex ``initialize`` keywords
     for O-levels (``loss_scale``, ``keep_batchnorm_fp32``, ...), GradScaler settings for native
     modes. ``registry``: functions registered to run in fp32 / fp16 / the widest input type.
     ``fp32_islands``: under FSDP2, whether O2/O5 run apex's fp32-list ops in fp32 (None: yes; False:
     apex's pure O2/O5); refused where it decides nothing (other modes, or no FSDP2)."""
 
-    mode: str = "O1"
+    mode: str = AUTO_PRECISION
     impl: str = "builtin"
     overrides: Mapping[str, Any] = field(default_factory=dict)
     registry: OpRegistry | None = None
     fp32_islands: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.mode not in PRECISION_MODES:
-            raise choice_error("precision mode", self.mode, PRECISION_MODES)
+        if self.mode not in PRECISION_CHOICES:
+            raise choice_error("precision mode", self.mode, PRECISION_CHOICES)
         if self.impl not in IMPLS:
             raise choice_error("precision impl", self.impl, IMPLS)
         if not isinstance(self.overrides, Mapping):
@@ -47,6 +51,24 @@ class Precision:
         if self.fp32_islands not in (None, True, False):
             raise ConfigError(f"fp32_islands={self.fp32_islands!r} is not valid; valid: true, false, or null (on under FSDP2)")
         object.__setattr__(self, "overrides", dict(self.overrides))
+        if self.mode == AUTO_PRECISION:
+            self._check_auto()
+
+    def _check_auto(self) -> None:
+        """``auto`` picks a mode per device, so settings that belong to one mode cannot come with it."""
+        given = [*(f"{key}={value!r}" for key, value in self.overrides.items())]
+        given += ["registered functions (float/half/promote)"] if self.registry is not None and self.registry.entries() else []
+        given += [f"fp32_islands={self.fp32_islands}"] if self.fp32_islands is not None else []
+        given += [f"impl={self.impl}"] if self.impl != "builtin" else []
+        if given:
+            raise ConfigError(
+                f"precision mode auto picks a mode per device and takes no mode settings; got {', '.join(given)}: "
+                "name the mode they belong to (O0-O6, native-fp16, native-bf16)"
+            )
+
+    def resolved(self, device: torch.device) -> Precision:
+        """This choice on ``device``: ``auto`` becomes the mode it picks there, any other mode is itself."""
+        return replace(self, mode=auto_mode(device)[0]) if self.mode == AUTO_PRECISION else self
 
     @classmethod
     def of(cls, value: str | Precision) -> Precision:
@@ -55,10 +77,11 @@ class Precision:
             return value
         if isinstance(value, str):
             return cls(value)
-        raise ConfigError(f"precision={value!r} is not valid; give a mode's name (O0-O6, native-fp16, native-bf16) or a Precision")
+        raise ConfigError(f"precision={value!r} is not valid; give a mode's name (auto, O0-O6, native-fp16, native-bf16) or a Precision")
 
     def build_engine(self) -> PrecisionEngine:
         """A fresh engine for this choice (one per set-up: an engine holds its models' state)."""
+        self._refuse_unresolved()
         if self.fp32_islands is not None:
             raise ConfigError(
                 f"fp32_islands={self.fp32_islands} applies only under distributed strategy fsdp2 (O2/O5 there); "
@@ -71,6 +94,7 @@ class Precision:
         FSDP2 hands to the forward in fp16/bf16, with apex's fp32 islands unless ``fp32_islands`` is
         False; O6 with tensorwise scaling all-gathers its fp8 weights in fp8; every other mode is its
         single-process self (O3's params are fp16 shards)."""
+        self._refuse_unresolved()
         if self.impl != "builtin":
             raise ConfigError(
                 f"precision impl={self.impl} cannot shard: NVIDIA apex's amp predates FSDP2; use impl builtin with strategy fsdp2"
@@ -89,6 +113,10 @@ class Precision:
                 "and compute in fp32 (a unit's params share one dtype); remove the setting"
             )
         return OptLevelEngine(policy.for_sharded_params(self.fp32_islands is not False), registry=self.registry)
+
+    def _refuse_unresolved(self) -> None:
+        if self.mode == AUTO_PRECISION:
+            raise ConfigError("precision mode auto is decided per device: build the engine of precision.resolved(device)")
 
 
 SHARDED_MASTER_MODES = ("O2", "O5")

@@ -339,7 +339,9 @@ def validate(config: RunConfig) -> Built:
     device_settings(config)
     _check_schedule(config)
     parallel = parallel_from(config)
-    engine = engine_for(precision_from(config), parallel)
+    dist_cfg = config.distributed
+    env = detect_env(device=dist_cfg.device, backend=process_group_backend(config), timeout_s=dist_cfg.timeout_s)
+    engine = engine_for(precision_from(config).resolved(env.device), parallel)
     datasets = _Datasets(config)
     _check_data(config, datasets)
     model = _check_model(config)
@@ -347,8 +349,6 @@ def validate(config: RunConfig) -> Built:
     model_compiler(config)
     reporting_from(config)
     _check_optimizer(config, model)
-    dist_cfg = config.distributed
-    env = detect_env(device=dist_cfg.device, backend=process_group_backend(config), timeout_s=dist_cfg.timeout_s)
     _check_checkpoints(config, model, engine, env.rank)
     launched = dist_cfg.nproc_per_node if env.launcher == "none" and dist_cfg.nproc_per_node > 1 else env.world_size
     if parallel.shards_params and launched < 2:

@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import Dataset
 
+from ampddp.choices import AUTO_PRECISION
 from ampddp.compile_model import ModelCompiler
 from ampddp.config import IMPORT_PATH_FORM, PrecisionConfig, RunConfig, is_import_path
 from ampddp.data import build_datasets
@@ -57,6 +58,16 @@ def precision_overrides(config: RunConfig) -> dict[str, Any]:
     """The precision.* keys the user set, checked against what the chosen mode accepts."""
     values = dataclasses.asdict(config.precision)
     set_keys = {k: v for k, v in values.items() if k not in ("mode", "impl", "fp32_islands", *REGISTRATION_KEYS) and v is not None}
+    if config.precision.mode == AUTO_PRECISION:
+        given = [f"precision.{key}" for key in set_keys]
+        given += [f"precision.{key}" for key in REGISTRATION_KEYS if getattr(config.precision, key)]
+        given += ["precision.impl"] if config.precision.impl != "builtin" else []
+        given += ["precision.fp32_islands"] if config.precision.fp32_islands is not None else []
+        if given:
+            raise ConfigError(
+                f"precision.mode is auto (the default), which picks a mode per device, so {', '.join(given)} has no mode to "
+                "apply to: set precision.mode to the mode it belongs to (O0-O6, native-fp16, native-bf16)"
+            )
     if config.precision.mode in NATIVE_MODES:
         fp8 = [f"precision.{key}" for key in set_keys if key in FP8_SETTINGS]
         if fp8:

@@ -39,7 +39,9 @@ def test_this_machines_answer_comes_from_torchs_queries():
         assert hardware.cpu_has_bf16() == expected
 
 
-@pytest.mark.parametrize("has_bf16, mode, warned", [(False, "O5", True), (False, "native-bf16", True), (True, "O5", False), (False, "O0", False)])
+@pytest.mark.parametrize(
+    "has_bf16, mode, warned", [(False, "O5", True), (False, "native-bf16", True), (True, "O5", False), (False, "O0", False)]
+)
 def test_a_run_set_up_in_a_slow_mode_warns_once_naming_the_faster_choice(monkeypatch, caplog, has_bf16, mode, warned):
     monkeypatch.setattr(hardware, "cpu_has_bf16", lambda: has_bf16)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))

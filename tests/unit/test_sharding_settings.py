@@ -21,7 +21,7 @@ from ampddp.recipe.reading import load_config
 from ampddp.text import VOCAB_SIZE, python_docs
 from ampddp.training.batches import accuracy, cross_entropy
 
-RECIPE = Path(__file__).parents[2] / "recipes" / "gpt-fsdp2-O5.yaml"
+RECIPE = Path(__file__).parents[2] / "recipes" / "gpt-fsdp2.yaml"
 
 
 @pytest.mark.parametrize(("level", "low"), [("O2", torch.float16), ("O5", torch.bfloat16)])
@@ -97,7 +97,7 @@ def test_the_recipe_refuses_fsdp2_on_one_process_and_fsdp_keys_without_it(tmp_pa
     with pytest.raises(ConfigError, match=r"distributed.fsdp_blocks=\('Block',\): FSDP2 settings, but strategy=ddp"):
         validate(load_config(RECIPE, [*overrides, "distributed.strategy=ddp", "distributed.fsdp_blocks=[Block]"]))
     with pytest.raises(ConfigError, match=r"fp32_islands=False applies only under distributed strategy fsdp2"):
-        validate(load_config(RECIPE, [*overrides, "distributed.strategy=ddp", "precision.fp32_islands=false"]))
+        validate(load_config(RECIPE, [*overrides, "distributed.strategy=ddp", "precision.mode=O5", "precision.fp32_islands=false"]))
     built = validate(load_config(RECIPE, overrides))
     assert isinstance(built.model, GPT)
 
@@ -178,9 +178,9 @@ def test_cpu_offload_asks_for_a_host_backend_beside_nccl(tmp_path):
     from ampddp.distributed.env import HOST_AND_CUDA, detect_env
     from ampddp.recipe.factories import process_group_backend
 
-    config = load_config(Path(__file__).parents[2] / "recipes" / "gpt-fsdp2-O5.yaml", ["distributed.fsdp_cpu_offload=true"])
+    config = load_config(Path(__file__).parents[2] / "recipes" / "gpt-fsdp2.yaml", ["distributed.fsdp_cpu_offload=true"])
     assert process_group_backend(config) == HOST_AND_CUDA
-    config = load_config(Path(__file__).parents[2] / "recipes" / "gpt-fsdp2-O5.yaml", ["distributed.backend=gloo"])
+    config = load_config(Path(__file__).parents[2] / "recipes" / "gpt-fsdp2.yaml", ["distributed.backend=gloo"])
     assert process_group_backend(config) == "gloo"
     torchrun = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
     assert detect_env(torchrun, backend=HOST_AND_CUDA, device="cpu").backend == "gloo"  # a CPU run's host half
