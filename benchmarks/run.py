@@ -38,6 +38,8 @@ import startup
 import torch
 from harness import Budget
 
+from ampddp.precision.hardware import cpu_description
+
 BENCHMARKS = {
     "overhead": overhead.run,
     "modes": modes.run,
@@ -115,9 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"non-finite or non-positive ratios: {bad}", file=sys.stderr)
         return 1
+    cpu = cpu_description()  # bf16 emulated or native decides every bf16 row on a CPU: each row says which
+    rows = [{**row, "cpu": cpu} for row in rows]
     out = Path(args.out)
     out.write_text(json.dumps(rows, indent=2))
-    machine = f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, device {args.device}"
+    machine = f"{platform.machine()} ({cpu}), {torch.get_num_threads()} threads, torch {torch.__version__}, device {args.device}"
     out.with_suffix(".md").write_text(markdown(rows, f"ampddp benchmarks ({budget.size}) on {machine}, {time.strftime('%Y-%m-%d')}"))
     print(markdown(rows, f"results on {machine}"))
     return 0

@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from ampddp.precision.hardware import cpu_description
+
 ROOT = Path(__file__).resolve().parents[2]
-FIELDS = {"name", "ampddp", "baseline", "unit", "ratio", "repeats", "spread"}
+FIELDS = {"name", "ampddp", "baseline", "unit", "ratio", "repeats", "spread", "cpu"}
 
 
 @pytest.mark.timeout(1200)  # a subprocess running every benchmark: 2-3 min idle, 3-5x that on a loaded machine
@@ -34,6 +36,8 @@ def test_every_benchmark_runs_in_a_tiny_configuration_and_writes_valid_json_and_
             assert isinstance(row[key], float) and math.isfinite(row[key])
         assert row["ratio"] > 0
     assert "| benchmark |" in out.with_suffix(".md").read_text()
+    assert {row["cpu"] for row in rows} == {cpu_description()}  # bf16 rows mean nothing without it
+    assert cpu_description() in out.with_suffix(".md").read_text()
 
 
 def test_bad_command_lines_are_refused():
