@@ -73,10 +73,19 @@ def refused(capsys, run_dir: Path, *args: str, recipe: Path = QUICKSTART) -> str
             "SIGSTOP cannot be caught by a process, so it cannot trigger a checkpoint; valid: catchable signals",
         ),
         (["trainer.stop_signals=[SIGNOPE]"], "trainer.stop_signals=['SIGNOPE']: stop signal 'SIGNOPE' is not a signal name"),
-        (["precision.float_functions=[softplus]"], "precision.float_functions entry 'softplus' is not a dotted name of a function"),
-        (["precision.float_functions=[torch.float16]"], "precision.float_functions entry 'torch.float16' is a dtype, not a function"),
-        (["precision.half_functions=[no_such_module.fn]"], "cannot resolve 'no_such_module.fn' in precision.half_functions: no module"),
-        (["precision.promote_functions=[torch.nn.functional.nope]"], "torch.nn.functional has no attribute 'nope'"),
+        (
+            ["precision.mode=O1", "precision.float_functions=[softplus]"],
+            "precision.float_functions entry 'softplus' is not a dotted name of a function",
+        ),
+        (
+            ["precision.mode=O1", "precision.float_functions=[torch.float16]"],
+            "precision.float_functions entry 'torch.float16' is a dtype, not a function",
+        ),
+        (
+            ["precision.mode=O1", "precision.half_functions=[no_such_module.fn]"],
+            "cannot resolve 'no_such_module.fn' in precision.half_functions: no module",
+        ),
+        (["precision.mode=O1", "precision.promote_functions=[torch.nn.functional.nope]"], "torch.nn.functional has no attribute 'nope'"),
         (
             ["trainer.compile=fast"],
             "trainer.compile='fast' is not valid (did you mean 'false'?); "

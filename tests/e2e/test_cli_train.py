@@ -58,7 +58,7 @@ def test_resnet_recipes_differ_only_in_precision():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["precision.mode=O7"], "precision.mode='O7' is not valid (did you mean 'O6'?); valid choices: O0, O1"),
+        (["precision.mode=O7"], "precision.mode='O7' is not valid (did you mean 'O6'?); valid choices: auto, O0, O1"),
         (["precision.mode=native-bf16", "precision.fp8_recipe=tensorwise"], "precision.fp8_recipe applies to opt level O6 (fp8 matmuls)"),
         (["precision.mode=O4", "precision.fp8_min_size=64"], "fp8_min_size applies to opt level O6 (fp8 matmuls), not to O4"),
         (["precision.keep_bn_fp32=true"], "unknown key precision.keep_bn_fp32 (did you mean 'keep_batchnorm_fp32'?)"),
@@ -69,8 +69,9 @@ def test_resnet_recipes_differ_only_in_precision():
         (["distributed.sync_bn=yes"], "distributed.sync_bn=True has the wrong type"),
         (["precision.mode=O1", "precision.cast_model_type=fp16"], "cast_model_type=float16 is not valid with opt_level O1"),
         (["precision.mode=native-bf16", "precision.keep_batchnorm_fp32=true"], "precision.keep_batchnorm_fp32 applies to the O0-O6"),
-        (["precision.loss_scale=huge"], "loss_scale='huge'"),
-        (["precision.float_functions=[torch.not_a_function]"], "torch has no attribute 'not_a_function'"),
+        (["precision.mode=O1", "precision.loss_scale=huge"], "loss_scale='huge'"),
+        (["precision.loss_scale=128"], "precision.mode is auto (the default), which picks a mode per device, so precision.loss_scale"),
+        (["precision.mode=O1", "precision.float_functions=[torch.not_a_function]"], "torch has no attribute 'not_a_function'"),
         (["model.name=resnet81"], "did you mean 'resnet18'"),
         (["data.name=cifar10"], "data.name=cifar10 needs data.root"),
         (
