@@ -30,7 +30,7 @@ def auto_mode(device: torch.device) -> tuple[str, str]:
     if device.type == "cpu":
         if cpu_has_bf16():
             return "native-bf16", f"this CPU ({cpu_description()}) computes bf16 natively"
-        return "O0", f"this CPU ({cpu_description()}) would emulate bf16, about 3-4x slower than fp32"
+        return "O0", f"this CPU ({cpu_description()}) would run bf16 about 3-4x slower than fp32"
     if device.type == "xpu":
         return "native-bf16", "Intel GPUs compute bf16 natively"
     return "O0", f"ampddp knows no low-precision mode that is faster than fp32 on {device.type}"

@@ -23,16 +23,18 @@ def _arm_cpu_features() -> set[str]:
 
 
 def cpu_has_bf16() -> bool:
-    """Whether this CPU computes bf16 in hardware: AVX512_BF16 or AMX on x86 (torch's queries), the BF16
-    extension on ARM (its /proc/cpuinfo feature: torch has no query for it)."""
+    """Whether this CPU computes bf16 in hardware: AVX512_BF16 or AMX on x86 (torch's queries) with ATen
+    running its AVX-512 kernels (``ATEN_CPU_CAPABILITY=avx2`` turns them off, as an AVX2-only CPU has
+    none), the BF16 extension on ARM (its /proc/cpuinfo feature: torch has no query for it)."""
     if platform.machine().lower() in ("aarch64", "arm64"):
         return "bf16" in _arm_cpu_features()
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    wide_kernels = torch.backends.cpu.get_cpu_capability().startswith(("AVX512", "AMX"))
+    return wide_kernels and bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 def cpu_description() -> str:
     """The CPU as its precision sees it: ATen's capability and whether bf16 is native."""
-    return f"{torch.backends.cpu.get_cpu_capability()}, {'with' if cpu_has_bf16() else 'no'} bf16 instructions"
+    return f"{torch.backends.cpu.get_cpu_capability()}, bf16 {'native' if cpu_has_bf16() else 'emulated'}"
 
 
 def slower_than_fp32(device: torch.device, compute_dtype: torch.dtype | None, has_convolutions: bool) -> str | None:
@@ -40,7 +42,7 @@ def slower_than_fp32(device: torch.device, compute_dtype: torch.dtype | None, ha
     if device.type != "cpu" or compute_dtype is None:
         return None
     if compute_dtype == torch.bfloat16 and not cpu_has_bf16():
-        return f"this CPU ({cpu_description()}) emulates bf16: about 3-4x slower than fp32"
+        return f"this CPU ({cpu_description()}) runs bf16 about 3-4x slower than fp32"
     if compute_dtype == torch.float16 and has_convolutions:
         return "fp16 convolution backward is about 60x slower than fp32 on CPU in current PyTorch"
     return None

@@ -30,7 +30,7 @@ def test_on_cpu_auto_is_bf16_exactly_where_the_cpu_has_bf16_instructions(monkeyp
     monkeypatch.setattr(auto, "cpu_has_bf16", lambda: has_bf16)
     picked, why = auto.auto_mode(CPU)
     assert picked == mode and torch.backends.cpu.get_cpu_capability() in why
-    assert ("emulate bf16, about 3-4x slower than fp32" in why) == (not has_bf16)
+    assert ("bf16 emulated) would run bf16 about 3-4x slower than fp32" in why) == (not has_bf16)
     assert Precision().resolved(CPU).mode == mode == Precision("auto").resolved(CPU).mode
 
 
