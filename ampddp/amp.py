@@ -57,6 +57,7 @@ from ampddp.precision.registry import (
     half_function,
     promote_function,
 )
+from ampddp.precision.speed_warning import warn_if_slower_than_fp32
 
 
 def _as_list(value: Any, kind: type, name: str) -> tuple[list[Any], bool]:
@@ -176,6 +177,8 @@ class Amp:
         for earlier in [s for s in self.setups if any(s.holds(obj) for obj in (*model_list, *optimizer_list))]:
             earlier.teardown()
         engine.setup(model_list, optimizer_list)
+        device = next((param.device for model in model_list for param in model.parameters()), torch.device("cpu"))
+        warn_if_slower_than_fp32(engine.mode, engine.compute_dtype, device, model_list)
         if engine.casts_model_params:
             wrappers.rehook_after_cast()
         setup = SetUp(engine, model_list, optimizer_list, request, scope=self._scope, restores_carried_amp_state=self._owns_its_scalers)

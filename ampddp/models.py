@@ -55,10 +55,6 @@ def build_model(name: str, num_classes: int, channels: int, image_size: int) -> 
     return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
 
 
-def has_convolutions(model: nn.Module) -> bool:
-    return any(isinstance(module, nn.modules.conv._ConvNd) for module in model.modules())
-
-
 class CausalSelfAttention(nn.Module):
     """Multi-head attention over earlier positions, with its softmax written out (the op apex's
     lists keep in fp32: what FSDP2's plain bf16 loses)."""

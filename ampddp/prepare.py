@@ -26,9 +26,10 @@ from ampddp.distributed.model_agreement import check_models_agree
 from ampddp.distributed.parallel import Parallel
 from ampddp.distributed.wrap import GradSync
 from ampddp.errors import ConfigError
-from ampddp.precision.auto import auto_choice_line
+from ampddp.precision.auto import auto_choice
 from ampddp.precision.choice import Precision
 from ampddp.precision.engine import PrecisionEngine
+from ampddp.precision.speed_warning import warn_if_slower_than_fp32
 
 logger = logging.getLogger("ampddp.precision")
 
@@ -106,7 +107,7 @@ def prepare(
     requested = Precision.of(precision)
     precision = requested.resolved(env.device)
     if requested.mode == AUTO_PRECISION:
-        logger.info(auto_choice_line(env.device))
+        logger.info(auto_choice(env.device, requested.resumed_mode)[1])
     model = parallel.synchronise_batchnorm(model, env.device).to(env.device)
     broadcast_from_main(model, env)
     if parallel.shards_params:
@@ -114,6 +115,7 @@ def prepare(
     engine = engine_for(precision, parallel)
     optimizer = make_optimizer(model.parameters())
     engine.setup([model], [optimizer])
+    warn_if_slower_than_fp32(engine.mode, engine.compute_dtype, env.device, [model])
     wrapped = parallel.wrap(model, env)
     return Prepared(wrapped, model, optimizer, engine, GradSync(wrapped), env)
 
@@ -127,4 +129,5 @@ def _prepare_sharded(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Par
     model = parallel.wrap(model, env, engine.sharded_param_dtype, engine.recompute_context)
     optimizer = make_optimizer(model.parameters())
     engine.setup([model], [optimizer])
+    warn_if_slower_than_fp32(engine.mode, engine.compute_dtype, env.device, [model])
     return Prepared(model, model, optimizer, engine, GradSync(model), env)

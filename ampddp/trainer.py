@@ -34,6 +34,7 @@ from ampddp.training.device import DeviceSettings
 from ampddp.training.evaluator import Evaluator
 from ampddp.training.loading import DataLoading, LoaderSettings
 from ampddp.training.loop import TrainingLoop
+from ampddp.training.resume.kept_precision import kept_precision
 from ampddp.training.settings import LoopSettings
 
 DEFAULT_REPORTING = Reporting()
@@ -122,7 +123,8 @@ class Trainer(TrainingLoop):
         self.compiler = compile if isinstance(compile, ModelCompiler) else ModelCompiler.from_setting(compile)
         env = env or detect_env(device="auto")
         device = device or DeviceSettings()
-        setup = RunSetup(Precision.of(precision), parallel or Parallel(), self.compiler, checkpoints.init_from, device)
+        precision = kept_precision(Precision.of(precision), checkpoints.run_dir, checkpoints.resume, env)
+        setup = RunSetup(precision, parallel or Parallel(), self.compiler, checkpoints.init_from, device)
         run = setup.build(model, make_optimizer, env, on_compiled=self._compiled)
         state = TrainingState(
             run.module, run.optimizer, run.engine, make_scheduler(run.optimizer) if make_scheduler is not None else None,

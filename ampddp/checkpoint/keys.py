@@ -46,6 +46,10 @@ before it existed lack it, and a run resumed from one starts fresh tracked runs.
 RNG = "rng"
 RANK = "rank"
 
+RUN_PRECISION_MODE = "precision_mode"
+"""In a manifest's run facts: the concrete mode the run trained in (``auto`` resolved), which a
+resumed ``auto`` run keeps; manifests written before it lack it."""
+
 CHECKPOINTS_DIR = "checkpoints"
 SHARED_FILE = "shared.pt"
 RANK_FILE = "rank-{rank:05d}.pt"

@@ -374,3 +374,18 @@ def find_checkpoint(location: str | Path) -> CheckpointRef:
             f"{location}: no complete checkpoint found (expected {keys.CHECKPOINTS_DIR}/step-*/ with a {keys.COMPLETE_FILE} marker)"
         )
     return ref
+
+
+def resume_candidates(run_dir: str | Path | None, resume: str | Path) -> list[CheckpointRef]:
+    """The complete checkpoints a run would resume from, newest first, unverified: ``resume`` auto (the
+    run dir's own), a step folder (that one) or a run dir (its own); none for ``never``. For looking
+    ahead at what a resume will find (its settings, its precision mode); loading verifies and falls
+    back past a bad one (:func:`plan_resume`)."""
+    if resume == "never" or (resume == "auto" and run_dir is None):
+        return []
+    path = Path(run_dir if resume == "auto" else resume)
+    folder = path.parent if path.is_file() else path
+    if step_of(folder) is not None:
+        return [CheckpointRef(folder, step_of(folder) or 0)] if (folder / keys.COMPLETE_FILE).is_file() else []
+    run_dir = folder.parent if folder.name == keys.CHECKPOINTS_DIR else folder
+    return CheckpointStore(run_dir, keep_last=None).complete()[::-1]

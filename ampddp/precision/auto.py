@@ -9,26 +9,26 @@ and works with DDP, FSDP2 and torch.compile as they are. GPUs before 8.0 (V100, 
 natively and bf16 not: ``native-fp16`` with a dynamic loss scale. Elsewhere fp32 (``O0``): a CPU
 without bf16 instructions emulates bf16 3-4x slower than fp32, and fp16 convolutions on CPU are ~60x
 slower. Decided by torch's capability queries, never by timing.
+
+A resumed ``auto`` run keeps the mode its checkpoint trained in (``ampddp.training.resume.kept_precision``),
+unless this device cannot run it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ampddp.precision.hardware import cpu_description, cpu_has_bf16
+from ampddp.precision.hardware import cpu_description, gpu_description, native_bf16, unsupported
 
 
 def auto_mode(device: torch.device) -> tuple[str, str]:
-    """The mode ``auto`` picks on ``device`` and the reason, one clause."""
+    """The mode ``auto`` picks on ``device`` for a new run, and the reason, one clause."""
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        major, minor = torch.cuda.get_device_capability(device)
-        where = f"{name} (compute capability {major}.{minor})"
-        if torch.cuda.is_bf16_supported(including_emulation=False):
-            return "native-bf16", f"{where} computes bf16 natively"
-        return "native-fp16", f"{where} has no native bf16 (that needs 8.0+): fp16 with a dynamic loss scale"
+        if native_bf16(device):
+            return "native-bf16", f"{gpu_description(device)} computes bf16 natively"
+        return "native-fp16", f"{gpu_description(device)} has no native bf16 (that needs 8.0+): fp16 with a dynamic loss scale"
     if device.type == "cpu":
-        if cpu_has_bf16():
+        if native_bf16(device):
             return "native-bf16", f"this CPU ({cpu_description()}) computes bf16 natively"
         return "O0", f"this CPU ({cpu_description()}) would run bf16 about 3-4x slower than fp32"
     if device.type == "xpu":
@@ -36,7 +36,14 @@ def auto_mode(device: torch.device) -> tuple[str, str]:
     return "O0", f"ampddp knows no low-precision mode that is faster than fp32 on {device.type}"
 
 
-def auto_choice_line(device: torch.device) -> str:
-    """What ``auto`` picked on ``device`` and why, as the run says it once."""
-    mode, why = auto_mode(device)
-    return f"precision auto -> {mode} on {device}: {why}"
+def auto_choice(device: torch.device, resumed_mode: str | None = None) -> tuple[str, str]:
+    """The mode ``auto`` runs on ``device`` and the one line that says so and why: the mode of the
+    checkpoint a run resumes (``resumed_mode``) where the device can run it, else :func:`auto_mode`'s pick."""
+    picked, why = auto_mode(device)
+    if resumed_mode is None or resumed_mode == picked:
+        return picked, f"precision auto -> {picked} on {device}: {why}"
+    if unsupported(resumed_mode, device) is None:
+        return resumed_mode, (f"precision auto -> {resumed_mode} on {device}: kept from the checkpoint this run resumes "
+                              f"(a new run here would get {picked}: {why})")  # fmt: skip
+    return picked, (f"precision auto -> {picked} on {device}: {why}; the checkpoint this run resumes trained in {resumed_mode}, "
+                    "which this device cannot run: its state converts as for any change of mode")  # fmt: skip

@@ -17,9 +17,10 @@ import torch
 
 from ampddp.choices import AUTO_PRECISION, IMPLS, PRECISION_CHOICES
 from ampddp.errors import ConfigError, choice_error
-from ampddp.precision.auto import auto_mode
+from ampddp.precision.auto import auto_choice
 from ampddp.precision.engine import NATIVE_MODES, PrecisionEngine
 from ampddp.precision.factory import build_engine
+from ampddp.precision.hardware import unsupported
 from ampddp.precision.opt_level import OptLevelEngine
 from ampddp.precision.policy import resolve_policy
 from ampddp.precision.registry import OpRegistry
@@ -33,13 +34,16 @@ class Precision:
     for O-levels (``loss_scale``, ``keep_batchnorm_fp32``, ...), GradScaler settings for native
     modes. ``registry``: functions registered to run in fp32 / fp16 / the widest input type.
     ``fp32_islands``: under FSDP2, whether O2/O5 run apex's fp32-list ops in fp32 (None: yes; False:
-    apex's pure O2/O5); refused where it decides nothing (other modes, or no FSDP2)."""
+    apex's pure O2/O5); refused where it decides nothing (other modes, or no FSDP2). ``resumed_mode``:
+    with ``auto``, the concrete mode of the checkpoint the run resumes, which ``auto`` keeps where the
+    device can run it (set by :meth:`continuing`)."""
 
     mode: str = AUTO_PRECISION
     impl: str = "builtin"
     overrides: Mapping[str, Any] = field(default_factory=dict)
     registry: OpRegistry | None = None
     fp32_islands: bool | None = None
+    resumed_mode: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in PRECISION_CHOICES:
@@ -50,6 +54,11 @@ class Precision:
             raise ConfigError(f"Precision overrides={self.overrides!r} is not valid; it must be a mapping of setting names to values")
         if self.fp32_islands not in (None, True, False):
             raise ConfigError(f"fp32_islands={self.fp32_islands!r} is not valid; valid: true, false, or null (on under FSDP2)")
+        if self.resumed_mode is not None and (self.mode != AUTO_PRECISION or self.resumed_mode not in CONCRETE_MODES):
+            raise ConfigError(
+                f"resumed_mode={self.resumed_mode!r} with mode {self.mode} is not valid; it goes with mode auto and names "
+                f"the mode a checkpoint trained in: {', '.join(CONCRETE_MODES)}"
+            )
         object.__setattr__(self, "overrides", dict(self.overrides))
         if self.mode == AUTO_PRECISION:
             self._check_auto()
@@ -66,9 +75,20 @@ class Precision:
                 "name the mode they belong to (O0-O6, native-fp16, native-bf16)"
             )
 
+    def continuing(self, mode: str | None) -> Precision:
+        """``auto`` resuming a checkpoint that trained in ``mode`` (None: one that does not say)."""
+        return replace(self, resumed_mode=mode) if self.mode == AUTO_PRECISION else self
+
     def resolved(self, device: torch.device) -> Precision:
-        """This choice on ``device``: ``auto`` becomes the mode it picks there, any other mode is itself."""
-        return replace(self, mode=auto_mode(device)[0]) if self.mode == AUTO_PRECISION else self
+        """This choice on ``device``: ``auto`` becomes the mode it runs there (see :func:`auto_choice`),
+        any other mode is itself, refused where the device cannot run it (bf16 on a GPU before compute
+        capability 8.0, fp8 before 8.9) with what works there."""
+        if self.mode == AUTO_PRECISION:
+            return replace(self, mode=auto_choice(device, self.resumed_mode)[0], resumed_mode=None)
+        refusal = unsupported(self.mode, device)
+        if refusal is not None:
+            raise ConfigError(refusal)
+        return self
 
     @classmethod
     def of(cls, value: str | Precision) -> Precision:
@@ -119,5 +139,7 @@ class Precision:
             raise ConfigError("precision mode auto is decided per device: build the engine of precision.resolved(device)")
 
 
+CONCRETE_MODES = tuple(mode for mode in PRECISION_CHOICES if mode != AUTO_PRECISION)
+"""The modes a run trains in (what ``auto`` resolves to)."""
 SHARDED_MASTER_MODES = ("O2", "O5")
 """The modes whose fp32 masters become FSDP2's fp32 shards (and where fp32 islands are a choice)."""

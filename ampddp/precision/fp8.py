@@ -21,6 +21,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ampddp.choices import FP8_RECIPES
 from ampddp.errors import ConfigError
+from ampddp.precision.hardware import native_fp8
 
 logger = logging.getLogger("ampddp.precision")
 
@@ -129,16 +130,6 @@ def _alterations(module: nn.Linear) -> str:
     return " and ".join(found)
 
 
-def native_fp8(device: torch.device) -> bool:
-    """Whether ``device`` has fp8 matmul hardware: NVIDIA compute capability 8.9+ (Ada, Hopper,
-    Blackwell), AMD MI300 and later (gfx94x, gfx95x)."""
-    if device.type != "cuda":
-        return False
-    if torch.version.hip:
-        return torch.cuda.get_device_properties(device).gcnArchName.startswith(("gfx94", "gfx95"))
-    return torch.cuda.get_device_capability(device) >= (8, 9)
-
-
 def float8_config(recipe: str, device: torch.device, all_gather: bool = False) -> Any:
     """torchao's configuration for ``recipe``; emulated on a GPU without fp8 matmuls (torch's own CPU
     fp8 matmul serves the CPU). ``all_gather``: FSDP2 will shard the layers and gather their weights
@@ -243,14 +234,10 @@ def verdict_table(verdicts: list[LinearVerdict]) -> str:
     return "\n".join(f"  {v.name:<{width}}  {v.out_features}x{v.in_features}  {v.reason}" for v in verdicts)
 
 
-def report_plan(verdicts: list[LinearVerdict], recipe: str, device: torch.device) -> None:
-    """Log which layers run in fp8, and what the device makes of it."""
+def report_plan(verdicts: list[LinearVerdict], recipe: str) -> None:
+    """Log which layers run in fp8 (a device without fp8 hardware says so with the set-up's
+    slower-than-fp32 line: ``ampddp.precision.hardware``)."""
     count = sum(v.fp8 for v in verdicts)
     logger.info("O6: %d of %d linear layer(s) in fp8 (%s scaling):\n%s", count, len(verdicts), recipe, verdict_table(verdicts))
     if count == 0:
         logger.warning("O6: no linear layer qualifies for fp8, so this run is O4; see the table above for why")
-    elif device.type == "cpu":
-        logger.warning("O6 on the CPU: fp8 matmuls run without fp8 hardware (correct, slower than bf16): for tests, not for speed")
-    elif device.type == "cuda" and not native_fp8(device):
-        logger.warning("O6 on %s: no fp8 matmul hardware (needs compute capability 8.9+), emulated: correct, slower than bf16",
-                       torch.cuda.get_device_name(device))  # fmt: skip

@@ -2,8 +2,10 @@
 
 Mixed precision exists to be faster; on some devices a low-precision dtype is slower than fp32: bf16
 on a CPU without bf16 instructions runs emulated (a linear layer's step ~4x slower than fp32 on an
-AVX2-only EPYC), and fp16 convolution backward on CPU is ~60x slower than fp32 in current PyTorch.
-:func:`slower_than_fp32` names such a case so a run can say so once, with the faster choice.
+AVX2-only EPYC), fp16 convolution backward on CPU is ~60x slower than fp32 in current PyTorch, and
+fp8 without fp8 matmul hardware is emulated. :func:`slower_than_fp32` names such a case so a run can
+say so once, with the faster choice. On a GPU a mode it cannot compute at all (bf16 before compute
+capability 8.0, fp8 before 8.9) is refused where a run's precision is chosen: :func:`unsupported`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,11 @@ import platform
 from pathlib import Path
 
 import torch
+
+BF16_MODES = ("O4", "O5", "O6", "native-bf16")
+"""The modes that compute in bf16 (O6: bf16 around its fp8 matmuls)."""
+FP8_MODES = ("O6",)
+"""The modes that run fp8 matmuls."""
 
 
 def _arm_cpu_features() -> set[str]:
@@ -37,8 +44,63 @@ def cpu_description() -> str:
     return f"{torch.backends.cpu.get_cpu_capability()}, bf16 {'native' if cpu_has_bf16() else 'emulated'}"
 
 
-def slower_than_fp32(device: torch.device, compute_dtype: torch.dtype | None, has_convolutions: bool) -> str | None:
-    """Why ``compute_dtype`` on ``device`` is slower than fp32 (one clause), or None when it is not."""
+def gpu_description(device: torch.device) -> str:
+    """A GPU as its precision sees it: its name and compute capability (ROCm: its architecture)."""
+    if torch.version.hip:
+        return f"{torch.cuda.get_device_name(device)} ({torch.cuda.get_device_properties(device).gcnArchName})"
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor})"
+
+
+def device_description(device: torch.device) -> str:
+    """A device as its precision sees it: "this CPU (AVX2, bf16 emulated)", "NVIDIA A100 (compute capability 8.0)"."""
+    if device.type == "cpu":
+        return f"this CPU ({cpu_description()})"
+    return gpu_description(device) if device.type == "cuda" else device.type
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` computes bf16 in hardware: CUDA 8.0+ (or a ROCm GPU that says so), a CPU
+    with bf16 instructions, an Intel GPU."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    if device.type == "cpu":
+        return cpu_has_bf16()
+    return device.type == "xpu"
+
+
+def native_fp8(device: torch.device) -> bool:
+    """Whether ``device`` has fp8 matmul hardware: NVIDIA compute capability 8.9+ (Ada, Hopper,
+    Blackwell), AMD MI300 and later (gfx94x, gfx95x)."""
+    if device.type != "cuda":
+        return False
+    if torch.version.hip:
+        return torch.cuda.get_device_properties(device).gcnArchName.startswith(("gfx94", "gfx95"))
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def unsupported(mode: str, device: torch.device) -> str | None:
+    """Why a GPU cannot run ``mode`` at its speed (bf16 before compute capability 8.0, where torch
+    would emulate it slowly; fp8 before 8.9), with what works there, or None. CPUs run every mode
+    (emulated ones say so: :func:`slower_than_fp32`)."""
+    if device.type != "cuda":
+        return None
+    gpu = gpu_description(device)
+    if mode in FP8_MODES and not native_fp8(device):
+        works = "native-bf16, O4 or O5 (bf16)" if native_bf16(device) else "native-fp16, O1 or O2 (fp16 with loss scaling)"
+        return (f"precision {mode} runs fp8 matmuls, which {gpu} lacks (NVIDIA compute capability 8.9+: L4, L40, H100, H200, "
+                f"B200; AMD MI300+): use {works}, or auto")  # fmt: skip
+    if mode in BF16_MODES and not native_bf16(device):
+        return (f"precision {mode} computes in bf16, which {gpu} does not compute natively (that needs compute capability "
+                "8.0+; torch would emulate it slowly): use native-fp16, O1 or O2 (fp16 with loss scaling), O0, or auto")  # fmt: skip
+    return None
+
+
+def slower_than_fp32(device: torch.device, compute_dtype: torch.dtype | None, has_convolutions: bool, runs_fp8: bool = False) -> str | None:
+    """Why a set-up computing in ``compute_dtype`` (``runs_fp8``: with fp8 matmuls) on ``device`` is
+    slower than fp32 (one clause), or None when it is not."""
+    if runs_fp8 and not native_fp8(device):
+        return f"{device_description(device)} has no fp8 matmul hardware: its fp8 matmuls run emulated (correct; for tests, not speed)"
     if device.type != "cpu" or compute_dtype is None:
         return None
     if compute_dtype == torch.bfloat16 and not cpu_has_bf16():

@@ -108,7 +108,7 @@ class OptLevelEngine(PrecisionEngine):
         self._fp8_models.append(model)
         self.fp8_verdicts.extend(verdicts)
         if policy.verbosity > 0:
-            report_plan(verdicts, policy.fp8_recipe, device)
+            report_plan(verdicts, policy.fp8_recipe)
 
     def setup(self, models: list[nn.Module], optimizers: list[Optimizer]) -> tuple[list[nn.Module], list[Optimizer]]:
         check_models_and_optimizers(models, optimizers, self._allow_low_precision_models, fp8=self.policy.fp8_recipe is not None)

@@ -18,7 +18,7 @@ from torch.utils.data import Dataset
 
 from ampddp.checkpoint import keys
 from ampddp.checkpoint.restore import check_model_state, check_optimizer_state, check_sampler_state, initial_weights, restore_precision
-from ampddp.checkpoint.store import CheckpointRef, CheckpointStore, find_checkpoint
+from ampddp.checkpoint.store import CheckpointRef, CheckpointStore, find_checkpoint, resume_candidates
 from ampddp.config import RunConfig, is_import_path
 from ampddp.data import CIFAR_LAYOUT, IMAGEFOLDER_LAYOUT, find_classes
 from ampddp.distributed.env import detect_env
@@ -48,6 +48,7 @@ from ampddp.recipe.factories import (
 )
 from ampddp.recipe.reading import check_config
 from ampddp.training.resume import check_resume_settings, plan_schedule
+from ampddp.training.resume.kept_precision import kept_precision
 
 DATASET_CLASSES = {"digits": 10, "cifar10": 10}
 IMAGE_OPTIONS = (
@@ -341,7 +342,8 @@ def validate(config: RunConfig) -> Built:
     parallel = parallel_from(config)
     dist_cfg = config.distributed
     env = detect_env(device=dist_cfg.device, backend=process_group_backend(config), timeout_s=dist_cfg.timeout_s)
-    engine = engine_for(precision_from(config).resolved(env.device), parallel)
+    resume = config.checkpoint.resume_from or config.checkpoint.resume
+    engine = engine_for(kept_precision(precision_from(config), config.trainer.run_dir, resume, env).resolved(env.device), parallel)
     datasets = _Datasets(config)
     _check_data(config, datasets)
     model = _check_model(config)
@@ -401,18 +403,7 @@ def _resume_candidate(config: RunConfig) -> tuple[CheckpointRef, dict[str, Any]]
     entries (memory-mapped). Ones that do not read are passed over here as the trainer passes over
     them (it verifies every file and reports them)."""
     ckpt = config.checkpoint
-    if ckpt.resume_from is not None:
-        path = Path(ckpt.resume_from)
-        folder = path.parent if path.is_file() else path
-        if folder.name.startswith(keys.STEP_DIR_PREFIX):
-            candidates = [find_checkpoint(folder)]
-        else:
-            run_dir = folder.parent if folder.name == keys.CHECKPOINTS_DIR else folder
-            candidates = CheckpointStore(run_dir, keep_last=None).complete()[::-1]
-    elif ckpt.resume == "auto":
-        candidates = CheckpointStore(config.trainer.run_dir, keep_last=None).complete()[::-1]
-    else:
-        return None
+    candidates = resume_candidates(config.trainer.run_dir, ckpt.resume_from or ckpt.resume)
     for ref in candidates:
         try:
             return ref, _peek(ref)

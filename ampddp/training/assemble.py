@@ -7,7 +7,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from torch import nn
 from torch.optim import Optimizer
 
@@ -15,9 +14,7 @@ from ampddp.checkpoint.restore import initial_weights, load_model_state
 from ampddp.compile_model import ModelCompiler
 from ampddp.distributed.env import DistEnv
 from ampddp.distributed.parallel import Parallel
-from ampddp.models import has_convolutions
 from ampddp.precision.choice import Precision
-from ampddp.precision.hardware import slower_than_fp32
 from ampddp.prepare import Prepared, prepare
 from ampddp.training.device import DeviceSettings
 
@@ -44,20 +41,6 @@ class RunSetup:
             load_model_state(initial_weights(self.init_from), model, str(self.init_from))
         model = self.device.convert(model)
         run = prepare(model, make_optimizer, env, precision=self.precision, parallel=self.parallel)
-        warn_if_slower_than_fp32(run)
         if self.compiler is not None:
             run = self.compiler.compile(run, on_first_step=on_compiled)
         return run
-
-
-def warn_if_slower_than_fp32(run: Prepared) -> None:
-    """A mode whose compute dtype is slower than fp32 on this device (bf16 on a CPU without bf16
-    instructions, fp16 convolutions on CPU): say so once, with the faster choice."""
-    reason = slower_than_fp32(run.env.device, run.engine.compute_dtype, has_convolutions(run.module))
-    if reason is None:
-        return
-    faster = (
-        "O0 (fp32)" if run.engine.compute_dtype == torch.bfloat16 else "O0 (fp32), or O4/O5/native-bf16 on a CPU with bf16 instructions"
-    )
-    logger.warning("precision %s on %s is slower than fp32 here: %s; the faster choice on this machine is %s", run.engine.mode,
-                   run.env.device, reason, faster)  # fmt: skip

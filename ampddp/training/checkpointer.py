@@ -140,7 +140,8 @@ class Checkpointer:
             shared = self.state_dict(everywhere=False)
             checked = {name: shared[name] for name in (keys.MODEL, keys.OPTIMIZER, keys.PRECISION)}
         refuse_non_finite(checked, step, self.saved_step, self.env)
-        run = {"progress": shared[keys.PROGRESS], "config_sha256": config_digest(self.config), "ampddp": shared[keys.VERSIONS]["ampddp"]}
+        run = {"progress": shared[keys.PROGRESS], "config_sha256": config_digest(self.config), "ampddp": shared[keys.VERSIONS]["ampddp"],
+               keys.RUN_PRECISION_MODE: self.state.engine.mode}  # fmt: skip
         ref = self.store.save(step, shared, {keys.RNG: capture_rng()}, self.env, run=run, shards=shards)
         self.saved_step = step
         return ref

@@ -209,13 +209,17 @@ def test_o6_checkpoints_move_to_o4_and_back_and_load_without_torchao(tmp_path, c
     plain = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 4))
     plain.load_state_dict(state["model"])  # the keys of nn.Linear: no torchao needed to read the weights
     assert "1 of 2 linear layer(s) in fp8" in caplog.text
+    emulated = [r.message for r in caplog.records if "has no fp8 matmul hardware: its fp8 matmuls run emulated" in r.message]
+    assert len(emulated) == 2 and emulated[0].startswith("precision O6 on cpu is slower than fp32 here"), "once per O6 set-up"
 
 
-def test_the_amp_facade_takes_o6_with_its_settings():
+def test_the_amp_facade_takes_o6_with_its_settings(caplog):
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     amp = Amp()
-    model, optimizer = amp.initialize(model, optimizer, opt_level="O6", fp8_min_size=16, verbosity=0)
+    with caplog.at_level(logging.WARNING, logger="ampddp.precision"):
+        model, optimizer = amp.initialize(model, optimizer, opt_level="O6", fp8_min_size=16, verbosity=0)
+    assert sum("fp8 matmuls run emulated" in r.message for r in caplog.records) == 1
     assert type(model[2]).__name__ == "Float8Linear" and type(model[0]) is nn.Linear
     before = model[2].weight.detach().clone()
     loss = model(torch.randn(8, 32)).float().pow(2).mean()

@@ -1,5 +1,6 @@
 """A mode slower than fp32 on this device says so once, decided by torch's capability queries: bf16 on
-a CPU without bf16 instructions (emulated, 3-4x slower), fp16 convolutions on CPU (~60x slower)."""
+a CPU without bf16 instructions (emulated, 3-4x slower), fp16 convolutions on CPU (~60x slower), fp8
+without fp8 matmul hardware (emulated)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,13 @@ def test_fp16_is_slower_than_fp32_on_cpu_only_with_convolutions():
     assert hardware.slower_than_fp32(CPU, torch.float16, has_convolutions=False) is None
 
 
+def test_fp8_is_slower_without_fp8_matmul_hardware(monkeypatch):
+    monkeypatch.setattr(hardware, "cpu_has_bf16", lambda: True)
+    reason = hardware.slower_than_fp32(CPU, torch.bfloat16, False, runs_fp8=True)
+    assert "has no fp8 matmul hardware: its fp8 matmuls run emulated" in reason
+    assert hardware.slower_than_fp32(CPU, torch.bfloat16, False, runs_fp8=False) is None
+
+
 def test_this_machines_answer_comes_from_torchs_queries():
     native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
     expected = native and torch.backends.cpu.get_cpu_capability().startswith(("AVX512", "AMX"))
@@ -46,7 +54,7 @@ def test_this_machines_answer_comes_from_torchs_queries():
 def test_a_run_set_up_in_a_slow_mode_warns_once_naming_the_faster_choice(monkeypatch, caplog, has_bf16, mode, warned):
     monkeypatch.setattr(hardware, "cpu_has_bf16", lambda: has_bf16)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
-    with caplog.at_level(logging.WARNING, logger="ampddp.trainer"):
+    with caplog.at_level(logging.WARNING, logger="ampddp.precision"):
         RunSetup(Precision(mode)).build(model, lambda params: torch.optim.SGD(params, lr=0.1), DistEnv())
     lines = [record.getMessage() for record in caplog.records if "slower than fp32" in record.getMessage()]
     assert len(lines) == (1 if warned else 0)
