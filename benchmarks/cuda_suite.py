@@ -121,10 +121,10 @@ def _pipeline_rows(device: str, budget: Budget) -> list[Row]:
     from torchvision.datasets import ImageFolder
     from torchvision.io import ImageReadMode, decode_image
 
-    from ampddp.data import imagefolder
     from ampddp.distributed.env import detect_env
     from ampddp.trainer import Trainer
     from ampddp.training import DeviceSettings, LoaderSettings
+    from ampddp.zoo.data import imagefolder
 
     images, side, size, steps, repeats, workers = budget.pick((16, 32, 2, 2, 1, 0), (2048, 224, 128, 15, 3, 8), (4096, 224, 256, 20, 3, 12))
     mode = "native-bf16" if device == "cuda" else "O5"

@@ -23,8 +23,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ampddp import Parallel, Precision
 from ampddp.distributed import launch_local
-from ampddp.models import GPT
 from ampddp.prepare import prepare
+from ampddp.zoo.models import GPT
 
 logger = logging.getLogger("benchmarks")
 

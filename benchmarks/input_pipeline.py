@@ -37,10 +37,10 @@ def pipeline_rows(root: Path, source: int, image_size: int, batch_size: int, rep
     from torchvision.datasets import ImageFolder
     from torchvision.io import ImageReadMode, decode_image
 
-    from ampddp.data import imagefolder
     from ampddp.distributed.data import ResumableSampler
     from ampddp.distributed.env import detect_env
     from ampddp.training.loading import DataLoading, LoaderSettings
+    from ampddp.zoo.data import imagefolder
 
     env = detect_env({}, device="cpu")
     train_set, _ = imagefolder(str(root), image_size, augment=True)
@@ -70,11 +70,11 @@ def pipeline_rows(root: Path, source: int, image_size: int, batch_size: int, rep
 
 
 def trainer_rows(root: Path, image_size: int, batch_size: int, repeats: int, steps: int, workers: int) -> list[Row]:
-    from ampddp.data import imagefolder
     from ampddp.distributed.env import detect_env
-    from ampddp.models import build_model
     from ampddp.trainer import Trainer
     from ampddp.training.loading import LoaderSettings
+    from ampddp.zoo.data import imagefolder
+    from ampddp.zoo.models import build_model
 
     env = detect_env({}, device="cpu")
     train_set, _ = imagefolder(str(root), image_size, augment=True)

@@ -21,8 +21,8 @@ from ampddp.checkpoint.sharded import read_into_live, split_state, verify_shards
 from ampddp.checkpoint.store import CheckpointStore
 from ampddp.distributed import launch_local
 from ampddp.distributed.full_state import gathered, sharded_model_state, sharded_optimizer_state
-from ampddp.models import GPT
 from ampddp.prepare import prepare
+from ampddp.zoo.models import GPT
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

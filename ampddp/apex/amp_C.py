@@ -72,18 +72,23 @@ def _lists(op: str, tensor_lists: Any, names: tuple[str, ...]) -> list[list[torc
                 f"each list needs one tensor per {names[0]} tensor"
             )
     for name, entry in zip(names, lists):
-        for i, t in enumerate(entry):
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"{op}: {name}[{i}] is a {type(t).__name__}, not a torch.Tensor")
-            if t.dtype not in _FLOATING:
-                raise ValueError(f"{op}: {name}[{i}] has dtype {t.dtype}; valid dtypes are float16, bfloat16, float32, float64")
-            first = lists[0][i]
-            if t.numel() != first.numel():
-                raise ValueError(
-                    f"{op}: {name}[{i}] has {t.numel()} elements (shape {tuple(t.shape)}) but {names[0]}[{i}] has {first.numel()} "
-                    f"(shape {tuple(first.shape)}); matching tensors must have the same number of elements"
-                )
+        _check_tensors(op, name, entry, names[0], lists[0])
     return lists
+
+
+def _check_tensors(op: str, name: str, entry: list[Any], first_name: str, first_list: list[torch.Tensor]) -> None:
+    """Each of ``entry`` a floating tensor with as many elements as its counterpart in the first list."""
+    for i, t in enumerate(entry):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{op}: {name}[{i}] is a {type(t).__name__}, not a torch.Tensor")
+        if t.dtype not in _FLOATING:
+            raise ValueError(f"{op}: {name}[{i}] has dtype {t.dtype}; valid dtypes are float16, bfloat16, float32, float64")
+        first = first_list[i]
+        if t.numel() != first.numel():
+            raise ValueError(
+                f"{op}: {name}[{i}] has {t.numel()} elements (shape {tuple(t.shape)}) but {first_name}[{i}] has {first.numel()} "
+                f"(shape {tuple(first.shape)}); matching tensors must have the same number of elements"
+            )
 
 
 def _check_flag(op: str, noop_flag: Any) -> None:
@@ -322,29 +327,47 @@ def multi_tensor_adam(
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
         raise ValueError(f"{op}: step must be a whole number >= 1 (the step being taken), got {step!r}")
     grads, params, exp_avgs, exp_avg_sqs = _lists(op, tensor_lists, ("grads", "params", "exp_avgs", "exp_avg_sqs"))
-    correction1, correction2 = (1 - beta1**step, 1 - beta2**step) if bias_correction == 1 else (1.0, 1.0)
+    corrections = (1 - beta1**step, 1 - beta2**step) if bias_correction == 1 else (1.0, 1.0)
     with torch.no_grad():
         for _, idx in _by_device(params).items():
-            acc = [_acc(params[i].dtype, grads[i].dtype) for i in idx]
-            g = [grads[i].to(dtype=a, copy=True).reshape(params[i].shape) for i, a in zip(idx, acc)]
-            p = [params[i].to(dtype=a, copy=True) for i, a in zip(idx, acc)]
-            m = [exp_avgs[i].to(dtype=a, copy=True).reshape(params[i].shape) for i, a in zip(idx, acc)]
-            v = [exp_avg_sqs[i].to(dtype=a, copy=True).reshape(params[i].shape) for i, a in zip(idx, acc)]
-            if mode == ADAM_L2 and weight_decay != 0:
-                torch._foreach_add_(g, p, alpha=weight_decay)
-            torch._foreach_lerp_(m, g, 1 - beta1)
-            torch._foreach_mul_(v, beta2)
-            torch._foreach_addcmul_(v, g, g, value=1 - beta2)
-            denom = torch._foreach_div(v, correction2)
-            torch._foreach_sqrt_(denom)
-            torch._foreach_add_(denom, epsilon)
-            update = torch._foreach_div(m, correction1)
-            torch._foreach_div_(update, denom)
-            if mode == ADAM_W and weight_decay != 0:
-                torch._foreach_add_(update, p, alpha=weight_decay)
-            torch._foreach_add_(p, update, alpha=-lr)
+            g, p, m, v = _accumulation_copies(grads, params, exp_avgs, exp_avg_sqs, idx)
+            decays = (0.0, weight_decay) if mode == ADAM_W else (weight_decay, 0.0)
+            _adam_in_place(g, p, m, v, lr, (beta1, beta2), epsilon, corrections, decays)
             for targets, values in ((params, p), (exp_avgs, m), (exp_avg_sqs, v)):
                 torch._foreach_copy_([targets[i] for i in idx], values)
+
+
+def _accumulation_copies(
+    grads: list[torch.Tensor], params: list[torch.Tensor], exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
+    idx: list[int],
+) -> tuple[list[torch.Tensor], ...]:  # fmt: skip
+    """Copies of the ``idx`` entries in the accumulation dtype (float32 for low-precision tensors), in the params' shapes."""
+    acc = [_acc(params[i].dtype, grads[i].dtype) for i in idx]
+    return tuple(
+        [tensors[i].to(dtype=a, copy=True).reshape(params[i].shape) for i, a in zip(idx, acc)]
+        for tensors in (grads, params, exp_avgs, exp_avg_sqs)
+    )
+
+
+def _adam_in_place(
+    g: list[torch.Tensor], p: list[torch.Tensor], m: list[torch.Tensor], v: list[torch.Tensor], lr: float,
+    betas: tuple[float, float], epsilon: float, corrections: tuple[float, float], decays: tuple[float, float],
+) -> None:  # fmt: skip
+    """Adam's step on the accumulation-dtype copies; ``decays``: (L2 weight decay added to the gradient,
+    decoupled weight decay added to the update, AdamW's), one of them 0."""
+    if decays[0] != 0:
+        torch._foreach_add_(g, p, alpha=decays[0])
+    torch._foreach_lerp_(m, g, 1 - betas[0])
+    torch._foreach_mul_(v, betas[1])
+    torch._foreach_addcmul_(v, g, g, value=1 - betas[1])
+    denom = torch._foreach_div(v, corrections[1])
+    torch._foreach_sqrt_(denom)
+    torch._foreach_add_(denom, epsilon)
+    update = torch._foreach_div(m, corrections[0])
+    torch._foreach_div_(update, denom)
+    if decays[1] != 0:
+        torch._foreach_add_(update, p, alpha=decays[1])
+    torch._foreach_add_(p, update, alpha=-lr)
 
 
 def __getattr__(name: str) -> Any:

@@ -39,23 +39,10 @@ def export_weights(location: str | Path, out: str | Path, dtype: str = "saved", 
     if dtype not in EXPORT_DTYPES:
         raise ConfigError(f"--dtype {dtype!r} is not valid; valid: {', '.join(EXPORT_DTYPES)}")
     out = Path(out)
-    if out.suffix != ".safetensors":
-        raise ConfigError(f"--to {out}: name the output file *.safetensors")
-    if out.exists() and not force:
-        raise ConfigError(f"--to {out} exists; choose another name or pass --force to replace it")
-    if not out.parent.is_dir():
-        raise ConfigError(f"--to {out}: no such directory {out.parent}")
+    _check_output(out, force)
     ref = find_checkpoint(location)
-    manifest = ref.manifest()
-    shared = CheckpointStore.load_whole(ref, manifest)
-    model = shared.get(keys.MODEL)
-    if not isinstance(model, dict) or not all(isinstance(value, torch.Tensor) for value in model.values()):
-        raise CheckpointError(f"{ref.shared_file}: no model state of tensors in this checkpoint (keys: {sorted(shared)})")
-    cast = EXPORT_DTYPES[dtype]
-    tensors = {
-        name: (value.to(cast) if cast is not None and value.is_floating_point() else value).detach().cpu().contiguous().clone()
-        for name, value in model.items()
-    }  # own storage each: safetensors refuses tensors sharing memory (tied weights are written twice)
+    shared = CheckpointStore.load_whole(ref, ref.manifest())
+    tensors = _exported_tensors(shared, EXPORT_DTYPES[dtype], ref.shared_file)
     precision = shared.get(keys.PRECISION) or {}
     progress = shared.get(keys.PROGRESS) or {}
     metadata = {
@@ -78,6 +65,30 @@ def export_weights(location: str | Path, out: str | Path, dtype: str = "saved", 
         "parameters": sum(value.numel() for value in tensors.values() if value.is_floating_point()),
         "dtypes": dict(Counter(str(value.dtype).removeprefix("torch.") for value in tensors.values())),
         "bytes": out.stat().st_size,
+    }
+
+
+def _check_output(out: Path, force: bool) -> None:
+    """``--to``: a new *.safetensors file (an existing file only with ``force``; never a directory) in an existing folder."""
+    if out.suffix != ".safetensors":
+        raise ConfigError(f"--to {out}: name the output file *.safetensors")
+    if out.is_dir():
+        raise ConfigError(f"--to {out} is a directory; name a file to write, e.g. {out / 'model.safetensors'}")
+    if out.exists() and not force:
+        raise ConfigError(f"--to {out} exists; choose another name or pass --force to replace it")
+    if not out.parent.is_dir():
+        raise ConfigError(f"--to {out}: no such directory {out.parent}")
+
+
+def _exported_tensors(shared: dict[str, Any], cast: torch.dtype | None, where: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's model tensors on the CPU, floating ones cast to ``cast`` (None: as saved), each
+    with storage of its own: safetensors refuses tensors sharing memory (tied weights are written twice)."""
+    model = shared.get(keys.MODEL)
+    if not isinstance(model, dict) or not all(isinstance(value, torch.Tensor) for value in model.values()):
+        raise CheckpointError(f"{where}: no model state of tensors in this checkpoint (keys: {sorted(shared)})")
+    return {
+        name: (value.to(cast) if cast is not None and value.is_floating_point() else value).detach().cpu().contiguous().clone()
+        for name, value in model.items()
     }
 
 

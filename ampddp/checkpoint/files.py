@@ -24,7 +24,7 @@ import torch
 
 from ampddp.checkpoint.manifest import FileDigest, new_hasher, verify_file
 from ampddp.errors import CheckpointError, CheckpointWriteError
-from ampddp.run_files import create_temporary
+from ampddp.rundir.files import create_temporary
 
 
 def fsync_directory(directory: Path) -> None:

@@ -2,7 +2,7 @@
 
 Reading a manifest and verifying the files it lists (size and XXH3-128 checksum) needs no torch, so
 ``ampddp train`` can tell a finished run from its last checkpoint before importing torch (see
-``ampddp.finished_run``); the checkpoint store and loader use the same functions.
+``ampddp.rundir.finished``); the checkpoint store and loader use the same functions.
 """
 
 from __future__ import annotations
@@ -146,19 +146,9 @@ def read_manifest(folder: Path) -> Manifest:
     elsewhere (``../x``, ``/etc/passwd``) is refused before any file is read, so checking it can
     neither read outside the checkpoint nor reveal the checksum of another file."""
     marker = Path(folder) / keys.COMPLETE_FILE
-    try:
-        with open(marker, "rb") as handle:
-            data = handle.read(MAX_MANIFEST_BYTES + 1)
-        if len(data) > MAX_MANIFEST_BYTES:
-            limit = MAX_MANIFEST_BYTES // 2**20
-            raise CheckpointError(f"{marker}: completion marker larger than {limit} MiB, far beyond any manifest: not one ampddp wrote")
-        content = json.loads(data.decode("utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{folder}: incomplete checkpoint (no {keys.COMPLETE_FILE} marker: the save was interrupted)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"{marker}: unreadable completion marker ({str(error).splitlines()[0][:120]})") from None
+    content = _marker_content(folder, marker)
     files = content.get("files") if isinstance(content, dict) else None
-    world_size = content.get("world_size")
+    world_size = content.get("world_size") if isinstance(content, dict) else None
     if not isinstance(files, (dict, list)) or not (world_size is None or (isinstance(world_size, int) and world_size >= 1)):
         raise CheckpointError(f"{marker}: malformed completion marker: expected JSON with 'files' and 'world_size' (an integer >= 1)")
     names = tuple(files)
@@ -175,6 +165,21 @@ def read_manifest(folder: Path) -> Manifest:
     digests = {name: FileDigest.from_json(entry, f"{marker} ({name})") for name, entry in files.items()}
     run = content.get("run")
     return Manifest(content.get("step"), world_size, names, digests, run if isinstance(run, dict) else None)
+
+
+def _marker_content(folder: Path, marker: Path) -> Any:
+    """The marker's JSON, read no further than ``MAX_MANIFEST_BYTES``."""
+    try:
+        with open(marker, "rb") as handle:
+            data = handle.read(MAX_MANIFEST_BYTES + 1)
+        if len(data) > MAX_MANIFEST_BYTES:
+            limit = MAX_MANIFEST_BYTES // 2**20
+            raise CheckpointError(f"{marker}: completion marker larger than {limit} MiB, far beyond any manifest: not one ampddp wrote")
+        return json.loads(data.decode("utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{folder}: incomplete checkpoint (no {keys.COMPLETE_FILE} marker: the save was interrupted)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{marker}: unreadable completion marker ({str(error).splitlines()[0][:120]})") from None
 
 
 def _is_plain_file_name(name: object) -> bool:

@@ -68,13 +68,20 @@ def check_optimizer_state(state: Any, optimizer: Any, where: str) -> None:
     per_param = state["state"] if isinstance(state["state"], dict) else {}
     for group_index, (group, live_group) in enumerate(zip(groups, optimizer.param_groups)):
         for position, (index, param) in enumerate(zip(group.get("params", []), live_group["params"])):
-            entries = per_param.get(index)
-            for name, value in entries.items() if isinstance(entries, dict) else ():
-                if name in PARAM_SHAPED_STATE and isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
-                    raise CheckpointError(
-                        f"{where}: optimizer state {name!r} of parameter {position} in group {group_index} has shape "
-                        f"{tuple(value.shape)}, the live parameter {tuple(param.shape)}: the optimizer state of another model"
-                    )
+            name = _misshaped_entry(per_param.get(index), param)
+            if name is not None:
+                raise CheckpointError(
+                    f"{where}: optimizer state {name!r} of parameter {position} in group {group_index} has shape "
+                    f"{tuple(per_param[index][name].shape)}, the live parameter {tuple(param.shape)}: the optimizer state of another model"
+                )
+
+
+def _misshaped_entry(entries: Any, param: torch.Tensor) -> str | None:
+    """The first of a parameter's saved state entries kept in a parameter's shape but not in ``param``'s."""
+    for name, value in entries.items() if isinstance(entries, dict) else ():
+        if name in PARAM_SHAPED_STATE and isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
+            return name
+    return None
 
 
 def check_sampler_state(saved: Any, live: dict[str, Any], where: str) -> None:

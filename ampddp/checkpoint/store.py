@@ -28,7 +28,7 @@ from ampddp.checkpoint.manifest import CHECKSUM, Manifest, complete_folders, rea
 from ampddp.distributed.data import broadcast_from_main, gather_objects, sum_across_ranks
 from ampddp.distributed.env import DistEnv
 from ampddp.errors import CheckpointError, CheckpointWriteError, ConfigError, RunIOError
-from ampddp.run_files import RunDirIdentity
+from ampddp.rundir.files import RunDirIdentity
 
 logger = logging.getLogger("ampddp.checkpoint")
 
@@ -202,15 +202,23 @@ class CheckpointStore:
         verify and were skipped on resume: they stay untouched until a newer good one exists. The
         ``keep_last`` count only counts folders whose files are all there with their sizes.
         """
-        kept = step_of(keep)
-        older = [ref for ref in self.complete() if kept is None or ref.step <= kept]
-        whole = [ref for ref in older if ref.path == keep or ref.looks_whole()]
-        survivors = {ref.path for ref in whole[-self.keep_last :]} if self.keep_last else {ref.path for ref in older}
-        doomed = [ref.path for ref in older if ref.path not in survivors]
-        doomed += [folder for folder in self.root.iterdir() if step_of(folder) is not None and not (folder / keys.COMPLETE_FILE).is_file()]
-        for folder in doomed:
+        for folder in [*self._beyond_retention(keep), *self._half_written()]:
             if folder != keep:
                 shutil.rmtree(folder, ignore_errors=True)
+
+    def _beyond_retention(self, keep: Path) -> list[Path]:
+        """Complete folders up to ``keep`` past the newest ``keep_last`` whole ones (none without keep_last)."""
+        kept = step_of(keep)
+        older = [ref for ref in self.complete() if kept is None or ref.step <= kept]
+        if not self.keep_last:
+            return []
+        whole = [ref for ref in older if ref.path == keep or ref.looks_whole()]
+        survivors = {ref.path for ref in whole[-self.keep_last :]}
+        return [ref.path for ref in older if ref.path not in survivors]
+
+    def _half_written(self) -> list[Path]:
+        """Step folders without the completion marker: saves that were interrupted."""
+        return [folder for folder in self.root.iterdir() if step_of(folder) is not None and not (folder / keys.COMPLETE_FILE).is_file()]
 
     def move_aside(self, folders: list[Path]) -> list[Path]:
         """Move step folders into ``<run_dir>/abandoned/`` (never deleted); returns their new paths."""
@@ -315,27 +323,38 @@ def plan_resume(store: CheckpointStore | None, resume: str | Path, passed_over: 
 
 
 def _plan(store: CheckpointStore | None, resume: str | Path, passed_over: Collection[str]) -> dict[str, Any]:
-    warnings: list[str] = []
-    ref: CheckpointRef | None = None
-    if resume == "auto" and store is not None:
-        ref, warnings = store.newest_verified(shards_sized_only=True, passed_over=passed_over)
-    elif resume not in ("auto", "never"):
-        path = Path(resume)
-        folder = path.parent if path.is_file() else path
-        if step_of(folder) is not None:
-            ref = find_checkpoint(folder)
-            ref.verify()
-        else:
-            run_dir = folder.parent if folder.name == keys.CHECKPOINTS_DIR else folder
-            if not run_dir.exists():
-                raise CheckpointError(f"{resume}: no such checkpoint or run directory")
-            ref, warnings = CheckpointStore(run_dir, keep_last=None).newest_verified()
-            if ref is None:
-                raise CheckpointError(f"{resume}: no checkpoint that verifies (expected {keys.CHECKPOINTS_DIR}/step-*/ with COMPLETE)")
+    ref, warnings = _chosen(store, resume, passed_over)
     for line in warnings:
         logger.warning(line)
     if store is None or resume == "auto":
         return {"start": str(ref.path) if ref is not None else None, "warnings": warnings, "shards_verified": resume != "auto"}
+    warnings += _clear_newer(store, ref)
+    return {"start": str(ref.path) if ref is not None else None, "warnings": warnings}
+
+
+def _chosen(store: CheckpointStore | None, resume: str | Path, passed_over: Collection[str]) -> tuple[CheckpointRef | None, list[str]]:
+    """The checkpoint ``resume`` names (verified; sized-only shards for ``auto``) and the lines saying
+    which newer ones were passed over."""
+    if resume == "auto":
+        return store.newest_verified(shards_sized_only=True, passed_over=passed_over) if store is not None else (None, [])
+    if resume == "never":
+        return None, []
+    source = resume_source(resume)
+    if source.step is not None:
+        ref = find_checkpoint(source.path)
+        ref.verify()
+        return ref, []
+    if not source.path.exists():
+        raise CheckpointError(f"{resume}: no such checkpoint or run directory")
+    ref, warnings = CheckpointStore(source.path, keep_last=None).newest_verified()
+    if ref is None:
+        raise CheckpointError(f"{resume}: no checkpoint that verifies (expected {keys.CHECKPOINTS_DIR}/step-*/ with COMPLETE)")
+    return ref, warnings
+
+
+def _clear_newer(store: CheckpointStore, ref: CheckpointRef | None) -> list[str]:
+    """Step folders of this run newer than where it starts from: moved aside when it starts from one of
+    its own checkpoints, refused when they are complete and it starts elsewhere."""
     start = ref.step if ref is not None else 0
     newer = [folder for folder in store.step_folders() if (step_of(folder) or 0) > start]
     if newer and ref is not None and ref.path.resolve().parent == store.root.resolve():
@@ -344,31 +363,47 @@ def _plan(store: CheckpointStore | None, resume: str | Path, passed_over: Collec
             f"{a.name} -> {b}" for a, b in zip(newer, moved)
         )
         logger.warning(line)
-        warnings.append(line)
-    elif any((folder / keys.COMPLETE_FILE).is_file() for folder in newer):
+        return [line]
+    if any((folder / keys.COMPLETE_FILE).is_file() for folder in newer):
         newest = max(step_of(folder) or 0 for folder in newer)
         raise ConfigError(
             f"run_dir {store.root.parent} already holds checkpoints up to step {newest}, newer than where this run "
             f"starts (step {start}); use checkpoint resume 'auto' to continue it, resume_from one of its own checkpoints "
             f"(newer ones are moved to {keys.ABANDONED_DIR}/), or a new run_dir"
         )
-    return {"start": str(ref.path) if ref is not None else None, "warnings": warnings}
+    return []
+
+
+@dataclass(frozen=True)
+class ResumeSource:
+    """What a user-given checkpoint path points at: a step folder (``step`` its number) or a run dir
+    (``step`` None; given as the run dir or its checkpoints/ folder)."""
+
+    path: Path
+    step: int | None
+
+
+def resume_source(location: str | Path) -> ResumeSource:
+    """The one reading of a checkpoint path: a file stands for its folder, a step folder for that
+    checkpoint, ``checkpoints/`` for its run dir, anything else for a run dir."""
+    path = Path(location)
+    folder = path.parent if path.is_file() else path
+    step = step_of(folder)
+    if step is not None:
+        return ResumeSource(folder, step)
+    return ResumeSource(folder.parent if folder.name == keys.CHECKPOINTS_DIR else folder, None)
 
 
 def find_checkpoint(location: str | Path) -> CheckpointRef:
     """Resolve a user-given path: a step folder, a file in one, a run dir, or its checkpoints dir."""
-    path = Path(location)
-    if path.is_file():
-        path = path.parent
-    if not path.exists():
+    source = resume_source(location)
+    if not source.path.exists():
         raise CheckpointError(f"{location}: no such checkpoint or run directory")
-    step = step_of(path)
-    if step is not None:
-        if not (path / keys.COMPLETE_FILE).is_file():
-            raise CheckpointError(f"{path}: incomplete checkpoint (no {keys.COMPLETE_FILE} marker: the save was interrupted)")
-        return CheckpointRef(path, step)
-    run_dir = path.parent if path.name == keys.CHECKPOINTS_DIR else path
-    ref = CheckpointStore(run_dir, keep_last=None).latest()
+    if source.step is not None:
+        if not (source.path / keys.COMPLETE_FILE).is_file():
+            raise CheckpointError(f"{source.path}: incomplete checkpoint (no {keys.COMPLETE_FILE} marker: the save was interrupted)")
+        return CheckpointRef(source.path, source.step)
+    ref = CheckpointStore(source.path, keep_last=None).latest()
     if ref is None:
         raise CheckpointError(
             f"{location}: no complete checkpoint found (expected {keys.CHECKPOINTS_DIR}/step-*/ with a {keys.COMPLETE_FILE} marker)"
@@ -383,9 +418,7 @@ def resume_candidates(run_dir: str | Path | None, resume: str | Path) -> list[Ch
     back past a bad one (:func:`plan_resume`)."""
     if resume == "never" or (resume == "auto" and run_dir is None):
         return []
-    path = Path(run_dir if resume == "auto" else resume)
-    folder = path.parent if path.is_file() else path
-    if step_of(folder) is not None:
-        return [CheckpointRef(folder, step_of(folder) or 0)] if (folder / keys.COMPLETE_FILE).is_file() else []
-    run_dir = folder.parent if folder.name == keys.CHECKPOINTS_DIR else folder
-    return CheckpointStore(run_dir, keep_last=None).complete()[::-1]
+    source = resume_source(run_dir if resume == "auto" else resume)
+    if source.step is not None:
+        return [CheckpointRef(source.path, source.step)] if (source.path / keys.COMPLETE_FILE).is_file() else []
+    return CheckpointStore(source.path, keep_last=None).complete()[::-1]

@@ -198,24 +198,33 @@ def detect_env(
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) or timeout_s <= 0:
         raise ConfigError(f"timeout_s={timeout_s!r} is not valid; it must be a finite number of seconds > 0")
     if rank is not None:
-        if world_size is None:
-            raise ConfigError("rank was given without world_size; pass both (e.g. from mp.spawn)")
-        for name, value in (("rank", rank), ("world_size", world_size), ("local_rank", local_rank)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                raise ConfigError(f"{name}={value!r} is not valid; it must be an integer")
+        _check_explicit_place(rank, world_size, local_rank)
         facts = _explicit(rank, world_size, init_method, environ, local_rank)
-    elif "RANK" in environ and "WORLD_SIZE" in environ:
-        facts = _from_torchrun(environ)
-    elif "SLURM_PROCID" in environ and _int(environ, "SLURM_STEP_NUM_TASKS", 1) > 1:
-        # Only an srun job step has one process per task; a batch script itself is a single process.
-        facts = _from_slurm(environ)
     else:
-        facts = {}
+        facts = _launched(environ)
     env = DistEnv(**facts, timeout_s=float(timeout_s))
     if not 0 <= env.rank < env.world_size:
         raise ConfigError(f"rank {env.rank} is outside world size {env.world_size} (launcher {env.launcher})")
     chosen = _pick_device(env.local_rank, device)
     return replace(env, device=chosen, backend=_resolve_backend(backend, chosen) if env.distributed else None)
+
+
+def _check_explicit_place(rank: int, world_size: int | None, local_rank: int | None) -> None:
+    if world_size is None:
+        raise ConfigError("rank was given without world_size; pass both (e.g. from mp.spawn)")
+    for name, value in (("rank", rank), ("world_size", world_size), ("local_rank", local_rank)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ConfigError(f"{name}={value!r} is not valid; it must be an integer")
+
+
+def _launched(environ: Mapping[str, str]) -> dict:
+    """The place a launcher's variables give this process: torchrun's, then an srun step's, else none."""
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        return _from_torchrun(environ)
+    if "SLURM_PROCID" in environ and _int(environ, "SLURM_STEP_NUM_TASKS", 1) > 1:
+        # Only an srun job step has one process per task; a batch script itself is a single process.
+        return _from_slurm(environ)
+    return {}
 
 
 def launched_rank_without_a_group(environ: Mapping[str, str] | None = None) -> DistEnv | None:

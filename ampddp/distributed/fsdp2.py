@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -118,10 +119,36 @@ def shard_model(model: nn.Module, env: DistEnv, options: FSDPOptions, param_dtyp
     keeps its class (FSDP2 adds its own as a base) and its parameter names; rank 0's buffers are given
     to every rank before each training forward, as DDP does.
     """
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    _refuse_unshardable(model, env)
+    classes = block_classes(model, options.blocks)
+    mesh = _device_mesh(env)
+    reduce_dtype = torch.float32 if options.reduce_in_fp32 else None
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    as_stored = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype)
+    offload = _offload_policy(options, env)
+    shard = functools.partial(fully_shard, mesh=mesh, offload_policy=offload)
+    norms = _own_dtype_norms(model, param_dtype)
+    for norm in norms:
+        shard(norm, mp_policy=as_stored, reshard_after_forward=options.reshard_after_forward)
+    own_units = {id(norm) for norm in norms}
+    blocks = [m for m in reversed(list(model.modules())) if type(m) in classes and m is not model and id(m) not in own_units]
+    for block in blocks:  # innermost first: a block inside another is its own unit
+        if options.activation_checkpointing:
+            _recompute_in(block, recompute_context)
+        shard(block, mp_policy=policy, reshard_after_forward=options.reshard_after_forward)
+    # The root's params (embeddings, the head) are needed again at once by the backward: kept gathered.
+    shard(model, mp_policy=policy, reshard_after_forward=False)
+    if any(True for _ in model.buffers()):
+        MainBuffers().install(model)
+    names = ", ".join(sorted({type(block).__name__ for block in blocks})) or "none found: the model is one unit"
+    kept = f", {len(norms)} BatchNorm layer(s) in their stored dtype" if norms else ""
+    logger.info("FSDP2 over %d ranks: %d block(s) (%s)%s, then the root", env.world_size, len(blocks), names, kept)
+    return model
+
+
+def _refuse_unshardable(model: nn.Module, env: DistEnv) -> None:
     if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
         raise ConfigError(
             f"strategy fsdp2 got a model already wrapped in {type(model).__name__}: pass the bare model; FSDP2 replaces "
@@ -132,42 +159,41 @@ def shard_model(model: nn.Module, env: DistEnv, options: FSDPOptions, param_dtyp
             "distributed strategy fsdp2 shards over processes and this run has one: launch 2 or more (nproc_per_node, "
             "torchrun), or use strategy ddp or none (a checkpoint of an fsdp2 run resumes under either)"
         )
-    classes = block_classes(model, options.blocks)
+
+
+def _device_mesh(env: DistEnv) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
     try:
-        mesh = init_device_mesh(env.device.type, (env.world_size,))
+        return init_device_mesh(env.device.type, (env.world_size,))
     except (RuntimeError, ValueError) as error:
         raise ConfigError(f"FSDP2 cannot build a device mesh of {env.world_size} ranks on {env.device.type}: {error}") from error
-    reduce_dtype = torch.float32 if options.reduce_in_fp32 else None
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    as_stored = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype)
-    if options.cpu_offload and env.device.type == "cuda" and "cpu:" not in str(dist.get_backend_config()):
+
+
+def _offload_policy(options: FSDPOptions, env: DistEnv) -> Any:
+    """Where the shards live between uses: host memory with ``cpu_offload`` (which needs a host backend
+    beside NCCL for the collectives on them), else the device."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    if not options.cpu_offload:
+        return OffloadPolicy()
+    if env.device.type == "cuda" and "cpu:" not in str(dist.get_backend_config()):
         raise ConfigError(
             f"fsdp cpu_offload keeps the shards in host memory, and the collectives on them (the loss scale's agreement, "
             f"gradient norms) need a host backend beside NCCL; this process group has {dist.get_backend_config()}: "
             "use distributed.backend auto or 'cpu:gloo,cuda:nccl' (setup_distributed(backend='cpu:gloo,cuda:nccl'))"
         )
-    offload = CPUOffloadPolicy(pin_memory=env.device.type == "cuda") if options.cpu_offload else OffloadPolicy()
-    if options.cpu_offload and env.device.type == "cpu":
+    if env.device.type == "cpu":
         logger.info("FSDP2 CPU offload on a CPU run: the state is in CPU memory already, nothing moves")
-    norms = _own_dtype_norms(model, param_dtype)
-    for norm in norms:
-        fully_shard(norm, mesh=mesh, mp_policy=as_stored, offload_policy=offload, reshard_after_forward=options.reshard_after_forward)
-    own_units = {id(norm) for norm in norms}
-    blocks = [m for m in reversed(list(model.modules())) if type(m) in classes and m is not model and id(m) not in own_units]
-    names = ", ".join(sorted({type(block).__name__ for block in blocks})) or "none found: the model is one unit"
-    for block in blocks:  # innermost first: a block inside another is its own unit
-        if options.activation_checkpointing:
-            from torch.distributed._composable import checkpoint
+    return CPUOffloadPolicy(pin_memory=env.device.type == "cuda")
 
-            checkpoint(block, context_fn=lambda: (contextlib.nullcontext(), recompute_context()))
-        fully_shard(block, mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=options.reshard_after_forward)
-    # The root's params (embeddings, the head) are needed again at once by the backward: kept gathered.
-    fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=False)
-    if any(True for _ in model.buffers()):
-        MainBuffers().install(model)
-    kept = f", {len(norms)} BatchNorm layer(s) in their stored dtype" if norms else ""
-    logger.info("FSDP2 over %d ranks: %d block(s) (%s)%s, then the root", env.world_size, len(blocks), names, kept)
-    return model
+
+def _recompute_in(block: nn.Module, recompute_context: Callable[[], AbstractContextManager[Any]]) -> None:
+    """Activation checkpointing of ``block``, its recomputation run in ``recompute_context``."""
+    from torch.distributed._composable import checkpoint
+
+    checkpoint(block, context_fn=lambda: (contextlib.nullcontext(), recompute_context()))
 
 
 def _own_dtype_norms(model: nn.Module, param_dtype: torch.dtype | None) -> list[nn.Module]:

@@ -241,12 +241,7 @@ def _apply(
         refuse_inplace_on_low(name, args)
         return op(*args, **kwargs)
     elif kind == TO_HOST:
-        device, dtype, source = kwargs.get("device"), kwargs.get("dtype"), args[0]
-        keeps_dtype = dtype is None or dtype == source.dtype  # Tensor.cpu() passes the tensor's own dtype
-        to_host = device is not None and torch.device(device).type == "cpu" and source.device.type != "cpu"
-        if keeps_dtype and to_host and source.dtype in LOW_TYPES:
-            return op(args[0], **{**kwargs, "dtype": torch.float32})
-        return op(*args, **kwargs)
+        return _to_host(op, args, kwargs)
     else:
         if kind == BANNED:
             refuse_banned_on_low(name, op_lists.BANNED_OPS[name], args, kwargs)
@@ -254,6 +249,16 @@ def _apply(
         dtype = target_dtype(kind, low, args, kwargs)
     args = tuple(_cast_aten(value, dtype, cache) for value in args)
     return op(*args, **{key: _cast_aten(value, dtype, cache) for key, value in kwargs.items()})
+
+
+def _to_host(op: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A low-precision tensor copied to the host without a dtype of its own arrives in fp32."""
+    device, dtype, source = kwargs.get("device"), kwargs.get("dtype"), args[0]
+    keeps_dtype = dtype is None or dtype == source.dtype  # Tensor.cpu() passes the tensor's own dtype
+    to_host = device is not None and torch.device(device).type == "cpu" and source.device.type != "cpu"
+    if keeps_dtype and to_host and source.dtype in LOW_TYPES:
+        return op(args[0], **{**kwargs, "dtype": torch.float32})
+    return op(*args, **kwargs)
 
 
 def _kernel(overload: Any, key: str) -> Callable[..., Any]:

@@ -10,7 +10,7 @@ Nothing is left patched once the outermost context exits, and two contexts share
 
 The same lists can be applied without device autocast through an ``Opening`` made by
 ``list_opening``: apex's patched functions had no autocast. Whoever asked for that owns the opening
-and decides when it applies — the ``amp`` facade's *window* after a forward (``ampddp/amp_setup.py``),
+and decides when it applies — the ``amp`` facade's *window* after a forward (``ampddp/amp/set_up.py``),
 the legacy ``amp.init`` handle's held casts (``ampddp/apex/amp/handle.py``). This module keeps only
 the rule they share: one window per thread (``open_thread_window``), closed by the next window or by
 any context being entered (``end_thread_casts``).

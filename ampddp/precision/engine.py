@@ -37,27 +37,8 @@ def check_models_and_optimizers(
     ``fp8``: the set-up is O6's; any other refuses a model an O6 set-up converted (it would go on
     running those layers in fp8 unseen).
     """
-    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
     for index, model in enumerate(models):
-        if not isinstance(model, nn.Module):
-            raise AmpUsageError(f"models[{index}] is a {type(model).__name__}, not a torch.nn.Module")
-        if isinstance(model, wrappers):
-            raise AmpUsageError(
-                f"models[{index}] is already wrapped in {type(model).__name__}: pass the bare model to "
-                "initialize/setup and wrap it in DistributedDataParallel afterwards"
-            )
-        converted = None if fp8 else fp8_layer_in(model)
-        if converted is not None:
-            raise AmpUsageError(
-                f"models[{index}] layer {converted!r} runs in fp8 (torchao's Float8Linear, from an O6 set-up): only O6 runs such "
-                "a model; build the model anew for another mode (an O6 checkpoint loads into it)"
-            )
-        bad = None if allow_low_precision_models else first_non_fp32_param(model)
-        if bad is not None:
-            raise AmpUsageError(
-                f"models[{index}] parameter {bad[0]!r} is {bad[1]}; models must be fp32 when passed in "
-                "(was this model already initialized with O2/O3/O5, or .half()-ed by hand?)"
-            )
+        _check_model(index, model, allow_low_precision_models, fp8)
     seen: set[int] = set()
     model_params = {id(param) for model in models for param in model.parameters()}
     for index, optimizer in enumerate(optimizers):
@@ -73,6 +54,29 @@ def check_models_and_optimizers(
                 "the models would never train. Build it from model.parameters() of a model passed here, "
                 "or pass the module it trains as one of the models too"
             )
+
+
+def _check_model(index: int, model: Any, allow_low_precision_models: bool, fp8: bool) -> None:
+    """``models[index]``: a bare module, no fp8 layers but under O6, fp32 params unless low ones are allowed."""
+    if not isinstance(model, nn.Module):
+        raise AmpUsageError(f"models[{index}] is a {type(model).__name__}, not a torch.nn.Module")
+    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        raise AmpUsageError(
+            f"models[{index}] is already wrapped in {type(model).__name__}: pass the bare model to "
+            "initialize/setup and wrap it in DistributedDataParallel afterwards"
+        )
+    converted = None if fp8 else fp8_layer_in(model)
+    if converted is not None:
+        raise AmpUsageError(
+            f"models[{index}] layer {converted!r} runs in fp8 (torchao's Float8Linear, from an O6 set-up): only O6 runs such "
+            "a model; build the model anew for another mode (an O6 checkpoint loads into it)"
+        )
+    bad = None if allow_low_precision_models else first_non_fp32_param(model)
+    if bad is not None:
+        raise AmpUsageError(
+            f"models[{index}] parameter {bad[0]!r} is {bad[1]}; models must be fp32 when passed in "
+            "(was this model already initialized with O2/O3/O5, or .half()-ed by hand?)"
+        )
 
 
 def check_loss(loss: Any, api: str) -> None:

@@ -71,34 +71,53 @@ def plan_fp8(model: nn.Module, recipe: str, skip: tuple[str, ...] | None, min_si
     float8 = torchao_float8()
     model = unwrapped(model)
     linears = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
-    ends = {linears[0][0], linears[-1][0]} if skip is None and linears else set()
+    rules = _Fp8Rules(recipe, skip, min_size, {linears[0][0], linears[-1][0]} if skip is None and linears else set())
     verdicts = []
     for index, (name, module) in enumerate(linears):
         out_features, in_features = module.weight.shape
-        matched = next((pattern for pattern in skip or () if fnmatch.fnmatchcase(name, pattern)), None)
-        altered = _alterations(module)
         if isinstance(module, float8.float8_linear.Float8Linear):
             fp8, reason = True, "fp8 (converted before)"
-        elif type(module) is not nn.Linear:
-            fp8, reason = False, f"a {type(module).__name__} (a subclass of nn.Linear: its forward may not be Linear's)"
-        elif module is model:
-            fp8, reason = False, "the model itself (a conversion replaces a layer inside a model: wrap it, e.g. in nn.Sequential)"
-        elif altered:
-            fp8, reason = False, f"has {altered}, which fp8's Float8Linear would not carry over"
-        elif matched is not None:
-            fp8, reason = False, f"matches precision.fp8_filter {matched!r}"
-        elif name in ends:
-            fp8, reason = False, f"the {'first' if index == 0 else 'last'} linear layer (kept bf16 unless precision.fp8_filter is set)"
-        elif in_features % 16 or out_features % 16:
-            fp8, reason = False, "dims not multiples of 16 (fp8 matmuls need them)"
-        elif min_size is not None and min(in_features, out_features) < min_size:
-            fp8, reason = False, f"a dim below precision.fp8_min_size={min_size}"
-        elif min_size is None and not _pays_off(recipe, out_features, in_features):
-            fp8, reason = False, f"too small for fp8 to pay off with {recipe} scaling (precision.fp8_min_size overrides)"
         else:
-            fp8, reason = True, "fp8"
+            reason = _not_convertible(module, model) or rules.kept_in_bf16(name, index, module)
+            fp8, reason = not reason, reason or "fp8"
         verdicts.append(LinearVerdict(name or "(the model)", out_features, in_features, fp8, reason))
     return verdicts
+
+
+def _not_convertible(module: nn.Linear, model: nn.Module) -> str:
+    """Why Float8Linear could not stand in for ``module`` without changing what it computes (empty: it can)."""
+    if type(module) is not nn.Linear:
+        return f"a {type(module).__name__} (a subclass of nn.Linear: its forward may not be Linear's)"
+    if module is model:
+        return "the model itself (a conversion replaces a layer inside a model: wrap it, e.g. in nn.Sequential)"
+    altered = _alterations(module)
+    return f"has {altered}, which fp8's Float8Linear would not carry over" if altered else ""
+
+
+@dataclass(frozen=True)
+class _Fp8Rules:
+    """The settings that keep convertible layers in bf16: the filter (or the first and last layers),
+    the fp8 kernels' dims, and the sizes where fp8 pays off."""
+
+    recipe: str
+    skip: tuple[str, ...] | None
+    min_size: int | None
+    ends: set[str]
+
+    def kept_in_bf16(self, name: str, index: int, module: nn.Linear) -> str:
+        out_features, in_features = module.weight.shape
+        matched = next((pattern for pattern in self.skip or () if fnmatch.fnmatchcase(name, pattern)), None)
+        if matched is not None:
+            return f"matches precision.fp8_filter {matched!r}"
+        if name in self.ends:
+            return f"the {'first' if index == 0 else 'last'} linear layer (kept bf16 unless precision.fp8_filter is set)"
+        if in_features % 16 or out_features % 16:
+            return "dims not multiples of 16 (fp8 matmuls need them)"
+        if self.min_size is not None:
+            return f"a dim below precision.fp8_min_size={self.min_size}" if min(in_features, out_features) < self.min_size else ""
+        if not _pays_off(self.recipe, out_features, in_features):
+            return f"too small for fp8 to pay off with {self.recipe} scaling (precision.fp8_min_size overrides)"
+        return ""
 
 
 def unwrapped(model: nn.Module) -> nn.Module:

@@ -113,21 +113,40 @@ class OptLevelEngine(PrecisionEngine):
     def setup(self, models: list[nn.Module], optimizers: list[Optimizer]) -> tuple[list[nn.Module], list[Optimizer]]:
         check_models_and_optimizers(models, optimizers, self._allow_low_precision_models, fp8=self.policy.fp8_recipe is not None)
         self.teardown()
-        policy = self.policy
-        casts_model = policy.enabled and policy.cast_model_type not in (None, torch.float32)
-        fp32_data: dict[int, torch.Tensor] = {}
-        if casts_model and policy.uses_master_weights:
-            fp32_data = {id(p): p.data for opt in optimizers for group in opt.param_groups for p in group["params"]}
-        for index, model in enumerate(models):
-            if casts_model:
-                convert_model(model, policy.cast_model_type, bool(policy.keep_batchnorm_fp32))
-            self._convert_fp8(model, f"models[{index}]." if len(models) > 1 else "")
+        fp32_data = self._convert_models(models, optimizers)
         self._param_names = {id(p): f"models[{i}].{name}" for i, model in enumerate(models) for name, p in model.named_parameters()}
         self._records = {}
         for optimizer in optimizers:
             self.add_optimizer(optimizer, fp32_data)
-        if not policy.enabled:
+        if not self.policy.enabled:
             return models, optimizers
+        self._install_hooks(models)
+        if self.policy.verbosity > 0:
+            logger.info("precision %s", self.policy.summary())
+            logger.debug("precision %s settings: %s", self.policy.opt_level, self.policy.describe())
+        return models, optimizers
+
+    @property
+    def _casts_model(self) -> bool:
+        return self.policy.enabled and self.policy.cast_model_type not in (None, torch.float32)
+
+    def _convert_models(self, models: list[nn.Module], optimizers: list[Optimizer]) -> dict[int, torch.Tensor]:
+        """The models' params cast to the mode's stored dtype and O6's linear layers converted to fp8;
+        returns the exact fp32 values (by param id) the masters are taken from."""
+        policy = self.policy
+        fp32_data: dict[int, torch.Tensor] = {}
+        if self._casts_model and policy.uses_master_weights:
+            fp32_data = {id(p): p.data for opt in optimizers for group in opt.param_groups for p in group["params"]}
+        for index, model in enumerate(models):
+            if self._casts_model:
+                convert_model(model, policy.cast_model_type, bool(policy.keep_batchnorm_fp32))
+            self._convert_fp8(model, f"models[{index}]." if len(models) > 1 else "")
+        return fp32_data
+
+    def _install_hooks(self, models: list[nn.Module]) -> None:
+        """The forward's hooks (op casting, input and output casts, O6's), fp32 state for cast models, the
+        first forward's DDP check and, with a dynamic loss scale, the buffer guard."""
+        policy = self.policy
         if policy.patch_torch_functions:
             table = build_op_table(self._registrations)
             self._cast_context = OpCastContext(table, policy.op_cast_dtype, device_types(models))
@@ -139,18 +158,13 @@ class OptLevelEngine(PrecisionEngine):
         for model in models:
             self._handles += self._forward_hooks.install(model)
             self._handles += self._fp8_hooks(model, eager_fp8)
-            if casts_model:
+            if self._casts_model:
                 self._handles += install_fp32_state_hooks(model, self._master_of)
-        if policy.enabled:
-            run_eagerly_as_own_frame(DdpForwards.__call__)
-            self._handles += [model.register_forward_pre_hook(self._ddp_forwards) for model in models]
+        run_eagerly_as_own_frame(DdpForwards.__call__)
+        self._handles += [model.register_forward_pre_hook(self._ddp_forwards) for model in models]
         if any(scaler.dynamic for scaler in self.scalers):
             self._buffer_guard = BufferGuard(models)
             self._handles += self._buffer_guard.install(models)
-        if policy.verbosity > 0:
-            logger.info("precision %s", policy.summary())
-            logger.debug("precision %s settings: %s", policy.opt_level, policy.describe())
-        return models, optimizers
 
     def _fp8_hooks(self, model: nn.Module, eager_warning: EagerFp8Warning) -> list[RemovableHandle]:
         """O6's forward hooks: the warning for fp8 outside torch.compile on a GPU; under FSDP2's fp8

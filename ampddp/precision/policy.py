@@ -105,6 +105,21 @@ class PrecisionPolicy:
         """One line saying what the level does (the log of a set-up; ``describe`` has every field)."""
         if not self.enabled:
             return f"{self.opt_level} disabled: fp32 throughout"
+        parts = self._compute_parts()
+        if not parts:
+            parts.append("fp32 throughout")
+        elif self.uses_master_weights:
+            parts.append("fp32 master weights")
+        elif self.sharded_param_dtype is None:  # sharded: the params are the masters, said above
+            parts.append("fp32 weights" if self.cast_model_type in (None, torch.float32) else "no master weights")
+        if self.dynamic_loss_scale:
+            parts.append(f"dynamic loss scale from {self.first_loss_scale:g}")
+        elif float(self.loss_scale) != 1.0:
+            parts.append(f"static loss scale {float(self.loss_scale):g}")
+        return f"{self.opt_level}: {', '.join(parts)}"
+
+    def _compute_parts(self) -> list[str]:
+        """What computes in low precision, in words: FSDP2's params, the model cast, apex's op lists, fp8."""
         parts = []
         if self.sharded_param_dtype is not None:
             islands = ", apex's fp32 ops in fp32" if self.patch_torch_functions else ", every op in it (no fp32 islands)"
@@ -117,17 +132,7 @@ class PrecisionPolicy:
         if self.fp8_recipe is not None:
             gathered = ", all-gathered in fp8" if self.fp8_all_gather else ""
             parts.append(f"fp8 matmuls ({self.fp8_recipe} scaling{gathered}) in the eligible linear layers")
-        if not parts:
-            parts.append("fp32 throughout")
-        elif self.uses_master_weights:
-            parts.append("fp32 master weights")
-        elif self.sharded_param_dtype is None:  # sharded: the params are the masters, said above
-            parts.append("fp32 weights" if self.cast_model_type in (None, torch.float32) else "no master weights")
-        if self.dynamic_loss_scale:
-            parts.append(f"dynamic loss scale from {self.first_loss_scale:g}")
-        elif float(self.loss_scale) != 1.0:
-            parts.append(f"static loss scale {float(self.loss_scale):g}")
-        return f"{self.opt_level}: {', '.join(parts)}"
+        return parts
 
     def describe(self) -> dict[str, Any]:
         """Plain-data view (dtypes as strings) for logs, checkpoints and `inspect`."""

@@ -157,20 +157,8 @@ class PrecisionState:
 
     @classmethod
     def _from_engine_form(cls, state: Mapping[str, Any], where: str) -> PrecisionState:
-        unknown = [key for key in state if key not in _STATE_KEYS]
-        if unknown:
-            raise ConfigError(f"{where}: key {unknown[0]!r} is not a precision state field; valid: {', '.join(_STATE_KEYS)}")
-        version = _counter(state.get("version", STATE_VERSION), f"{where}: version")
-        if version > STATE_VERSION:
-            raise ConfigError(
-                f"{where}: version={version} was written by a newer ampddp; this one reads precision state up to version {STATE_VERSION}"
-            )
-        for key in ("mode", "impl"):
-            if state.get(key) is not None and not isinstance(state[key], str):
-                raise ConfigError(f"{where}: {key}={state[key]!r} is not valid; it must be a string (e.g. 'O1', 'native-fp16')")
+        _check_engine_form_header(state, where)
         policy = state.get("policy")
-        if policy is not None and not isinstance(policy, Mapping):
-            raise ConfigError(f"{where}: policy must be a dict of opt-level settings, got {type(policy).__name__}")
         raw = state.get("scalers")
         if not isinstance(raw, list):
             found = "missing" if "scalers" not in state else f"a {type(raw).__name__}"
@@ -205,6 +193,24 @@ class PrecisionState:
             raise ConfigError(f"{where} has scalers {names}; apex numbers them loss_scaler0, loss_scaler1, ... without gaps")
         scalers = tuple(ScalerState.from_dict(indexed[i], f"{where}: loss_scaler{i}") for i in range(len(indexed)))
         return cls(mode=None, scalers=scalers)
+
+
+def _check_engine_form_header(state: Mapping[str, Any], where: str) -> None:
+    """The engine form's own fields: known keys only, a version this ampddp reads, string mode and impl, a dict policy."""
+    unknown = [key for key in state if key not in _STATE_KEYS]
+    if unknown:
+        raise ConfigError(f"{where}: key {unknown[0]!r} is not a precision state field; valid: {', '.join(_STATE_KEYS)}")
+    version = _counter(state.get("version", STATE_VERSION), f"{where}: version")
+    if version > STATE_VERSION:
+        raise ConfigError(
+            f"{where}: version={version} was written by a newer ampddp; this one reads precision state up to version {STATE_VERSION}"
+        )
+    for key in ("mode", "impl"):
+        if state.get(key) is not None and not isinstance(state[key], str):
+            raise ConfigError(f"{where}: {key}={state[key]!r} is not valid; it must be a string (e.g. 'O1', 'native-fp16')")
+    policy = state.get("policy")
+    if policy is not None and not isinstance(policy, Mapping):
+        raise ConfigError(f"{where}: policy must be a dict of opt-level settings, got {type(policy).__name__}")
 
 
 @dataclass(frozen=True)

@@ -18,16 +18,14 @@ from torch.utils.data import Dataset
 
 from ampddp.checkpoint import keys
 from ampddp.checkpoint.restore import check_model_state, check_optimizer_state, check_sampler_state, initial_weights, restore_precision
-from ampddp.checkpoint.store import CheckpointRef, CheckpointStore, find_checkpoint, resume_candidates
+from ampddp.checkpoint.store import CheckpointRef, CheckpointStore, find_checkpoint, resume_candidates, resume_source
 from ampddp.config import RunConfig, is_import_path
-from ampddp.data import CIFAR_LAYOUT, IMAGEFOLDER_LAYOUT, find_classes
 from ampddp.distributed.env import detect_env
 from ampddp.errors import CheckpointError, ConfigError
-from ampddp.paths import refuse_tilde_folder
+from ampddp.observe.progress import Progress, finished
 from ampddp.precision.engine import PrecisionEngine
 from ampddp.preemption import parse_signals
 from ampddp.prepare import engine_for
-from ampddp.progress import Progress, finished
 from ampddp.recipe.factories import (
     DROP_LAST,
     SHUFFLE,
@@ -47,8 +45,10 @@ from ampddp.recipe.factories import (
     steps_per_epoch,
 )
 from ampddp.recipe.reading import check_config
+from ampddp.rundir.paths import refuse_tilde_folder
 from ampddp.training.resume import check_resume_settings, plan_schedule
 from ampddp.training.resume.kept_precision import kept_precision
+from ampddp.zoo.data import CIFAR_LAYOUT, IMAGEFOLDER_LAYOUT, find_classes
 
 DATASET_CLASSES = {"digits": 10, "cifar10": 10}
 IMAGE_OPTIONS = (
@@ -266,13 +266,12 @@ def _check_checkpoints(config: RunConfig, model: nn.Module, engine: PrecisionEng
         except CheckpointError as error:
             raise CheckpointError(f"checkpoint.init_from: {error}") from None
     if ckpt.resume_from is not None:
-        path = Path(ckpt.resume_from)
-        folder = path.parent if path.is_file() else path
-        if not folder.exists():
+        source = resume_source(ckpt.resume_from)
+        if not source.path.exists():
             raise CheckpointError(f"checkpoint.resume_from={ckpt.resume_from}: no such checkpoint or run directory")
-        if folder.name.startswith(keys.STEP_DIR_PREFIX):
+        if source.step is not None:
             try:
-                _check_resumable(find_checkpoint(folder), config, model, engine, rank)
+                _check_resumable(find_checkpoint(source.path), config, model, engine, rank)
             except CheckpointError as error:
                 raise CheckpointError(f"checkpoint.resume_from: {error}") from None
 

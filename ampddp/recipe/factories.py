@@ -23,27 +23,27 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import Dataset
 
 from ampddp.choices import AUTO_PRECISION
-from ampddp.compile_model import ModelCompiler
 from ampddp.config import IMPORT_PATH_FORM, PrecisionConfig, RunConfig, is_import_path
-from ampddp.data import build_datasets
 from ampddp.distributed.env import HOST_AND_CUDA, seed_everything
 from ampddp.distributed.fsdp2 import FSDPOptions
 from ampddp.distributed.parallel import Parallel
 from ampddp.distributed.wrap import DDPOptions
 from ampddp.errors import ConfigError, closest, spelled
-from ampddp.loggers import MlflowLogger, WandbLogger
-from ampddp.models import build_model
-from ampddp.observe import Reporting
-from ampddp.paths import expand_path
+from ampddp.observe.loggers import MlflowLogger, WandbLogger
+from ampddp.observe.observer import Reporting
 from ampddp.precision.choice import Precision
 from ampddp.precision.engine import NATIVE_MODES
 from ampddp.precision.native import NATIVE_SETTINGS
 from ampddp.precision.policy import FP8_SETTINGS
 from ampddp.precision.registry import FP32, LOW, PROMOTE, OpRegistry
 from ampddp.recipe.schedule import LRSchedule, lr_scheduler
+from ampddp.rundir.paths import expand_path
 from ampddp.training.checkpoint_settings import CheckpointSettings
+from ampddp.training.compile_model import ModelCompiler
 from ampddp.training.device import DeviceSettings
 from ampddp.training.loading import LoaderSettings
+from ampddp.zoo.data import build_datasets
+from ampddp.zoo.models import build_model
 
 NATIVE_KEYS = tuple(key for key in NATIVE_SETTINGS if key in {f.name for f in dataclasses.fields(PrecisionConfig)})
 """The precision.* keys that native-fp16 / native-bf16 accept."""
@@ -59,27 +59,33 @@ def precision_overrides(config: RunConfig) -> dict[str, Any]:
     values = dataclasses.asdict(config.precision)
     set_keys = {k: v for k, v in values.items() if k not in ("mode", "impl", "fp32_islands", *REGISTRATION_KEYS) and v is not None}
     if config.precision.mode == AUTO_PRECISION:
-        given = [f"precision.{key}" for key in set_keys]
-        given += [f"precision.{key}" for key in REGISTRATION_KEYS if getattr(config.precision, key)]
-        given += ["precision.impl"] if config.precision.impl != "builtin" else []
-        given += ["precision.fp32_islands"] if config.precision.fp32_islands is not None else []
-        if given:
-            raise ConfigError(
-                f"precision.mode is auto (the default), which picks a mode per device, so {', '.join(given)} has no mode to "
-                "apply to: set precision.mode to the mode it belongs to (O0-O6, native-fp16, native-bf16)"
-            )
+        _refuse_settings_under_auto(config.precision, set_keys)
     if config.precision.mode in NATIVE_MODES:
-        fp8 = [f"precision.{key}" for key in set_keys if key in FP8_SETTINGS]
-        if fp8:
-            mode = config.precision.mode
-            verb = "applies" if len(fp8) == 1 else "apply"
-            raise ConfigError(f"{', '.join(fp8)} {verb} to opt level O6 (fp8 matmuls), not to {mode}; use O6 or remove it")
-        for key in set_keys:
-            if key not in NATIVE_KEYS:
-                raise ConfigError(
-                    f"precision.{key} applies to the O0-O6 opt levels, not to {config.precision.mode}; valid here: {', '.join(NATIVE_KEYS)}"
-                )
+        _check_native_settings(config.precision.mode, set_keys)
     return set_keys
+
+
+def _refuse_settings_under_auto(precision: PrecisionConfig, set_keys: dict[str, Any]) -> None:
+    """auto picks a mode per device: a mode's own settings have none to apply to."""
+    given = [f"precision.{key}" for key in set_keys]
+    given += [f"precision.{key}" for key in REGISTRATION_KEYS if getattr(precision, key)]
+    given += ["precision.impl"] if precision.impl != "builtin" else []
+    given += ["precision.fp32_islands"] if precision.fp32_islands is not None else []
+    if given:
+        raise ConfigError(
+            f"precision.mode is auto (the default), which picks a mode per device, so {', '.join(given)} has no mode to "
+            "apply to: set precision.mode to the mode it belongs to (O0-O6, native-fp16, native-bf16)"
+        )
+
+
+def _check_native_settings(mode: str, set_keys: dict[str, Any]) -> None:
+    fp8 = [f"precision.{key}" for key in set_keys if key in FP8_SETTINGS]
+    if fp8:
+        verb = "applies" if len(fp8) == 1 else "apply"
+        raise ConfigError(f"{', '.join(fp8)} {verb} to opt level O6 (fp8 matmuls), not to {mode}; use O6 or remove it")
+    for key in set_keys:
+        if key not in NATIVE_KEYS:
+            raise ConfigError(f"precision.{key} applies to the O0-O6 opt levels, not to {mode}; valid here: {', '.join(NATIVE_KEYS)}")
 
 
 def resolve_function(dotted: str, key: str = "a function name") -> tuple[Any, str]:

@@ -21,7 +21,7 @@ import yaml
 
 from ampddp.config import IMPORT_PATH_FORM, KEY_ALIASES, SECTIONS, Bounds, RunConfig, is_import_path
 from ampddp.errors import ConfigError, choice_error, closest, spelled
-from ampddp.paths import expand_path
+from ampddp.rundir.paths import expand_path
 
 # PyYAML implements YAML 1.1, whose float pattern wants a dot and a signed exponent: `1e-3` and `1E6`
 # would stay strings. Recipes and overrides read floats in every notation Python writes them.
@@ -112,31 +112,49 @@ def _as_float(value: str) -> float | None:
 
 def _coerce(key: str, value: Any, annotation: Any, metadata: typing.Mapping[str, Any]) -> Any:
     allowed = _allowed_types(annotation)
-    choices, bounds = metadata.get("choices"), metadata.get("bounds")
-    if isinstance(value, bool) and choices and value is False and "off" in choices:
-        value = "off"  # YAML reads a bare `off` as false
+    choices = metadata.get("choices")
+    value = _as_meant(value, allowed, choices)
     if value is None and type(None) in allowed:
         return None
-    if float in allowed and isinstance(value, str) and _as_float(value) is not None:
-        value = _as_float(value)
-    for kind in allowed:
-        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return _check_number(key, float(value), bounds)
-        if kind is int and isinstance(value, int) and not isinstance(value, bool):
-            return _check_number(key, value, bounds)
-        if kind in (str, bool) and isinstance(value, kind):
-            break
-        if typing.get_origin(kind) is list and isinstance(value, list) and all(isinstance(v, str) for v in value):
-            return _listed_choices(key, value, choices)
-        if typing.get_origin(kind) is dict and isinstance(value, dict) and all(isinstance(k, str) for k in value):
-            return value
-    else:
+    kind = next((kind for kind in allowed if _is_of(kind, value)), None)
+    if kind is None:
         raise ConfigError(f"{key}={value!r} has the wrong type; expected {' or '.join(map(_type_name, allowed))}")
+    if kind in (int, float):
+        return _check_number(key, kind(value), metadata.get("bounds"))
+    if typing.get_origin(kind) is list:
+        return _listed_choices(key, value, choices)
+    if typing.get_origin(kind) is dict:
+        return value
     if choices and value not in choices:
         return _user_import_path(key, value, choices, metadata)
     if metadata.get("path") and isinstance(value, str):
         return expand_path(value, key)
     return value
+
+
+def _as_meant(value: Any, allowed: tuple[Any, ...], choices: typing.Sequence[Any] | None) -> Any:
+    """What YAML's reading changed, as the user meant it: a bare ``off`` (read as false) where the key
+    takes "off", a quoted number or a bare inf / nan in a float setting."""
+    if value is False and choices and "off" in choices:
+        return "off"
+    if float in allowed and isinstance(value, str) and _as_float(value) is not None:
+        return _as_float(value)
+    return value
+
+
+def _is_of(kind: Any, value: Any) -> bool:
+    """Whether ``value`` is a setting of type ``kind`` (an int is a float setting's value; a bool is no number)."""
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind in (str, bool):
+        return isinstance(value, kind)
+    if typing.get_origin(kind) is list:
+        return isinstance(value, list) and all(isinstance(item, str) for item in value)
+    if typing.get_origin(kind) is dict:
+        return isinstance(value, dict) and all(isinstance(name, str) for name in value)
+    return False
 
 
 def _listed_choices(key: str, values: list[str], choices: typing.Sequence[Any] | None) -> list[str]:
@@ -216,20 +234,8 @@ def parse_overrides(overrides: list[str]) -> dict[str, dict[str, Any]]:
 def read_recipe(path: str | Path) -> dict[str, Any]:
     """The recipe's sections as plain dicts; ConfigError names the file and what is wrong with it."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{path}: no such recipe file")
     try:
-        data = path.read_bytes()
-    except OSError as error:
-        raise ConfigError(f"{path}: cannot read the recipe ({error.strerror or error})") from None
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as error:
-        raise ConfigError(
-            f"{path}: not UTF-8 text (byte 0x{data[error.start]:02x} at offset {error.start}); save the recipe as UTF-8"
-        ) from None
-    try:
-        raw = parse_yaml(text)
+        raw = parse_yaml(_recipe_text(path))
     except yaml.YAMLError as error:
         raise ConfigError(f"{path}: not valid YAML ({_yaml_problem(error)})") from None
     except _DuplicateKey as error:
@@ -239,17 +245,35 @@ def read_recipe(path: str | Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: a recipe is a mapping of sections (precision, model, data, ...), found {type(raw).__name__}")
     for section, values in raw.items():
-        if section not in SECTIONS:
-            raise ConfigError(
-                f"{path}: unknown section {section!r}{closest(str(section), SECTIONS)}; valid sections: {', '.join(SECTIONS)}"
-            )
-        if values is not None and not isinstance(values, dict):
-            keys = ", ".join(f.name for f in dataclasses.fields(SECTIONS[section]))
-            raise ConfigError(
-                f"{path}: section {section!r} must be a mapping of key: value lines, found {type(values).__name__} {values!r}; "
-                f"valid keys in {section}: {keys}"
-            )
+        _check_section(path, section, values)
     return {section: dict(values or {}) for section, values in raw.items()}
+
+
+def _recipe_text(path: Path) -> str:
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such recipe file")
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise ConfigError(f"{path}: cannot read the recipe ({error.strerror or error})") from None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte 0x{data[error.start]:02x} at offset {error.start}); save the recipe as UTF-8"
+        ) from None
+
+
+def _check_section(path: Path, section: Any, values: Any) -> None:
+    """A known section holding a mapping of keys (or nothing)."""
+    if section not in SECTIONS:
+        raise ConfigError(f"{path}: unknown section {section!r}{closest(str(section), SECTIONS)}; valid sections: {', '.join(SECTIONS)}")
+    if values is not None and not isinstance(values, dict):
+        keys = ", ".join(f.name for f in dataclasses.fields(SECTIONS[section]))
+        raise ConfigError(
+            f"{path}: section {section!r} must be a mapping of key: value lines, found {type(values).__name__} {values!r}; "
+            f"valid keys in {section}: {keys}"
+        )
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:

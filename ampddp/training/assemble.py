@@ -11,11 +11,11 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ampddp.checkpoint.restore import initial_weights, load_model_state
-from ampddp.compile_model import ModelCompiler
 from ampddp.distributed.env import DistEnv
 from ampddp.distributed.parallel import Parallel
 from ampddp.precision.choice import Precision
 from ampddp.prepare import Prepared, prepare
+from ampddp.training.compile_model import ModelCompiler
 from ampddp.training.device import DeviceSettings
 
 logger = logging.getLogger("ampddp.trainer")

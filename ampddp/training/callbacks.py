@@ -10,8 +10,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from ampddp.errors import ConfigError
-from ampddp.observe import RunObserver
-from ampddp.progress import Progress
+from ampddp.observe.observer import RunObserver
+from ampddp.observe.progress import Progress
 
 
 class Callback:

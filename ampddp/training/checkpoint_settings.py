@@ -10,7 +10,7 @@ from typing import Any
 from ampddp.checkpoint.store import CheckpointStore, check_keep_last
 from ampddp.choices import CHECKPOINT_LAYOUTS
 from ampddp.errors import ConfigError, choice_error
-from ampddp.paths import expand_path, refuse_tilde_folder
+from ampddp.rundir.paths import expand_path, refuse_tilde_folder
 from ampddp.training.checkpointer import RESUME_CHOICES, check_resume_choice
 
 

@@ -32,9 +32,9 @@ from ampddp.distributed.env import DistEnv
 from ampddp.distributed.fsdp2 import is_sharded
 from ampddp.distributed.full_state import gathered, sharded_model_state, sharded_optimizer_state
 from ampddp.errors import CheckpointError, ConfigError
-from ampddp.observe import TrackedRuns
+from ampddp.observe.observer import TrackedRuns
+from ampddp.observe.progress import Progress
 from ampddp.precision.engine import PrecisionEngine
-from ampddp.progress import Progress
 from ampddp.training.resume import SchedulePlan, check_resume_settings, plan_schedule
 
 logger = logging.getLogger("ampddp.trainer")

@@ -20,10 +20,10 @@ from torch.utils.data import Dataset
 from ampddp.checkpoint.store import CheckpointRef
 from ampddp.distributed.data import ResumableSampler, gather_objects, sum_across_ranks
 from ampddp.errors import BadSamplesError, ConfigError
+from ampddp.observe.progress import Progress, finished
 from ampddp.precision.engine import PrecisionEngine
 from ampddp.preemption import StopSignals
 from ampddp.prepare import Prepared
-from ampddp.progress import Progress, finished
 from ampddp.training.batches import BatchAdapter, LossFn
 from ampddp.training.callbacks import Callbacks
 from ampddp.training.checkpointer import Checkpointer

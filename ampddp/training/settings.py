@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from typing import Any
 
 from ampddp.errors import ConfigError
 
@@ -39,12 +40,7 @@ class LoopSettings:
 
     def __post_init__(self) -> None:
         for name in (*_REQUIRED_COUNTS, *_OPTIONAL_COUNTS):
-            value = getattr(self, name)
-            if value is None and name in _OPTIONAL_COUNTS:
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                optional = "" if name in _REQUIRED_COUNTS else " or None"
-                raise ConfigError(f"{name}={value!r} is not valid; it must be an integer >= 1{optional}")
+            _check_count(name, getattr(self, name), optional=name in _OPTIONAL_COUNTS)
         clip = self.clip_grad_norm
         if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not math.isfinite(clip) or clip <= 0):
             raise ConfigError(f"clip_grad_norm={clip!r} is not valid; it must be a finite number > 0 or None")
@@ -58,3 +54,11 @@ class LoopSettings:
     def names(cls) -> tuple[str, ...]:
         """The field names (what the convenience ``Trainer`` accepts as keywords)."""
         return tuple(field.name for field in fields(cls))
+
+
+def _check_count(name: str, value: Any, optional: bool) -> None:
+    """A count setting: an integer >= 1 (or None where ``optional``)."""
+    if value is None and optional:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{name}={value!r} is not valid; it must be an integer >= 1{' or None' if optional else ''}")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ampddp.cli import EXIT_IO, main
 from ampddp.observe import read_metrics
-from ampddp.run_files import METRICS_FILE, drop_torn_tail
+from ampddp.rundir.files import METRICS_FILE, drop_torn_tail
 
 REPO = Path(__file__).resolve().parents[2]
 SHORT = ["data.batch_size=8", "data.eval_fraction=0.05", "trainer.progress=lines", "optimizer.scheduler=none"]

@@ -13,7 +13,7 @@ import pytest
 
 from ampddp.cli import EXIT_IO, main
 from ampddp.observe import read_metrics
-from ampddp.run_files import METRICS_FILE
+from ampddp.rundir.files import METRICS_FILE
 
 REPO = Path(__file__).resolve().parents[2]
 

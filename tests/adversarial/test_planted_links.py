@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from ampddp.cli import EXIT_USAGE, main
-from ampddp.run_files import METRICS_FILE, PLOT_FILES, SUMMARY_FILE, create_temporary, replace_file
-from ampddp.run_lock import LOCK_FILE
+from ampddp.rundir.files import METRICS_FILE, PLOT_FILES, SUMMARY_FILE, create_temporary, replace_file
+from ampddp.rundir.lock import LOCK_FILE
 
 REPO = Path(__file__).resolve().parents[2]
 SHORT = ["trainer.max_steps=2", "data.batch_size=8", "data.eval_fraction=0.05", "trainer.progress=lines"]

@@ -11,7 +11,7 @@ import pytest
 from ampddp.cli import EXIT_IO, main
 from ampddp.errors import RunIOError
 from ampddp.observe import RunObserver
-from ampddp.run_files import RunDirIdentity
+from ampddp.rundir.files import RunDirIdentity
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -141,7 +141,7 @@ def test_native_fp16_on_cuda_skips_an_overflowed_step_and_halves_the_scale():
 
 
 def offload_worker(env, mode):
-    from ampddp.models import GPT
+    from ampddp.zoo.models import GPT
 
     runs = {}
     for offload in (False, True):

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from image_folders import make_image_folder
 
-from ampddp.data import imagefolder
+from ampddp.zoo.data import imagefolder
 
 ROOT = Path(__file__).resolve().parents[2]
 

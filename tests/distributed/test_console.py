@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ampddp.console import rank_console
 from ampddp.distributed.env import DistEnv
 from ampddp.distributed.watch import PeerWatch, is_distributed_error
 from ampddp.errors import CheckpointError, NonFiniteGradientsError, PeerFailureError
+from ampddp.observe.console import rank_console
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = str(ROOT / "recipes" / "quickstart.yaml")

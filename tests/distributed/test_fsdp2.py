@@ -25,13 +25,13 @@ from torch.utils.data import Subset
 
 from ampddp import Parallel, Precision
 from ampddp.checkpoint.store import CheckpointStore
-from ampddp.compile_model import ModelCompiler
 from ampddp.distributed import FSDPOptions, launch_local
-from ampddp.models import GPT
 from ampddp.prepare import prepare
-from ampddp.text import ByteWindows, corpus_bytes, python_docs
 from ampddp.trainer import Trainer
 from ampddp.training import CheckpointSettings
+from ampddp.training.compile_model import ModelCompiler
+from ampddp.zoo.models import GPT
+from ampddp.zoo.text import ByteWindows, corpus_bytes, python_docs
 
 pytestmark = pytest.mark.timeout(600)
 STEPS = 20

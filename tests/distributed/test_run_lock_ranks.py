@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ampddp.distributed import free_port
-from ampddp.run_lock import LOCK_FILE, RunDirLock
+from ampddp.rundir.lock import LOCK_FILE, RunDirLock
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = str(ROOT / "recipes" / "quickstart.yaml")

@@ -16,14 +16,14 @@ import pytest
 import torch
 
 import ampddp.recipe.checks
-import ampddp.run
+import ampddp.recipe.run
 from ampddp.checkpoint import keys
 from ampddp.cli import EXIT_BROKEN_PIPE, EXIT_NONFINITE, main
 from ampddp.errors import NonFiniteGradientsError
-from ampddp.models import build_model
+from ampddp.observe.progress import Progress
 from ampddp.precision.factory import build_engine
-from ampddp.progress import Progress
 from ampddp.recipe.reading import load_config, parse_overrides
+from ampddp.zoo.models import build_model
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
@@ -285,7 +285,7 @@ def test_non_finite_gradients_get_one_line_and_their_own_exit_code(tmp_path, cap
     def diverge(config, early=None):
         raise NonFiniteGradientsError("the loss was non-finite for 10 consecutive steps\n(first: module 'fc')")
 
-    monkeypatch.setattr(ampddp.run, "launch", diverge)
+    monkeypatch.setattr(ampddp.recipe.run, "launch", diverge)
     assert main(["train", str(QUICKSTART), f"trainer.run_dir={tmp_path}"]) == EXIT_NONFINITE == 3
     err = capsys.readouterr().err
     assert err == "ampddp train: error: training stopped: the loss was non-finite for 10 consecutive steps (first: module 'fc')\n"
@@ -343,9 +343,9 @@ def test_a_closed_pipe_ends_quietly(tmp_path):
 @pytest.mark.timeout(300)
 def test_checkpoints_the_trainer_writes_pass_the_checks(tmp_path):
     small = ["model.name=mlp", "data.image_size=8", "trainer.max_steps=2", "data.batch_size=8", "trainer.progress=off"]
-    ampddp.run.launch(load_config(QUICKSTART, [f"trainer.run_dir={tmp_path / 'first'}", *small]))
+    ampddp.recipe.run.launch(load_config(QUICKSTART, [f"trainer.run_dir={tmp_path / 'first'}", *small]))
     step = tmp_path / "first" / keys.CHECKPOINTS_DIR / keys.STEP_DIR.format(step=2)
     for start in (f"checkpoint.resume_from={step}", f"checkpoint.init_from={step / keys.SHARED_FILE}"):
-        ampddp.run.validate(load_config(QUICKSTART, [f"trainer.run_dir={tmp_path / 'second'}", *small, start]))
+        ampddp.recipe.run.validate(load_config(QUICKSTART, [f"trainer.run_dir={tmp_path / 'second'}", *small, start]))
     good = fake_checkpoint(tmp_path / "fake", good_shared())
-    ampddp.run.validate(load_config(QUICKSTART, [f"trainer.run_dir={tmp_path / 'third'}", f"checkpoint.resume_from={good}"]))
+    ampddp.recipe.run.validate(load_config(QUICKSTART, [f"trainer.run_dir={tmp_path / 'third'}", f"checkpoint.resume_from={good}"]))

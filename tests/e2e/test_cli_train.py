@@ -17,7 +17,7 @@ from ampddp.cli import main
 from ampddp.distributed import free_port
 from ampddp.observe import read_metrics
 from ampddp.recipe.reading import load_config
-from ampddp.run_files import PLOT_FILES
+from ampddp.rundir.files import PLOT_FILES
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -136,7 +136,7 @@ def test_each_recipe_runs_end_to_end(tmp_path, recipe):
     if config.precision.mode == "O6" and not HAS_TORCHAO:
         pytest.skip(NO_TORCHAO)
     data = [f"data.root={make_image_folder(tmp_path / 'images')}", *IMAGEFOLDER_ON_CPU] if config.data.name == "imagefolder" else []
-    if config.model.name == "ampddp.models:gpt":
+    if config.model.name == "ampddp.zoo.models:gpt":
         data = ["optimizer.warmup_steps=1"]  # the GPT recipes (FSDP2's 2 processes stay), a warmup shorter than the 2 steps
     result = subprocess.run(
         [sys.executable, "-m", "ampddp", "train", str(recipe), f"trainer.run_dir={tmp_path / 'run'}",

@@ -11,8 +11,8 @@ import torch
 from resume_helpers import NoisyDigits, make_model
 
 from ampddp.cli import main
-from ampddp.loggers import MetricLogger
 from ampddp.observe import Reporting
+from ampddp.observe.loggers import MetricLogger
 from ampddp.trainer import Trainer
 from ampddp.training import Callback, CheckpointSettings
 

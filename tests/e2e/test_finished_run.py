@@ -15,9 +15,9 @@ import pytest
 from ampddp.checkpoint import keys
 from ampddp.cli import main
 from ampddp.errors import ConfigError
-from ampddp.finished_run import finished_run_summary
 from ampddp.recipe.reading import load_config
-from ampddp.run_lock import RunDirLock
+from ampddp.rundir.finished import finished_run_summary
+from ampddp.rundir.lock import RunDirLock
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = str(REPO / "recipes" / "quickstart.yaml")
@@ -62,7 +62,7 @@ def test_a_finished_run_answers_without_torch_what_the_full_start_reports(finish
     printed, outcome = done.stdout.rsplit("\n{", 1)[0], json.loads("{" + done.stdout.rsplit("\n{", 1)[1])
     assert outcome == {"code": 0, "torch": False}
     assert "already complete at step 2 (epoch 0): nothing to train" in done.stderr
-    from ampddp.run import launch
+    from ampddp.recipe.run import launch
 
     full = launch(config_for(run_dir))  # the full start, for comparison
     assert json.loads(printed) == full and full["already_complete"] is True

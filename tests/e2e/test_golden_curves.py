@@ -42,7 +42,7 @@ def unit_roundoff(dtype: torch.dtype) -> float:
 def loss_curve(mode: str, run_dir: Path) -> list[float]:
     """The logged training losses of the quickstart recipe at ``mode`` over its first ``STEPS`` steps."""
     from ampddp.recipe.reading import load_config
-    from ampddp.run import launch
+    from ampddp.recipe.run import launch
 
     overrides = [f"precision.mode={mode}", f"trainer.run_dir={run_dir}", f"trainer.max_steps={STEPS}",
                  f"trainer.log_every_steps={EVERY}", "trainer.progress=off", "distributed.device=cpu"]  # fmt: skip

@@ -20,8 +20,8 @@ from ampddp.checkpoint.inspect import summarize
 from ampddp.checkpoint.store import CheckpointStore
 from ampddp.cli import main
 from ampddp.errors import ConfigError
-from ampddp.loggers import CsvLogger, MetricLogger, MlflowLogger, WandbLogger
 from ampddp.observe import Reporting
+from ampddp.observe.loggers import CsvLogger, MetricLogger, MlflowLogger, WandbLogger
 from ampddp.trainer import Trainer
 from ampddp.training import CheckpointSettings
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from image_folders import make_image_folder
 
-import ampddp.data
 import ampddp.recipe.factories
+import ampddp.zoo.data
 from ampddp.checkpoint.store import CheckpointStore
 from ampddp.cli import main
 from ampddp.recipe.checks import validate
@@ -45,7 +45,7 @@ def overrides(tmp_path: Path) -> list[str]:
 
 @pytest.mark.timeout(300)
 def test_an_image_folder_is_scanned_and_the_model_built_once(tmp_path, monkeypatch):
-    scans = counting(monkeypatch, ampddp.data, "find_images")
+    scans = counting(monkeypatch, ampddp.zoo.data, "find_images")
     models = counting(monkeypatch, ampddp.recipe.factories, "build_model")
     assert main(["train", str(RECIPE), *overrides(tmp_path)]) == 0
     assert [Path(folder).name for folder in scans] == ["train", "val"]  # a warmup in epochs needs the size: built in the checks

@@ -17,13 +17,14 @@ from image_folders import make_image_folder
 from resume_helpers import NoisyDigits, make_trainer, tree_snapshot
 
 from ampddp.checkpoint import keys
-from ampddp.data import IMAGENET_MEAN, IMAGENET_STD, build_datasets, resolve_normalize
 from ampddp.errors import ConfigError
-from ampddp.observe import METRICS_FILE, SUMMARY_FILE, read_metrics
+from ampddp.observe import read_metrics
 from ampddp.recipe.reading import load_config
-from ampddp.run_lock import LOCK_FILE
+from ampddp.rundir.files import METRICS_FILE, SUMMARY_FILE
+from ampddp.rundir.lock import LOCK_FILE
 from ampddp.training.resume.changes import check_resume_settings, config_changes
 from ampddp.training.resume.schedule_plan import plan_schedule
+from ampddp.zoo.data import IMAGENET_MEAN, IMAGENET_STD, build_datasets, resolve_normalize
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = str(ROOT / "recipes" / "quickstart.yaml")

@@ -17,7 +17,7 @@ from ampddp import run_lock
 from ampddp.checkpoint.inspect import summarize
 from ampddp.errors import ConfigError
 from ampddp.observe import read_metrics
-from ampddp.run_lock import LOCK_FILE, RunDirLock
+from ampddp.rundir.lock import LOCK_FILE, RunDirLock
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = str(ROOT / "recipes" / "quickstart.yaml")
@@ -27,7 +27,7 @@ REFUSED = "is in use by another ampddp run"
 TRY_LOCK = """
 import sys
 from ampddp.errors import ConfigError
-from ampddp.run_lock import RunDirLock
+from ampddp.rundir.lock import RunDirLock
 try:
     with RunDirLock(sys.argv[1]):
         print("acquired", flush=True)

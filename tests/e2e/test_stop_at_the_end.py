@@ -14,7 +14,8 @@ from resume_helpers import assert_identical, final_state, make_trainer
 
 from ampddp.checkpoint.inspect import summarize
 from ampddp.distributed.env import detect_env
-from ampddp.observe import METRICS_FILE, SUMMARY_FILE, Reporting, read_metrics
+from ampddp.observe import Reporting, read_metrics
+from ampddp.rundir.files import METRICS_FILE, SUMMARY_FILE
 from ampddp.training.callbacks import Callback
 
 TIMING = ("wall_time_s", "data_wait_s")

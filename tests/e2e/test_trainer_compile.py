@@ -25,11 +25,11 @@ from ampddp.checkpoint import keys
 from ampddp.checkpoint.files import load_safely
 from ampddp.checkpoint.store import CheckpointStore
 from ampddp.cli import main
-from ampddp.compile_model import ModelCompiler
 from ampddp.errors import ConfigError
 from ampddp.observe import read_metrics
 from ampddp.recipe.factories import model_compiler
 from ampddp.recipe.reading import load_config
+from ampddp.training.compile_model import ModelCompiler
 
 BACKEND = "aot_eager"
 COMPILED = ModelCompiler(backend=BACKEND)

@@ -8,7 +8,7 @@ import torch
 import torchvision.datasets
 from torchvision.transforms import v2
 
-from ampddp.data import _normalise, cifar10, digits, eval_geometry
+from ampddp.zoo.data import _normalise, cifar10, digits, eval_geometry
 
 
 def images(dataset: torch.utils.data.Dataset) -> torch.Tensor:

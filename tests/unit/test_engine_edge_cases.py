@@ -19,9 +19,9 @@ from torch.utils.checkpoint import checkpoint
 
 from ampddp import AmpUsageError, ConfigError, build_engine
 from ampddp.amp import Amp
+from ampddp.amp.loss_blocks import loss_blocks
 from ampddp.distributed import free_port
 from ampddp.errors import NonFiniteGradientsError
-from ampddp.precision.loss_blocks import loss_blocks
 
 
 @pytest.fixture

@@ -19,10 +19,10 @@ from ampddp import AmpUsageError, ConfigError, Precision
 from ampddp.amp import Amp
 from ampddp.checkpoint.inspect import summarize
 from ampddp.distributed.full_state import plain_tensor
-from ampddp.models import GPT
 from ampddp.observe import Reporting, read_metrics
 from ampddp.precision.fp8 import EagerFp8Warning, plan_fp8
-from ampddp.text import ByteWindows, corpus_bytes
+from ampddp.zoo.models import GPT
+from ampddp.zoo.text import ByteWindows, corpus_bytes
 
 pytestmark = pytest.mark.skipif(not HAS_TORCHAO, reason=NO_TORCHAO)
 

@@ -12,7 +12,10 @@ from image_folders import CLASSES, make_image_folder
 from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 
-from ampddp.data import (
+from ampddp.errors import ConfigError
+from ampddp.recipe.checks import validate
+from ampddp.recipe.reading import load_config
+from ampddp.zoo.data import (
     AUTO_AUGMENTS,
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -21,9 +24,6 @@ from ampddp.data import (
     image_transforms,
     imagefolder,
 )
-from ampddp.errors import ConfigError
-from ampddp.recipe.checks import validate
-from ampddp.recipe.reading import load_config
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
 

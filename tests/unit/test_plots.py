@@ -11,8 +11,8 @@ from pathlib import Path
 import matplotlib
 
 from ampddp.cli import main
-from ampddp.observe import PLOTS_SKIPPED, plot_metrics
-from ampddp.run_files import METRICS_FILE, PLOT_FILES, SUMMARY_FILE
+from ampddp.observe.plots import PLOTS_SKIPPED, plot_metrics
+from ampddp.rundir.files import METRICS_FILE, PLOT_FILES, SUMMARY_FILE
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 QUICKSTART = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"

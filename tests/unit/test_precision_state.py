@@ -288,7 +288,7 @@ def imported_modules(path: Path) -> set[str]:
 
 def test_native_does_not_import_the_opt_level_engine_and_the_facade_no_concrete_engine():
     assert "ampddp.precision.opt_level" not in imported_modules(PACKAGE / "precision" / "native.py")
-    facade = PACKAGE / "amp.py"
+    facade = PACKAGE / "amp" / "__init__.py"
     assert not {"ampddp.precision.opt_level", "ampddp.precision.apex_backend", "ampddp.precision.native"} & imported_modules(facade)
     assert not {"OptLevelEngine", "ApexEngine", "NativeAmpEngine"} & {
         n.id for n in ast.walk(ast.parse(facade.read_text())) if isinstance(n, ast.Name)

@@ -51,6 +51,28 @@ def test_prepare_takes_the_objects():
     assert run.module[0].weight.dtype == torch.float16
 
 
+
+def test_the_library_is_one_import_away():
+    """``from ampddp import ...`` gives the doors and their parts; ``prepare`` from the package trains
+    exactly as ``ampddp.prepare.prepare`` does."""
+    import ampddp
+    from ampddp import CheckpointSettings, LoopSettings, Reporting
+    from ampddp import Trainer as PackageTrainer
+    from ampddp import prepare as package_prepare
+    from ampddp.observe.observer import Reporting as reporting_home
+    from ampddp.training.checkpoint_settings import CheckpointSettings as settings_home
+    from ampddp.training.settings import LoopSettings as loop_home
+
+    assert (PackageTrainer, CheckpointSettings, LoopSettings, Reporting) == (Trainer, settings_home, loop_home, reporting_home)
+    assert ampddp.prepare is package_prepare
+    results = []
+    for door in (package_prepare, prepare):
+        torch.manual_seed(0)
+        run = door(nn.Linear(4, 2), lambda p: torch.optim.SGD(p, lr=0.1), DistEnv(), precision="O0", parallel=Parallel("none"))
+        results.append(run.module.weight.detach().clone())
+    assert torch.equal(*results)
+
+
 @pytest.mark.parametrize(
     ("argument", "where"),
     [

@@ -14,12 +14,12 @@ from ampddp.distributed.env import DistEnv
 from ampddp.distributed.fsdp2 import FSDPOptions, block_classes, repeated_blocks, shard_model
 from ampddp.distributed.wrap import wrap_model
 from ampddp.errors import ConfigError
-from ampddp.models import GPT, Block, gpt
 from ampddp.precision.policy import resolve_policy
 from ampddp.recipe.checks import validate
 from ampddp.recipe.reading import load_config
-from ampddp.text import VOCAB_SIZE, python_docs
 from ampddp.training.batches import accuracy, cross_entropy
+from ampddp.zoo.models import GPT, Block, gpt
+from ampddp.zoo.text import VOCAB_SIZE, python_docs
 
 RECIPE = Path(__file__).parents[2] / "recipes" / "gpt-fsdp2.yaml"
 
@@ -71,7 +71,7 @@ def test_fsdp_settings_belong_to_fsdp2_and_ddp_settings_to_ddp():
 def test_blocks_are_found_or_named():
     model = GPT(VOCAB_SIZE, layers=2, width=16, heads=2, context=8)
     assert repeated_blocks(model) == [Block]
-    assert block_classes(model, ("ampddp.models.Block",)) == [Block]
+    assert block_classes(model, ("ampddp.zoo.models.Block",)) == [Block]
     resnet = torchvision.models.resnet18(num_classes=3)
     assert [kind.__name__ for kind in repeated_blocks(resnet)] == ["BasicBlock"]
     assert repeated_blocks(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))) == []
@@ -151,7 +151,7 @@ def test_a_block_name_two_classes_share_must_be_given_qualified():
     other = type("Block", (nn.Linear,), {"__module__": "elsewhere"})
     model = nn.Sequential(Block(8, 2, nn.LayerNorm), other(8, 8))
     with pytest.raises(
-        ConfigError, match=r"'Block' names 2 classes of the model \(ampddp.models.Block, elsewhere.Block\); give the qualified name"
+        ConfigError, match=r"'Block' names 2 classes of the model \(ampddp.zoo.models.Block, elsewhere.Block\); give the qualified name"
     ):
         block_classes(model, ("Block",))
     assert block_classes(model, ("elsewhere.Block",)) == [other]

@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from torch.optim import Optimizer
 
 from ampddp.amp import default
+from ampddp.amp.loss_blocks import OptLevelLossBlocks
 from ampddp.errors import AmpUsageError, ConfigError
 from ampddp.precision import op_lists
 from ampddp.precision.cast_context import OpCastContext, suspend_thread_casts
-from ampddp.precision.loss_blocks import OptLevelLossBlocks
 from ampddp.precision.opt_level import OptLevelEngine
 from ampddp.precision.policy import resolve_policy
 from ampddp.precision.registry import FP32, OpRegistry

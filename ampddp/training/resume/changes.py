@@ -19,8 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ampddp.data import resolve_normalize
 from ampddp.errors import ConfigError
+from ampddp.zoo.data import resolve_normalize
 
 RUN_DEFINING = (
     "model.",

@@ -84,17 +84,37 @@ def plan_schedule(
             f"the optimizer type changed ({type(optimizer).__name__} now): it starts with fresh state (momentum / moment "
             "estimates reset); the LR schedule keeps its position"
         )
+    fresh_base, current, lr_changed = _base_lrs(plan, saved_groups, fresh_groups)
+    saved = dict(saved_scheduler) if isinstance(saved_scheduler, Mapping) else None
+    step = int(saved["last_epoch"]) if saved is not None and "last_epoch" in saved else applied_steps
+    _plan_scheduler(plan, scheduler, saved, lr_changed, current, fresh_base, step, where)
+    if not plan.load_optimizer and plan.lrs is None:
+        plan.lrs = current
+    return plan
+
+
+def _base_lrs(
+    plan: SchedulePlan, saved_groups: list[Mapping[str, Any]], fresh_groups: list[Mapping[str, Any]]
+) -> tuple[list[float], list[float], bool]:
+    """This run's base lr per group, the lr each group has at the checkpoint's step under it (the saved
+    lr scaled by new base / old base), and whether the base lr changed (noted in ``plan``)."""
     fresh_base = [_base(group) for group in fresh_groups]
     saved_base = [_base(group) for group in saved_groups]
-    lr_changed = fresh_base != saved_base
     current = [
         float(group["lr"]) if new == old else (float(group["lr"]) * new / old if old else new)
         for group, new, old in zip(saved_groups, fresh_base, saved_base)
     ]
+    lr_changed = fresh_base != saved_base
     if lr_changed:
         plan.notes.append(f"the base lr changed ({saved_base[0]:g} -> {fresh_base[0]:g}): the lr at this step is now {current[0]:.6g}")
-    saved = dict(saved_scheduler) if isinstance(saved_scheduler, Mapping) else None
-    step = int(saved["last_epoch"]) if saved is not None and "last_epoch" in saved else applied_steps
+    return fresh_base, current, lr_changed
+
+
+def _plan_scheduler(
+    plan: SchedulePlan, scheduler: Any, saved: dict[str, Any] | None, lr_changed: bool, current: list[float],
+    fresh_base: list[float], step: int, where: str,
+) -> None:  # fmt: skip
+    """The scheduler's part of ``plan``, by the kind of scheduler this run built."""
     if scheduler is None:
         plan.load_scheduler = False
         if lr_changed or saved is not None or not plan.load_optimizer:
@@ -103,21 +123,26 @@ def plan_schedule(
         _plan_cosine(plan, scheduler, saved, lr_changed, current, fresh_base, step, where)
     elif isinstance(scheduler, StepLR):
         _plan_step(plan, scheduler, saved, lr_changed, current, fresh_base, step)
-    elif isinstance(scheduler, LambdaLR) and any(entry is not None for entry in scheduler.state_dict()["lr_lambdas"]):
+    elif _is_user_lambda(scheduler):
         _check_lambda(scheduler, saved, where)
         if lr_changed:
-            plan.lrs, plan.initial_lrs = current, fresh_base
-            plan.scheduler_settings = {"base_lrs": fresh_base, "_last_lr": current}
+            _rebase(plan, current, fresh_base)
     elif saved is None or set(saved) != set(scheduler.state_dict()):
         plan.load_scheduler = False
         plan.notes.append(f"the LR scheduler changed ({type(scheduler).__name__} now): it starts at this step from lr {current[0]:.6g}")
         plan.lrs = current
     elif lr_changed:
-        plan.lrs, plan.initial_lrs = current, fresh_base
-        plan.scheduler_settings = {"base_lrs": fresh_base, "_last_lr": current}
-    if not plan.load_optimizer and plan.lrs is None:
-        plan.lrs = current
-    return plan
+        _rebase(plan, current, fresh_base)
+
+
+def _is_user_lambda(scheduler: Any) -> bool:
+    return isinstance(scheduler, LambdaLR) and any(entry is not None for entry in scheduler.state_dict()["lr_lambdas"])
+
+
+def _rebase(plan: SchedulePlan, current: list[float], fresh_base: list[float]) -> None:
+    """The schedule keeps its position from the new base lr."""
+    plan.lrs, plan.initial_lrs = current, fresh_base
+    plan.scheduler_settings = {"base_lrs": fresh_base, "_last_lr": current}
 
 
 def _plan_cosine(
@@ -130,18 +155,7 @@ def _plan_cosine(
     plan.load_scheduler = same_kind
     if same_kind and old_horizon == horizon and saved.get("eta_min") == floor and not lr_changed:
         return
-    if step >= horizon:
-        raise ConfigError(
-            f"cannot resume {where}: with these settings the cosine LR schedule would end at step {horizon}, before the "
-            f"{step} steps already applied, so the rest of the run would train at lr {floor:g}; set trainer.max_steps to the "
-            "step the run should end at (a changed world size or batch size changes the steps per epoch)"
-        )
-    if same_kind and old_horizon is not None and step >= old_horizon and any(lr <= floor for lr in current):
-        raise ConfigError(
-            f"cannot resume {where} to step {horizon}: its cosine LR schedule already ended at step {step} (lr {floor:g}), so the "
-            "added steps would not train; start a fresh run from these weights instead (another trainer.run_dir with "
-            f"checkpoint.init_from={where}), or resume with optimizer.scheduler=none"
-        )
+    _refuse_an_ended_cosine(where, step, horizon, floor, old_horizon, current)
     share = 2.0 / (1.0 + math.cos(math.pi * step / horizon))
     bases = [floor + (lr - floor) * share for lr in current]
     # The virtual bases live in the scheduler only: initial_lr keeps the configured base, which the
@@ -152,6 +166,23 @@ def _plan_cosine(
         was = f"step {old_horizon}" if old_horizon is not None else "no cosine schedule"
         plan.notes.append(
             f"LR schedule re-planned at step {step}: cosine from lr {current[0]:.6g} down to {floor:g} at step {horizon} (was: {was})"
+        )
+
+
+def _refuse_an_ended_cosine(where: str, step: int, horizon: int, floor: float, old_horizon: int | None, current: list[float]) -> None:
+    """A cosine that would end before the steps already applied, or one that already ended at its floor
+    and is asked to go on: either would train at the floor lr for the rest of the run."""
+    if step >= horizon:
+        raise ConfigError(
+            f"cannot resume {where}: with these settings the cosine LR schedule would end at step {horizon}, before the "
+            f"{step} steps already applied, so the rest of the run would train at lr {floor:g}; set trainer.max_steps to the "
+            "step the run should end at (a changed world size or batch size changes the steps per epoch)"
+        )
+    if old_horizon is not None and step >= old_horizon and any(lr <= floor for lr in current):
+        raise ConfigError(
+            f"cannot resume {where} to step {horizon}: its cosine LR schedule already ended at step {step} (lr {floor:g}), so the "
+            "added steps would not train; start a fresh run from these weights instead (another trainer.run_dir with "
+            f"checkpoint.init_from={where}), or resume with optimizer.scheduler=none"
         )
 
 

@@ -36,15 +36,15 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from ampddp.amp_setup import CastScope, SetUp
-from ampddp.amp_state_io import load_amp_state
+from ampddp.amp.loss_blocks import loss_blocks
+from ampddp.amp.rewrap import Wrappers, wrappers_around
+from ampddp.amp.set_up import CastScope, SetUp
+from ampddp.amp.state_io import load_amp_state
 from ampddp.distributed.env import launched_rank_without_a_group
-from ampddp.distributed.rewrap import Wrappers, wrappers_around
 from ampddp.errors import AmpUsageError
 from ampddp.precision.cast_context import end_thread_casts, suspend_thread_casts
 from ampddp.precision.engine import PrecisionEngine, check_loss, check_models_and_optimizers
 from ampddp.precision.factory import build_engine
-from ampddp.precision.loss_blocks import loss_blocks
 from ampddp.precision.policy import check_opt_level
 from ampddp.precision.registry import (
     BFLOAT16,
@@ -163,37 +163,50 @@ class Amp:
         allow_low = self.allow_incoming_model_not_fp32
         options = {"allow_low_precision_models": True} if allow_low and impl == "builtin" else {}
         engine = build_engine(check_opt_level(opt_level), impl=impl, registry=self._registry, enabled=enabled, **options, **overrides)
-        for index, optimizer in enumerate(optimizer_list):
+        self._refuse_initialized_optimizers(optimizer_list)
+        check_models_and_optimizers(model_list, optimizer_list, allow_low, fp8=opt_level == "O6")
+        self._set_up_engine(engine, model_list, optimizer_list)
+        setup = SetUp(engine, model_list, optimizer_list, request, scope=self._scope, restores_carried_amp_state=self._owns_its_scalers)
+        setup.install_hooks()
+        setup.mark_optimizers()
+        self._add(setup)
+        self._warn_if_ranks_train_apart()
+        return _shaped(model_list, models_were_list, optimizer_list if optimizers is not None else None, optimizers_were_list)
+
+    def _refuse_initialized_optimizers(self, optimizers: list[Optimizer]) -> None:
+        for index, optimizer in enumerate(optimizers):
             if optimizer in self._initialized_optimizers:
                 raise AmpUsageError(
                     f"optimizers[{index}] was already passed to amp.initialize (its param groups may hold that set-up's fp32 "
                     "masters); pass each optimizer through initialize once, as apex required: build a new optimizer over "
                     "the model's parameters for a new set-up"
                 )
-        check_models_and_optimizers(model_list, optimizer_list, allow_low, fp8=opt_level == "O6")
-        wrappers = wrappers_around(model_list) if engine.casts_model_params or engine.steps_fp32_masters else Wrappers()
+
+    def _set_up_engine(self, engine: PrecisionEngine, models: list[nn.Module], optimizers: list[Optimizer]) -> None:
+        """``engine`` over ``models`` and ``optimizers``: DDP wrappers around them checked (and re-hooked after
+        a cast), earlier set-ups holding any of them removed first, the slower-than-fp32 line said."""
+        wrappers = wrappers_around(models) if engine.casts_model_params or engine.steps_fp32_masters else Wrappers()
         wrappers.check(engine.casts_model_params, engine.steps_fp32_masters)
         self.end_casts()
-        for earlier in [s for s in self.setups if any(s.holds(obj) for obj in (*model_list, *optimizer_list))]:
+        for earlier in [s for s in self.setups if any(s.holds(obj) for obj in (*models, *optimizers))]:
             earlier.teardown()
-        engine.setup(model_list, optimizer_list)
-        device = next((param.device for model in model_list for param in model.parameters()), torch.device("cpu"))
-        warn_if_slower_than_fp32(engine.mode, engine.compute_dtype, device, model_list)
+        engine.setup(models, optimizers)
+        device = next((param.device for model in models for param in model.parameters()), torch.device("cpu"))
+        warn_if_slower_than_fp32(engine.mode, engine.compute_dtype, device, models)
         if engine.casts_model_params:
             wrappers.rehook_after_cast()
-        setup = SetUp(engine, model_list, optimizer_list, request, scope=self._scope, restores_carried_amp_state=self._owns_its_scalers)
-        setup.install_hooks()
-        setup.mark_optimizers()
+
+    def _add(self, setup: SetUp) -> None:
+        """``setup`` becomes the newest: its casts open under apex's scope, where it also gives its loss
+        scalers to the earlier set-ups (apex's one global list, replaced by each initialize)."""
         self._reopen_process_casts(setup)
-        if self._scope.process_wide:  # apex's one global list of loss scalers, replaced by each initialize
+        if self._scope.process_wide:
             for earlier in self.setups:
-                earlier.engine.share_loss_scalers(engine)
+                earlier.engine.share_loss_scalers(setup.engine)
         self._setups = [ref for ref in self._setups if (live := ref()) is not None and live.live]
         self._setups.append(weakref.ref(setup))
         self._newest = setup
-        self._initialized_optimizers.update(optimizer_list)
-        self._warn_if_ranks_train_apart()
-        return _shaped(model_list, models_were_list, optimizer_list if optimizers is not None else None, optimizers_were_list)
+        self._initialized_optimizers.update(setup.optimizers)
 
     def _owns_its_scalers(self) -> bool:
         """Under apex's scope the set-ups share one list of loss scalers (apex's global): an optimizer's

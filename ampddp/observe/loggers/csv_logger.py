@@ -8,8 +8,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ampddp.loggers.base import MetricLogger
-from ampddp.run_files import open_for_append, replace_file, run_file_errors
+from ampddp.observe.loggers.base import MetricLogger
+from ampddp.rundir.files import open_for_append, replace_file, run_file_errors
 
 
 class CsvLogger(MetricLogger):

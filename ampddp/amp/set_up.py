@@ -17,8 +17,8 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from ampddp.amp_stash import mark_optimizer, unmark_optimizer
-from ampddp.amp_state_io import carry_amp_state
+from ampddp.amp.stash import mark_optimizer, unmark_optimizer
+from ampddp.amp.state_io import carry_amp_state
 from ampddp.precision.cast_context import (
     OpCastContext,
     Opening,
@@ -59,7 +59,7 @@ class SetUp:
     scope: CastScope = field(default_factory=CastScope)
     """Shared by all set-ups of one ``Amp``: whether casting is apex's process-wide scope."""
     restores_carried_amp_state: Callable[[], bool] = lambda: True
-    """Whether an optimizer's ``load_state_dict`` restores the amp state its dict carries (see ampddp.amp_state_io)."""
+    """Whether an optimizer's ``load_state_dict`` restores the amp state its dict carries (see ampddp.amp.state_io)."""
     window: Opening | None = field(init=False, default=None)
     """The op lists outside the forward, made here on the initializing thread (before any compiled
     forward could open it); None without O1/O4 op casting."""
@@ -82,7 +82,7 @@ class SetUp:
         return len(models) == len(self.models) and len(optimizers) == len(self.optimizers) and all(same)
 
     def mark_optimizers(self) -> None:
-        """apex's ``optimizer._amp_stash`` on each optimizer, as libraries test for it (see ampddp.amp_stash)."""
+        """apex's ``optimizer._amp_stash`` on each optimizer, as libraries test for it (see ampddp.amp.stash)."""
         for optimizer in self.optimizers:
             grads = self.engine.optimizer_grads(optimizer)
             if grads is not None:

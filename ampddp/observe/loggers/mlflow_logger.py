@@ -8,9 +8,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ampddp.loggers.base import MetricLogger, import_extra
+from ampddp.observe.loggers.base import MetricLogger, import_extra
 
-logger = logging.getLogger("ampddp.loggers")
+logger = logging.getLogger("ampddp.observe.loggers")
 
 MAX_PARAM_LENGTH = 6000
 """MLflow refuses longer parameter values; a longer setting is logged cut to this length."""

@@ -1,9 +1,8 @@
-"""What a run shows: progress on rank 0, metrics.jsonl, summary.json, PNG plots, and its loggers
-(TensorBoard, CSV, Weights & Biases, MLflow: ``ampddp.loggers``)."""
+"""The run's observer on rank 0: progress on the console, records appended to metrics.jsonl,
+summary.json at the end, then the plots, and every logger fed the same records."""
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import math
@@ -16,9 +15,11 @@ from typing import Any
 
 from ampddp.distributed.env import DistEnv
 from ampddp.errors import ConfigError
-from ampddp.loggers import MetricLogger, logger_named
-from ampddp.loggers.base import numbers
-from ampddp.run_files import (
+from ampddp.observe.loggers import MetricLogger, logger_named
+from ampddp.observe.loggers.base import numbers
+from ampddp.observe.metrics_file import read_metrics
+from ampddp.observe.plots import plot_metrics
+from ampddp.rundir.files import (
     METRICS_FILE,
     SUMMARY_FILE,
     RunDirIdentity,
@@ -30,7 +31,6 @@ from ampddp.run_files import (
 )
 
 LOGGERS_NEED_A_RUN_DIR = "loggers write into the run dir: give one (CheckpointSettings(run_dir=...)) or no loggers"
-PLOTS_SKIPPED = "plots skipped: matplotlib is not installed (pip install 'ampddp[plots]')"
 PROGRESS_CHOICES = ("auto", "bar", "lines", "off")
 SCALING_FIELDS = ("loss_scale", "skipped", "skipped_steps")
 """Fields of a step record that say something only in modes that scale the loss."""
@@ -332,87 +332,3 @@ def _epoch_text(epoch: int, shown: float | None) -> str:
     """The console's epoch: epochs done, with the part of the current one (``0.93``, then ``1.00`` at
     its end), the same in training and evaluation lines; the records keep the whole ``epoch``."""
     return f"{shown:.2f}" if shown is not None else str(epoch)
-
-
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The run's history as it applies to the final model.
-
-    metrics.jsonl is append-only; a run that died after logging step k+n but whose last checkpoint
-    was step k logged those n steps again after resuming. Each ``start`` record drops the earlier
-    records of steps beyond it, so every optimizer step appears once, as it was really applied.
-    """
-    path = Path(run_dir) / METRICS_FILE
-    if not path.is_file():
-        return []
-    history: list[dict[str, Any]] = []
-    for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:  # a record torn by a crash or a full disk: everything before it stands
-            logger.warning("%s: line %d is not a whole record (torn by a crash or a full disk); skipped", path, number)
-            continue
-        if not isinstance(record, dict) or "step" not in record:
-            logger.warning("%s: line %d is not a metrics record; skipped", path, number)
-            continue
-        if record.get("kind") == "start":
-            history = [kept for kept in history if kept.get("kind") == "start" or kept["step"] <= record["step"]]
-        history.append(record)
-    return history
-
-
-EVAL_FIELDS = ("kind", "step", "epoch", "loss", "samples")
-"""Fields of an eval record that are not a metric to plot (the eval loss is in the summary)."""
-
-
-def plot_metrics(run_dir: str | Path) -> list[Path]:
-    """loss.png, eval_<metric>.png per evaluation metric (eval_accuracy.png by default) and
-    loss_scale.png (skipped steps marked) from metrics.jsonl; loss_scale.png only when the scale
-    changed or a step was skipped (a bf16 or O0 run's would be a flat line at 1).
-
-    Figures are made with matplotlib's object API, not pyplot: no backend is chosen for the whole
-    process (a user's interactive backend stays) and no figure is left registered anywhere.
-    matplotlib is an optional extra (``ampddp[plots]``) that keeps the core install lean: without
-    it this logs one warning saying how to install it and returns no paths, so a run still ends
-    with its metrics and summary written.
-    """
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        logger.warning(PLOTS_SKIPPED)
-        return []
-
-    records = read_metrics(run_dir)
-    train = [r for r in records if r.get("kind") == "train"]
-    evals = [r for r in records if r.get("kind") == "eval"]
-    outputs = []
-    metrics = dict.fromkeys(key for r in evals for key, value in r.items() if key not in EVAL_FIELDS and isinstance(value, (int, float)))
-    scales = {r.get("loss_scale") for r in train}
-    scale_varies = len(scales) > 1 or any(r.get("skipped") for r in train)
-    specs = [
-        ("loss.png", train, "loss", "training loss"),
-        *((f"eval_{key}.png", [r for r in evals if key in r], key, f"held-out {key}") for key in metrics),
-        *([("loss_scale.png", train, "loss_scale", "loss scale")] if scale_varies else []),
-    ]
-    for name, rows, key, title in specs:
-        figure = Figure(figsize=(6, 3.5))
-        axes = figure.subplots()
-        axes.plot([r["step"] for r in rows], [r[key] for r in rows], marker="." if len(rows) < 50 else None)
-        if key == "loss_scale":
-            skipped = [r for r in rows if r.get("skipped")]
-            axes.scatter([r["step"] for r in skipped], [r[key] for r in skipped], color="red", marker="x", label="skipped step", zorder=3)
-            if skipped:
-                axes.legend()
-            if rows and all(r[key] > 0 for r in rows):
-                axes.set_yscale("log", base=2)
-        axes.set_xlabel("optimizer step")
-        axes.set_title(title)
-        figure.tight_layout()
-        path = Path(run_dir) / name
-        image = io.BytesIO()
-        figure.savefig(image, format="png", dpi=100)
-        with run_file_errors(path):
-            replace_file(path, image.getvalue())
-        outputs.append(path)
-    return outputs

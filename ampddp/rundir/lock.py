@@ -19,7 +19,7 @@ from pathlib import Path
 from types import TracebackType
 
 from ampddp.errors import ConfigError
-from ampddp.run_files import open_no_follow
+from ampddp.rundir.files import open_no_follow
 
 try:
     import fcntl
@@ -30,7 +30,7 @@ LOCK_FILE = ".ampddp-lock"
 HELD_ERRNOS = frozenset({errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES})
 """flock's answers for "another process holds it"; any other error means the filesystem cannot lock."""
 
-logger = logging.getLogger("ampddp.run_lock")
+logger = logging.getLogger("ampddp.rundir.lock")
 
 
 def holder_identity() -> dict[str, object]:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ampddp.errors import ConfigError
-from ampddp.loggers.base import MetricLogger, import_extra
+from ampddp.observe.loggers.base import MetricLogger, import_extra
 
 WANDB_MODES = ("online", "offline", "disabled")
 

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ampddp.loggers.base import MetricLogger, import_extra
+from ampddp.observe.loggers.base import MetricLogger, import_extra
 
 
 class TensorBoardLogger(MetricLogger):

@@ -24,9 +24,9 @@ from ampddp.checkpoint import keys
 from ampddp.checkpoint.manifest import complete_folders, config_digest, read_manifest, verify_folder
 from ampddp.config import RunConfig
 from ampddp.errors import CheckpointError
-from ampddp.progress import Progress, finished
-from ampddp.run_files import read_summary
-from ampddp.run_lock import RunDirLock
+from ampddp.observe.progress import Progress, finished
+from ampddp.rundir.files import read_summary
+from ampddp.rundir.lock import RunDirLock
 
 logger = logging.getLogger("ampddp.trainer")
 

@@ -13,12 +13,12 @@ from typing import Any
 import torch
 
 from ampddp.config import RunConfig
-from ampddp.console import rank_console
 from ampddp.distributed.data import broadcast_from_main
 from ampddp.distributed.env import DistEnv, detect_env, setup_distributed, shutdown_distributed
 from ampddp.distributed.launch import launch_local
 from ampddp.distributed.watch import PeerWatch
 from ampddp.errors import ConfigError
+from ampddp.observe.console import rank_console
 from ampddp.preemption import EarlySignals, StopSignals
 from ampddp.recipe.checks import Built, validate
 from ampddp.recipe.factories import (
@@ -39,7 +39,7 @@ from ampddp.recipe.factories import (
     steps_per_epoch,
 )
 from ampddp.recipe.rank_agreement import check_ranks_agree
-from ampddp.run_lock import RunDirLock
+from ampddp.rundir.lock import RunDirLock
 from ampddp.trainer import Trainer
 
 __all__ = ["launch", "train", "validate"]
