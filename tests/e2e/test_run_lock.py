@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from ampddp import run_lock
 from ampddp.checkpoint.inspect import summarize
 from ampddp.errors import ConfigError
 from ampddp.observe import read_metrics
+from ampddp.rundir import lock as run_lock
 from ampddp.rundir.lock import LOCK_FILE, RunDirLock
 
 ROOT = Path(__file__).resolve().parents[2]
