@@ -44,8 +44,7 @@ from ampddp.distributed.env import launched_rank_without_a_group
 from ampddp.errors import AmpUsageError
 from ampddp.precision.cast_context import end_thread_casts, suspend_thread_casts
 from ampddp.precision.engine import PrecisionEngine, check_loss, check_models_and_optimizers
-from ampddp.precision.factory import build_engine
-from ampddp.precision.policy import check_opt_level
+from ampddp.precision.modes import MODES, build_engine, check_opt_level
 from ampddp.precision.registry import (
     BFLOAT16,
     FP32,
@@ -164,7 +163,7 @@ class Amp:
         options = {"allow_low_precision_models": True} if allow_low and impl == "builtin" else {}
         engine = build_engine(check_opt_level(opt_level), impl=impl, registry=self._registry, enabled=enabled, **options, **overrides)
         self._refuse_initialized_optimizers(optimizer_list)
-        check_models_and_optimizers(model_list, optimizer_list, allow_low, fp8=opt_level == "O6")
+        check_models_and_optimizers(model_list, optimizer_list, allow_low, fp8=MODES[opt_level].runs_fp8)
         self._set_up_engine(engine, model_list, optimizer_list)
         setup = SetUp(engine, model_list, optimizer_list, request, scope=self._scope, restores_carried_amp_state=self._owns_its_scalers)
         setup.install_hooks()

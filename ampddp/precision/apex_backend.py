@@ -19,8 +19,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ampddp.errors import ConfigError
-from ampddp.precision.engine import PrecisionEngine, check_loss, policy_compute_dtype
-from ampddp.precision.policy import OPT_LEVELS
+from ampddp.precision.engine import PrecisionEngine, check_loss
 from ampddp.precision.registry import OpRegistry
 from ampddp.precision.state import PrecisionState
 
@@ -54,9 +53,10 @@ def import_apex_amp() -> ModuleType:
 class ApexEngine(PrecisionEngine):
     """The engine interface over apex's process-global ``amp`` state."""
 
-    def __init__(self, mode: str, registry: OpRegistry | None = None, **overrides: Any) -> None:
+    def __init__(self, mode: str, compute_dtype: torch.dtype, registry: OpRegistry | None = None, **overrides: Any) -> None:
         self._amp = import_apex_amp()
         self.mode = mode
+        self._compute_dtype = None if compute_dtype == torch.float32 else compute_dtype
         self._overrides = overrides
         self._registrations = registry.entries() if registry is not None else ()
         self._optimizers: list[Optimizer] = []
@@ -120,7 +120,7 @@ class ApexEngine(PrecisionEngine):
     @property
     def compute_dtype(self) -> torch.dtype | None:
         """The opt level's own dtype (apex's overrides are apex's to interpret)."""
-        return None if self._overrides.get("enabled") is False else policy_compute_dtype(OPT_LEVELS[self.mode])
+        return None if self._overrides.get("enabled") is False else self._compute_dtype
 
     def precision_state(self) -> PrecisionState:
         apex_state = PrecisionState.from_dict(self._amp.state_dict(), where="apex.amp.state_dict()")

@@ -18,22 +18,24 @@ from __future__ import annotations
 
 import torch
 
-from ampddp.precision.hardware import cpu_description, gpu_description, native_bf16, unsupported
+from ampddp.precision.hardware import cpu_description, gpu_description, native_bf16
+from ampddp.precision.modes import FP32_MODE, MODES, native_mode
 
 
 def auto_mode(device: torch.device) -> tuple[str, str]:
     """The mode ``auto`` picks on ``device`` for a new run, and the reason, one clause."""
+    bf16, fp16, fp32 = native_mode(torch.bfloat16).name, native_mode(torch.float16).name, FP32_MODE.name
     if device.type == "cuda":
         if native_bf16(device):
-            return "native-bf16", f"{gpu_description(device)} computes bf16 natively"
-        return "native-fp16", f"{gpu_description(device)} has no native bf16 (that needs 8.0+): fp16 with a dynamic loss scale"
+            return bf16, f"{gpu_description(device)} computes bf16 natively"
+        return fp16, f"{gpu_description(device)} has no native bf16 (that needs 8.0+): fp16 with a dynamic loss scale"
     if device.type == "cpu":
         if native_bf16(device):
-            return "native-bf16", f"this CPU ({cpu_description()}) computes bf16 natively"
-        return "O0", f"this CPU ({cpu_description()}) would run bf16 about 3-4x slower than fp32"
+            return bf16, f"this CPU ({cpu_description()}) computes bf16 natively"
+        return fp32, f"this CPU ({cpu_description()}) would run bf16 about 3-4x slower than fp32"
     if device.type == "xpu":
-        return "native-bf16", "Intel GPUs compute bf16 natively"
-    return "O0", f"ampddp knows no low-precision mode that is faster than fp32 on {device.type}"
+        return bf16, "Intel GPUs compute bf16 natively"
+    return fp32, f"ampddp knows no low-precision mode that is faster than fp32 on {device.type}"
 
 
 def auto_choice(device: torch.device, resumed_mode: str | None = None) -> tuple[str, str]:
@@ -42,7 +44,7 @@ def auto_choice(device: torch.device, resumed_mode: str | None = None) -> tuple[
     picked, why = auto_mode(device)
     if resumed_mode is None or resumed_mode == picked:
         return picked, f"precision auto -> {picked} on {device}: {why}"
-    if unsupported(resumed_mode, device) is None:
+    if MODES[resumed_mode].unsupported(device) is None:
         return resumed_mode, (f"precision auto -> {resumed_mode} on {device}: kept from the checkpoint this run resumes "
                               f"(a new run here would get {picked}: {why})")  # fmt: skip
     return picked, (f"precision auto -> {picked} on {device}: {why}; the checkpoint this run resumes trained in {resumed_mode}, "

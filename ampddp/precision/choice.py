@@ -18,11 +18,8 @@ import torch
 from ampddp.choices import AUTO_PRECISION, IMPLS, PRECISION_CHOICES
 from ampddp.errors import ConfigError, choice_error
 from ampddp.precision.auto import auto_choice
-from ampddp.precision.engine import NATIVE_MODES, PrecisionEngine
-from ampddp.precision.factory import build_engine
-from ampddp.precision.hardware import unsupported
-from ampddp.precision.opt_level import OptLevelEngine
-from ampddp.precision.policy import resolve_policy
+from ampddp.precision.engine import PrecisionEngine
+from ampddp.precision.modes import MODES, ModeSpec
 from ampddp.precision.registry import OpRegistry
 
 
@@ -85,7 +82,7 @@ class Precision:
         capability 8.0, fp8 before 8.9) with what works there."""
         if self.mode == AUTO_PRECISION:
             return replace(self, mode=auto_choice(device, self.resumed_mode)[0], resumed_mode=None)
-        refusal = unsupported(self.mode, device)
+        refusal = self.spec.unsupported(device)
         if refusal is not None:
             raise ConfigError(refusal)
         return self
@@ -99,47 +96,35 @@ class Precision:
             return cls(value)
         raise ConfigError(f"precision={value!r} is not valid; give a mode's name (auto, O0-O6, native-fp16, native-bf16) or a Precision")
 
+    @property
+    def spec(self) -> ModeSpec:
+        """The mode table's row of this (resolved) mode."""
+        self._refuse_unresolved()
+        return MODES[self.mode]
+
     def build_engine(self) -> PrecisionEngine:
         """A fresh engine for this choice (one per set-up: an engine holds its models' state)."""
-        self._refuse_unresolved()
+        spec = self.spec
         if self.fp32_islands is not None:
             raise ConfigError(
                 f"fp32_islands={self.fp32_islands} applies only under distributed strategy fsdp2 (O2/O5 there); "
                 "without FSDP2, O2/O5 follow apex (model cast, no op lists): for fp32 islands use O1 (float16) or O4 (bfloat16)"
             )
-        return build_engine(self.mode, impl=self.impl, registry=self.registry, **self.overrides)
+        return spec.build_engine(self.impl, self.registry, **self.overrides)
 
     def build_sharded_engine(self) -> PrecisionEngine:
-        """A fresh engine for a model FSDP2 shards: O2/O5 keep fp32 sharded params (the masters) that
-        FSDP2 hands to the forward in fp16/bf16, with apex's fp32 islands unless ``fp32_islands`` is
-        False; O6 with tensorwise scaling all-gathers its fp8 weights in fp8; every other mode is its
-        single-process self (O3's params are fp16 shards)."""
-        self._refuse_unresolved()
+        """A fresh engine for a model FSDP2 shards (what each mode does there: :meth:`ModeSpec.build_sharded_engine`)."""
+        spec = self.spec
         if self.impl != "builtin":
             raise ConfigError(
                 f"precision impl={self.impl} cannot shard: NVIDIA apex's amp predates FSDP2; use impl builtin with strategy fsdp2"
             )
-        if self.fp32_islands is not None and self.mode not in SHARDED_MASTER_MODES:
-            raise ConfigError(
-                f"fp32_islands={self.fp32_islands} applies to {' and '.join(SHARDED_MASTER_MODES)} under fsdp2, not to {self.mode} "
-                "(O1/O4 and the native modes always run their fp32 ops in fp32; O3 is pure fp16): remove it"
-            )
-        if self.mode in NATIVE_MODES:
-            return build_engine(self.mode, impl=self.impl, registry=self.registry, **self.overrides)
-        policy = resolve_policy(self.mode, **self.overrides)
-        if self.mode in SHARDED_MASTER_MODES and policy.keep_batchnorm_fp32 is False:
-            raise ConfigError(
-                f"keep_batchnorm_fp32=False with {self.mode} under fsdp2: BatchNorm layers are FSDP2 units of their own there "
-                "and compute in fp32 (a unit's params share one dtype); remove the setting"
-            )
-        return OptLevelEngine(policy.for_sharded_params(self.fp32_islands is not False), registry=self.registry)
+        return spec.build_sharded_engine(self.registry, self.fp32_islands, **self.overrides)
 
     def _refuse_unresolved(self) -> None:
         if self.mode == AUTO_PRECISION:
             raise ConfigError("precision mode auto is decided per device: build the engine of precision.resolved(device)")
 
 
-CONCRETE_MODES = tuple(mode for mode in PRECISION_CHOICES if mode != AUTO_PRECISION)
+CONCRETE_MODES = tuple(MODES)
 """The modes a run trains in (what ``auto`` resolves to)."""
-SHARDED_MASTER_MODES = ("O2", "O5")
-"""The modes whose fp32 masters become FSDP2's fp32 shards (and where fp32 islands are a choice)."""

@@ -24,8 +24,6 @@ from ampddp.precision.master import OptimizerGrads
 from ampddp.precision.policy import PrecisionPolicy
 from ampddp.precision.state import PrecisionState
 
-NATIVE_MODES = {"native-fp16": torch.float16, "native-bf16": torch.bfloat16}
-
 
 def check_models_and_optimizers(
     models: Sequence[nn.Module], optimizers: Sequence[Optimizer], allow_low_precision_models: bool = False, fp8: bool = False

@@ -15,11 +15,6 @@ from pathlib import Path
 
 import torch
 
-BF16_MODES = ("O4", "O5", "O6", "native-bf16")
-"""The modes that compute in bf16 (O6: bf16 around its fp8 matmuls)."""
-FP8_MODES = ("O6",)
-"""The modes that run fp8 matmuls."""
-
 
 def _arm_cpu_features() -> set[str]:
     try:
@@ -79,18 +74,18 @@ def native_fp8(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def unsupported(mode: str, device: torch.device) -> str | None:
-    """Why a GPU cannot run ``mode`` at its speed (bf16 before compute capability 8.0, where torch
+def unsupported(mode: str, device: torch.device, bf16: bool, fp8: bool) -> str | None:
+    """Why a GPU cannot run ``mode`` (computing in bf16, running fp8 matmuls) at its speed (bf16 before compute capability 8.0, where torch
     would emulate it slowly; fp8 before 8.9), with what works there, or None. CPUs run every mode
     (emulated ones say so: :func:`slower_than_fp32`)."""
     if device.type != "cuda":
         return None
     gpu = gpu_description(device)
-    if mode in FP8_MODES and not native_fp8(device):
+    if fp8 and not native_fp8(device):
         works = "native-bf16, O4 or O5 (bf16)" if native_bf16(device) else "native-fp16, O1 or O2 (fp16 with loss scaling)"
         return (f"precision {mode} runs fp8 matmuls, which {gpu} lacks (NVIDIA compute capability 8.9+: L4, L40, H100, H200, "
                 f"B200; AMD MI300+): use {works}, or auto")  # fmt: skip
-    if mode in BF16_MODES and not native_bf16(device):
+    if bf16 and not native_bf16(device):
         return (f"precision {mode} computes in bf16, which {gpu} does not compute natively (that needs compute capability "
                 "8.0+; torch would emulate it slowly): use native-fp16, O1 or O2 (fp16 with loss scaling), O0, or auto")  # fmt: skip
     return None

@@ -24,19 +24,20 @@ NATIVE_SETTINGS = ("loss_scale", "init_loss_scale", "growth_factor", "backoff_fa
 
 
 class NativeAmpEngine(PrecisionEngine):
-    """Autocast to ``dtype`` on the models' devices; a GradScaler when scaling is on.
+    """Autocast to ``dtype`` on the models' devices; a GradScaler when scaling is on (``mode``: the
+    mode's name, from the mode table).
 
     ``loss_scale``: "dynamic" (default for float16) or None (default for bfloat16: no scaling).
     """
 
-    def __init__(self, dtype: torch.dtype, **settings: Any) -> None:
+    def __init__(self, mode: str, dtype: torch.dtype, **settings: Any) -> None:
         unknown = [key for key in settings if key not in NATIVE_SETTINGS]
         if unknown:
             raise ConfigError(
                 f"unknown native AMP setting {unknown[0]!r}{closest(unknown[0], NATIVE_SETTINGS)}; valid: {', '.join(NATIVE_SETTINGS)}"
             )
         self.dtype = dtype
-        self.mode = "native-fp16" if dtype == torch.float16 else "native-bf16"
+        self.mode = mode
         loss_scale = settings.get("loss_scale", DYNAMIC if dtype == torch.float16 else None)
         if loss_scale not in (DYNAMIC, None, "none"):
             raise ConfigError(f"loss_scale={loss_scale!r} is not valid for {self.mode}; valid: 'dynamic' or None (no scaling)")

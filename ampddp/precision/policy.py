@@ -1,8 +1,8 @@
-"""Opt levels as data: one frozen PrecisionPolicy per apex level, overrides validated in one place.
+"""An opt level as data: the frozen PrecisionPolicy, and each of its settings' checks.
 
-The table reproduces apex's O0-O3 properties and the ROCm fork's bfloat16 O4/O5. ``resolve_policy``
-applies ``amp.initialize``-style keyword overrides with ``dataclasses.replace`` and rejects every
-combination apex rejected (plus the ones apex accepted silently and then misbehaved on).
+The levels' rows (apex's O0-O3, the ROCm fork's bfloat16 O4/O5, ampddp's O6) are the mode table's
+(``ampddp.precision.modes``), which also refuses what a level does not take; here each setting given
+as an ``amp.initialize``-style keyword is parsed on its own.
 """
 
 from __future__ import annotations
@@ -142,27 +142,7 @@ class PrecisionPolicy:
         return out
 
 
-OPT_LEVELS: dict[str, PrecisionPolicy] = {
-    "O0": PrecisionPolicy("O0", torch.float32, False, None, False, 1.0),
-    "O1": PrecisionPolicy("O1", None, True, None, None, DYNAMIC, op_cast_dtype=torch.float16),
-    "O2": PrecisionPolicy("O2", torch.float16, False, True, True, DYNAMIC),
-    "O3": PrecisionPolicy("O3", torch.float16, False, False, False, 1.0),
-    "O4": PrecisionPolicy("O4", None, True, None, None, 1.0, op_cast_dtype=torch.bfloat16),
-    "O5": PrecisionPolicy("O5", torch.bfloat16, False, True, True, 1.0),
-    "O6": PrecisionPolicy("O6", None, True, None, None, 1.0, op_cast_dtype=torch.bfloat16, fp8_recipe="rowwise"),
-}
-OP_CASTING_LEVELS = ("O1", "O4", "O6")
 FP8_SETTINGS = ("fp8_recipe", "fp8_filter", "fp8_min_size")
-
-
-def check_opt_level(opt_level: object) -> str:
-    """Return the level name or raise, stressing the letter O that apex users often mistype."""
-    if isinstance(opt_level, str) and opt_level in OPT_LEVELS:
-        return opt_level
-    raise ConfigError(
-        f"opt_level={opt_level!r} is not valid{closest(str(opt_level), OPT_LEVELS)}; valid choices: "
-        f"{', '.join(OPT_LEVELS)} (the letter 'O' followed by a digit, not the digit zero)"
-    )
 
 
 def _bool(name: str, value: object) -> bool:
@@ -216,23 +196,6 @@ def _loss_scale(name: str, value: object) -> float | str:
     raise ConfigError(f"loss_scale={value!r} is not valid; valid: 'dynamic', or a number > 0 (as a float or a numeric string)")
 
 
-def _check_op_casting_level(level: str, given: dict[str, Any]) -> None:
-    """O1/O4 cast ops, not the model: apex refused model-level settings there."""
-    cast = given.get("cast_model_type")
-    if cast not in (None, torch.float32):
-        raise ConfigError(
-            f"cast_model_type={dtype_name(cast)} is not valid with opt_level {level}: {level} keeps the model "
-            "weights fp32 and casts ops instead; valid: None or torch.float32. To cast the model use "
-            "O2/O3 (float16) or O5 (bfloat16)."
-        )
-    for key in ("keep_batchnorm_fp32", "master_weights"):
-        if given.get(key) is not None:
-            raise ConfigError(
-                f"{key}={given[key]!r} is not valid with opt_level {level}: {level} leaves the model fp32, "
-                "so there is no batchnorm to keep in fp32 and no master copy; valid: None"
-            )
-
-
 def _fp8_recipe(name: str, value: object) -> str:
     if isinstance(value, str) and value in FP8_RECIPES:
         return value
@@ -274,35 +237,17 @@ def parse_setting(key: str, value: Any) -> Any:
     return _PARSERS[key](key, value)
 
 
-def resolve_policy(opt_level: str = "O1", **overrides: Any) -> PrecisionPolicy:
-    """Return the policy for ``opt_level`` with apex-style keyword overrides applied.
-
-    An override of None keeps the level's default, as in ``apex.amp.initialize``.
-    """
-    level = check_opt_level(opt_level)
+def parse_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
+    """The settings given (None: keep the level's default, as in ``apex.amp.initialize``), each
+    checked on its own; what a level refuses is the mode table's to say (``ampddp.precision.modes``)."""
     unknown = [key for key in overrides if key not in _PARSERS]
     if unknown:
         key = unknown[0]
         raise ConfigError(f"unknown precision setting {key!r}{closest(key, OVERRIDE_KEYS)}; valid settings: {', '.join(OVERRIDE_KEYS)}")
-    given = {key: _PARSERS[key](key, value) for key, value in overrides.items() if value is not None}
-    if given.get("patch_torch_functions") and level not in OP_CASTING_LEVELS:
-        raise ConfigError(
-            f"patch_torch_functions=True is not valid with opt_level {level}; op-level casting exists only in "
-            f"{' and '.join(OP_CASTING_LEVELS)}. Use opt_level='O1' (float16) or 'O4' (bfloat16)."
-        )
-    if level in OP_CASTING_LEVELS:
-        _check_op_casting_level(level, given)
-    fp8 = [key for key in FP8_SETTINGS if key in given]
-    if fp8 and level != "O6":
-        raise ConfigError(
-            f"{', '.join(fp8)} {'applies' if len(fp8) == 1 else 'apply'} to opt level O6 (fp8 matmuls), not to {level}; use O6 or remove it"
-        )
-    policy = dataclasses.replace(OPT_LEVELS[level], **given)
-    _check_scale_bounds(policy)
-    return policy
+    return {key: _PARSERS[key](key, value) for key, value in overrides.items() if value is not None}
 
 
-def _check_scale_bounds(policy: PrecisionPolicy) -> None:
+def check_scale_bounds(policy: PrecisionPolicy) -> None:
     low, high = policy.min_loss_scale or 0.0, policy.max_loss_scale
     if low > high:
         raise ConfigError(f"min_loss_scale={policy.min_loss_scale} is larger than max_loss_scale={high}; min must be <= max")

@@ -32,7 +32,7 @@ from ampddp.errors import ConfigError, closest, spelled
 from ampddp.observe.loggers import MlflowLogger, WandbLogger
 from ampddp.observe.observer import Reporting
 from ampddp.precision.choice import Precision
-from ampddp.precision.engine import NATIVE_MODES
+from ampddp.precision.modes import NATIVE_MODES
 from ampddp.precision.native import NATIVE_SETTINGS
 from ampddp.precision.policy import FP8_SETTINGS
 from ampddp.precision.registry import FP32, LOW, PROMOTE, OpRegistry

@@ -21,7 +21,7 @@ from ampddp.checkpoint import keys
 from ampddp.cli import EXIT_BROKEN_PIPE, EXIT_NONFINITE, main
 from ampddp.errors import NonFiniteGradientsError
 from ampddp.observe.progress import Progress
-from ampddp.precision.factory import build_engine
+from ampddp.precision.modes import build_engine
 from ampddp.recipe.reading import load_config, parse_overrides
 from ampddp.zoo.models import build_model
 

@@ -37,8 +37,9 @@ def test_version_names_the_installed_distribution(capsys):
 
 
 def test_the_light_choices_match_the_engines_and_wrappers():
-    from ampddp.precision.engine import NATIVE_MODES
-    from ampddp.precision.policy import OPT_LEVELS
+    from ampddp.precision.modes import MODES, NATIVE_MODES, OPT_LEVELS
 
     assert tuple(OPT_LEVELS) == choices.OPT_LEVEL_NAMES
     assert tuple(NATIVE_MODES) == choices.NATIVE_MODE_NAMES
+    assert tuple(MODES) == choices.PRECISION_MODES
+    assert all(spec.policy is None or spec.policy.opt_level == name for name, spec in MODES.items())

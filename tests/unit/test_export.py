@@ -56,13 +56,13 @@ def test_an_existing_file_is_kept_unless_forced(run_dir, tmp_path, capsys):
     assert load_file(out).keys() == final_state(run_dir)["model"].keys()
 
 
-
 def test_a_directory_is_no_output_file_even_forced(run_dir, tmp_path, capsys):
     folder = tmp_path / "weights.safetensors"
     (folder / "kept").mkdir(parents=True)
     assert main(["export", str(run_dir), "--to", str(folder), "--force"]) == EXIT_USAGE
     assert f"--to {folder} is a directory; name a file to write" in capsys.readouterr().err
     assert [path.name for path in folder.iterdir()] == ["kept"]
+
 
 def test_bad_outputs_and_a_damaged_checkpoint_are_refused_writing_nothing(run_dir, tmp_path, capsys):
     assert main(["export", str(run_dir), "--to", str(tmp_path / "model.pt")]) == EXIT_USAGE

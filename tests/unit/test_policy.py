@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from ampddp import ConfigError
-from ampddp.precision.policy import DYNAMIC, OPT_LEVELS, resolve_policy
+from ampddp.precision.modes import OPT_LEVELS, resolve_policy
+from ampddp.precision.policy import DYNAMIC
 
 EXPECTED = {
     # level: cast_model_type, patch_torch_functions, keep_batchnorm_fp32, master_weights, loss_scale, op dtype

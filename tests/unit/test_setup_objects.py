@@ -51,7 +51,6 @@ def test_prepare_takes_the_objects():
     assert run.module[0].weight.dtype == torch.float16
 
 
-
 def test_the_library_is_one_import_away():
     """``from ampddp import ...`` gives the doors and their parts; ``prepare`` from the package trains
     exactly as ``ampddp.prepare.prepare`` does."""

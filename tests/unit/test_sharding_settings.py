@@ -14,7 +14,7 @@ from ampddp.distributed.env import DistEnv
 from ampddp.distributed.fsdp2 import FSDPOptions, block_classes, repeated_blocks, shard_model
 from ampddp.distributed.wrap import wrap_model
 from ampddp.errors import ConfigError
-from ampddp.precision.policy import resolve_policy
+from ampddp.precision.modes import resolve_policy
 from ampddp.recipe.checks import validate
 from ampddp.recipe.reading import load_config
 from ampddp.training.batches import accuracy, cross_entropy

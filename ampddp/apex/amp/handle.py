@@ -25,8 +25,8 @@ from ampddp.amp.loss_blocks import OptLevelLossBlocks
 from ampddp.errors import AmpUsageError, ConfigError
 from ampddp.precision import op_lists
 from ampddp.precision.cast_context import OpCastContext, suspend_thread_casts
+from ampddp.precision.modes import resolve_policy
 from ampddp.precision.opt_level import OptLevelEngine
-from ampddp.precision.policy import resolve_policy
 from ampddp.precision.registry import FP32, OpRegistry
 
 LEVEL_FOR_PATCH_TYPE = {torch.float16: "O1", torch.bfloat16: "O4"}
