@@ -1,5 +1,6 @@
-"""The one fixed set-up order for a training run: SyncBN -> device -> optimizer -> precision -> DDP
-(FSDP2: SyncBN -> device -> stored dtypes -> sharding -> optimizer -> precision).
+"""The one fixed set-up order for a training run: engine -> SyncBN -> device -> broadcast -> the
+strategy's own order (whole models: optimizer -> precision -> wrapper; FSDP2: stored dtypes ->
+sharding -> optimizer -> precision; ``ampddp.distributed.strategies``).
 
 Precision conversion and the fp32 master copy are one step (``engine.setup``) so that masters are
 taken from the exact fp32 weights; it runs after the optimizer exists and before DDP wraps the
@@ -14,7 +15,7 @@ import logging
 import sys
 import types
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from ampddp.choices import AUTO_PRECISION
 from ampddp.distributed.env import DistEnv
 from ampddp.distributed.model_agreement import check_models_agree
 from ampddp.distributed.parallel import Parallel
+from ampddp.distributed.strategies import Strategy, strategy_named
 from ampddp.distributed.wrap import GradSync
 from ampddp.errors import ConfigError
 from ampddp.precision.auto import auto_choice
@@ -38,7 +40,8 @@ logger = logging.getLogger("ampddp.precision")
 
 @dataclass
 class Prepared:
-    """What a training loop needs: the (wrapped) model, the bare module, optimizer, engine, sync."""
+    """What a training loop needs: the (wrapped) model, the bare module, optimizer, engine, sync, and
+    the strategy that set them up (its checkpoint layout, whether forwards are collective, what compiles)."""
 
     model: nn.Module
     module: nn.Module
@@ -46,6 +49,7 @@ class Prepared:
     engine: PrecisionEngine
     grad_sync: GradSync
     env: DistEnv
+    strategy: Strategy = field(default_factory=lambda: strategy_named("none"))
 
 
 @torch.no_grad()
@@ -82,8 +86,8 @@ def refuse_moved_arguments(caller: str, arguments: Iterable[str], table: Mapping
 
 
 def engine_for(precision: Precision, parallel: Parallel) -> PrecisionEngine:
-    """The precision engine for this strategy: FSDP2 (sharded params) maps O2/O5 onto its own mixed precision."""
-    return precision.build_sharded_engine() if parallel.shards_params else precision.build_engine()
+    """The precision engine for this strategy (FSDP2 maps O2/O5 onto its own mixed precision)."""
+    return parallel.plan.engine_for(precision)
 
 
 def prepare(
@@ -91,48 +95,41 @@ def prepare(
     make_optimizer: Callable[[Iterable[nn.Parameter]], Optimizer],
     env: DistEnv,
     *,
-    precision: str | Precision = "auto",
+    precision: str | Precision | PrecisionEngine = "auto",
     parallel: Parallel | None = None,
     **moved: Any,
 ) -> Prepared:
     """Set up ``model`` for training on ``env``; ``make_optimizer(params)`` builds the optimizer.
 
-    ``precision``: a mode's name (its defaults) or a :class:`Precision` (mode, impl, the mode's
-    settings, registered functions); ``auto`` (the default) picks the fastest numerically safe mode of
-    ``env.device`` and says which. ``parallel``: a :class:`Parallel` (strategy, sync-BN, torch DDP's
-    settings, the wrapper's options); None is torch DDP without sync-BN.
+    ``precision``: a mode's name (its defaults), a :class:`Precision` (mode, impl, the mode's
+    settings, registered functions), or a fresh :class:`PrecisionEngine` of the caller's own (used as
+    it is: it is built for the strategy by its maker); ``auto`` (the default) picks the fastest
+    numerically safe mode of ``env.device`` and says which. ``parallel``: a :class:`Parallel`
+    (strategy, sync-BN, torch DDP's and FSDP2's settings, the wrapper's options); None is torch DDP
+    without sync-BN. The strategy sets the model up in its own order (see
+    ``ampddp.distributed.strategies``).
     """
     refuse_moved_arguments("prepare", moved)
     if moved:
         raise TypeError(f"prepare() got unexpected keyword argument(s) {', '.join(sorted(moved))}")
     parallel = parallel if parallel is not None else Parallel()
-    requested = Precision.of(precision)
-    precision = requested.resolved(env.device)
-    if requested.mode == AUTO_PRECISION:
-        logger.info(auto_choice(env.device, requested.resumed_mode)[1])
+    engine = _engine(precision, parallel, env)
     model = parallel.synchronise_batchnorm(model, env.device).to(env.device)
     broadcast_from_main(model, env)
-    if parallel.shards_params:
-        return _prepare_sharded(model, make_optimizer, env, precision, parallel)
-    engine = engine_for(precision, parallel)
-    optimizer = make_optimizer(model.parameters())
-    engine.setup([model], [optimizer])
-    warn_if_slower_than_fp32(engine.mode, engine.compute_dtype, env.device, [model])
-    wrapped = parallel.wrap(model, env)
-    return Prepared(wrapped, model, optimizer, engine, GradSync(wrapped), env)
+    wrapped, module, optimizer = parallel.set_up(model, make_optimizer, env, engine)
+    warn_if_slower_than_fp32(engine.mode, engine.compute_dtype, env.device, [module])
+    return Prepared(wrapped, module, optimizer, engine, parallel.plan.grad_sync(wrapped), env, parallel.plan)
 
 
-def _prepare_sharded(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter]], Optimizer], env: DistEnv,
-                     precision: Precision, parallel: Parallel) -> Prepared:  # fmt: skip
-    """FSDP2's order: the stored dtypes first (O3: fp16, what FSDP2 shards), then the sharding, whose
-    new (DTensor) params the optimizer is built over, then the engine over those."""
-    engine = engine_for(precision, parallel)
-    engine.convert_storage(model)
-    model = parallel.wrap(model, env, engine.sharded_param_dtype, engine.recompute_context)
-    optimizer = make_optimizer(model.parameters())
-    engine.setup([model], [optimizer])
-    warn_if_slower_than_fp32(engine.mode, engine.compute_dtype, env.device, [model])
-    return Prepared(model, model, optimizer, engine, GradSync(model), env)
+def _engine(precision: str | Precision | PrecisionEngine, parallel: Parallel, env: DistEnv) -> PrecisionEngine:
+    """The caller's engine, or a fresh one for ``precision`` on ``env.device`` (``auto`` says what it picked)."""
+    if isinstance(precision, PrecisionEngine):
+        return precision
+    requested = Precision.of(precision)
+    resolved = requested.resolved(env.device)
+    if requested.mode == AUTO_PRECISION:
+        logger.info(auto_choice(env.device, requested.resumed_mode)[1])
+    return engine_for(resolved, parallel)
 
 
 class _CallablePrepareModule(types.ModuleType):

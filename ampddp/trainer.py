@@ -22,6 +22,7 @@ from ampddp.distributed.parallel import Parallel
 from ampddp.errors import ConfigError
 from ampddp.observe.observer import LOGGERS_NEED_A_RUN_DIR, Reporting, RunObserver
 from ampddp.precision.choice import Precision
+from ampddp.precision.engine import PrecisionEngine
 from ampddp.preemption import DEFAULT_STOP_SIGNALS, StopSignals, parse_signals
 from ampddp.prepare import MOVED_ARGUMENTS, refuse_moved_arguments
 from ampddp.training.assemble import RunSetup
@@ -69,9 +70,10 @@ class Trainer(TrainingLoop):
     training and evaluation alike; batches are ``(inputs, targets)``, dicts (``model(**batch)``) or
     whatever ``batches`` (a ``BatchAdapter``) understands. ``compile``: False (eager), True or a
     torch.compile mode, or a ``ModelCompiler``; checkpoints hold the bare module either way.
-    ``precision``: a mode's name or a ``Precision`` (mode, impl, the mode's settings, registered
-    functions); ``"auto"`` (the default) picks the fastest numerically safe mode of the device and says
-    which (bf16 where it is native, fp16 on GPUs before compute capability 8.0, else fp32);
+    ``precision``: a mode's name, a ``Precision`` (mode, impl, the mode's settings, registered
+    functions) or a fresh ``PrecisionEngine`` of your own (used as it is); ``"auto"`` (the default)
+    picks the fastest numerically safe mode of the device and says which (bf16 where it is native,
+    fp16 on GPUs before compute capability 8.0, else fp32);
     ``parallel``: a ``Parallel`` (strategy, sync-BN, torch DDP's settings; None: torch DDP without
     sync-BN). ``loading``: loader workers, pinned memory, prefetching (batches do not depend on them:
     each sample is fetched under its own seed). ``device``: channels_last, cuDNN
@@ -92,7 +94,7 @@ class Trainer(TrainingLoop):
         *,
         eval_set: Dataset | None = None,
         env: DistEnv | None = None,
-        precision: str | Precision = "auto",
+        precision: str | Precision | PrecisionEngine = "auto",
         parallel: Parallel | None = None,
         compile: bool | str | ModelCompiler | None = False,
         make_scheduler: Callable[[Optimizer], Any] | None = None,
@@ -113,7 +115,8 @@ class Trainer(TrainingLoop):
         self.compiler = compile if isinstance(compile, ModelCompiler) else ModelCompiler.from_setting(compile)
         env = env or detect_env(device="auto")
         device = device or DeviceSettings()
-        precision = kept_precision(Precision.of(precision), checkpoints.run_dir, checkpoints.resume, env)
+        if not isinstance(precision, PrecisionEngine):
+            precision = kept_precision(Precision.of(precision), checkpoints.run_dir, checkpoints.resume, env)
         setup = RunSetup(precision, parallel or Parallel(), self.compiler, checkpoints.init_from, device)
         run = setup.build(model, make_optimizer, env, on_compiled=self._compiled)
         state = TrainingState(
@@ -124,11 +127,12 @@ class Trainer(TrainingLoop):
         batches = batches or BatchAdapter(images=device.memory_format)
         data = DataLoading(loading or LoaderSettings(), env.device, loop.seed, worker_seed=env.rank_seed(loop.seed))
         scoring = {"loss_fn": loss_fn, "metrics": metrics, "batches": batches, "loading": data}
-        evaluator = None if eval_set is None else Evaluator(eval_set, loop.batch_size, env, **scoring)
+        evaluator = None if eval_set is None else Evaluator(eval_set, loop.batch_size, env, **scoring,
+                                                            collective_forward=run.strategy.collective_forward)  # fmt: skip
         super().__init__(
             run, train_set, loop,
             checkpointer=Checkpointer(state, store, env, resume=checkpoints.resume, config=checkpoints.config, seed=loop.seed,
-                                      layout=checkpoints.layout),
+                                      layout=run.strategy.checkpoint_layout if checkpoints.layout == "auto" else checkpoints.layout),
             loss_fn=loss_fn, batches=batches, loading=data,
             evaluator=evaluator,
             callbacks=Callbacks([*self._observer(report, checkpoints, env, loop, len(train_set), state), *hooks]),

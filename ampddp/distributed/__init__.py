@@ -18,13 +18,15 @@ from ampddp.distributed.fsdp2 import FSDPOptions
 from ampddp.distributed.launch import LaunchError, free_port, launch_local
 from ampddp.distributed.parallel import Parallel
 from ampddp.distributed.portable_sync_bn import PortableSyncBatchNorm
+from ampddp.distributed.strategies import STRATEGY_TABLE, Strategy, wrap_model
 from ampddp.distributed.sync_bn import convert_sync_batchnorm
 from ampddp.distributed.watch import PeerFailureError, PeerWatch
-from ampddp.distributed.wrap import DDPOptions, GradSync, global_batch_loss_weight, unwrap_model, wrap_model
+from ampddp.distributed.wrap import DDPOptions, GradSync, global_batch_loss_weight, unwrap_model
 
 __all__ = [
     "COMM_HOOKS",
     "STRATEGIES",
+    "STRATEGY_TABLE",
     "DDPOptions",
     "DistEnv",
     "FSDPOptions",
@@ -36,6 +38,7 @@ __all__ = [
     "PeerWatch",
     "PortableSyncBatchNorm",
     "ResumableSampler",
+    "Strategy",
     "all_gather_ragged",
     "barrier",
     "convert_sync_batchnorm",

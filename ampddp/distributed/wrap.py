@@ -1,26 +1,21 @@
-"""Model wrapping by one setting, gradient-sync skipping, and exact global-batch loss weights."""
+"""torch DDP's settings, gradient-sync skipping, unwrapping, and exact global-batch loss weights
+(the strategies that use them: ``ampddp.distributed.strategies``)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ampddp.choices import COMM_HOOKS, STRATEGIES
-from ampddp.distributed.apex_ddp import DistributedDataParallel as ApexDistributedDataParallel
+from ampddp.choices import COMM_HOOKS
 from ampddp.distributed.data import sum_across_ranks
 from ampddp.distributed.env import DistEnv
-from ampddp.distributed.fsdp2 import gradient_sync_off, is_sharded
-from ampddp.distributed.installed_apex import installed_apex_parallel
-from ampddp.distributed.model_agreement import check_models_agree
 from ampddp.errors import ConfigError, choice_error
 
 
@@ -77,62 +72,6 @@ class DDPOptions:
         return wrapped
 
 
-Wrapper = Callable[[nn.Module, DistEnv, DDPOptions, dict[str, Any]], nn.Module]
-"""``wrap(model, env, ddp, options)`` -> the model as the strategy trains it."""
-
-
-def _torch_ddp(model: nn.Module, env: DistEnv, ddp: DDPOptions, options: dict[str, Any]) -> nn.Module:
-    if not env.distributed:
-        return model  # nobody to synchronise with
-    check_models_agree(model, env)
-    return ddp.wrap(model, [env.device.index] if env.device.type == "cuda" else None, **options)
-
-
-def _apex_ddp(model: nn.Module, env: DistEnv, ddp: DDPOptions, options: dict[str, Any]) -> nn.Module:
-    if not env.distributed:
-        return model
-    check_models_agree(model, env)
-    wrapper = installed_apex_parallel("DistributedDataParallel") or ApexDistributedDataParallel
-    return wrapper(model, **options)
-
-
-def _data_parallel(model: nn.Module, env: DistEnv, ddp: DDPOptions, options: dict[str, Any]) -> nn.Module:
-    if env.distributed:
-        raise ConfigError("strategy 'dp' (nn.DataParallel) is single-process; with several processes use 'ddp'")
-    return nn.DataParallel(model, **options)
-
-
-def _unwrapped(model: nn.Module, env: DistEnv, ddp: DDPOptions, options: dict[str, Any]) -> nn.Module:
-    return model
-
-
-WRAPPERS: Mapping[str, Wrapper] = MappingProxyType({"ddp": _torch_ddp, "apex-ddp": _apex_ddp, "dp": _data_parallel, "none": _unwrapped})
-"""Each strategy's wrapper, by the name a recipe gives (``choices.STRATEGIES``, where the names are
-listed without importing torch)."""
-
-
-def wrap_model(model: nn.Module, strategy: str, env: DistEnv, ddp: DDPOptions | None = None, **options: Any) -> nn.Module:
-    """Wrap an already converted, placed and optimizer-bound model for data parallelism.
-
-    ``ddp``: torch DDP (device_ids bound on CUDA); ``apex-ddp``: apex's DDP (NVIDIA's from an old
-    apex build, else ampddp's apex-style one, with apex's options); ``dp``: nn.DataParallel
-    over all visible GPUs (single process); ``none``: the model itself. A single-process run gets
-    the bare model for ``ddp``/``apex-ddp`` since there is nobody to synchronise with. The ``ddp``
-    argument holds torch DDP's settings (refused with another strategy); ``options`` are the
-    wrapper's other keyword arguments (apex-ddp's own, nn.DataParallel's, torch DDP's others).
-    """
-    if strategy == "fsdp2":
-        raise ConfigError(
-            "strategy fsdp2 shards through prepare(..., parallel=Parallel(strategy='fsdp2')), which maps the precision "
-            "mode onto FSDP2's; wrap_model wraps whole models (ddp, apex-ddp, dp, none)"
-        )
-    if strategy not in WRAPPERS:
-        raise choice_error("distributed strategy", strategy, STRATEGIES)
-    ddp = ddp if ddp is not None else DDPOptions()
-    ddp.check_strategy(strategy)
-    return WRAPPERS[strategy](model, env, ddp, options)
-
-
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The module inside DDP/DataParallel/apex DDP wrappers."""
     while isinstance(model, (DistributedDataParallel, nn.DataParallel)) or type(model).__name__ == "DistributedDataParallel":
@@ -143,8 +82,9 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 class GradSync:
     """Skip gradient all-reduce on the micro-steps of an accumulation window but the last.
 
-    ``with sync.micro_step(is_last):`` runs backward under DDP's ``no_sync`` (FSDP2: gradient sync
-    off) unless ``is_last``; models without either (single process, DataParallel) are unaffected.
+    ``with sync.micro_step(is_last):`` runs backward under the wrapper's ``no_sync`` unless
+    ``is_last``; models without one (single process, DataParallel) are unaffected. A strategy that
+    syncs otherwise gives its own (``ampddp.distributed.strategies``: FSDP2's).
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -153,8 +93,6 @@ class GradSync:
     def micro_step(self, is_last: bool) -> AbstractContextManager[Any]:
         if is_last:
             return contextlib.nullcontext()
-        if is_sharded(self._model):
-            return gradient_sync_off(self._model)
         no_sync = getattr(self._model, "no_sync", None)
         return contextlib.nullcontext() if no_sync is None else no_sync()
 

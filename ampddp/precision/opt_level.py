@@ -9,7 +9,6 @@ never patched.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -28,17 +27,7 @@ from ampddp.precision.casting import convert_model, device_types
 from ampddp.precision.compile_support import run_eagerly_as_own_frame
 from ampddp.precision.diagnostics import overflow_origin
 from ampddp.precision.engine import PrecisionEngine, check_loss, check_models_and_optimizers, policy_compute_dtype
-from ampddp.precision.fp8 import (
-    EagerFp8Warning,
-    LinearVerdict,
-    convert_to_fp8,
-    float8_config,
-    gathers_fp8,
-    plan_fp8,
-    refresh_fp8_scales,
-    report_plan,
-    torchao_float8,
-)
+from ampddp.precision.fp8_conversion import model_conversion
 from ampddp.precision.master import GradPhase, OptimizerGrads
 from ampddp.precision.master_sync import DdpForwards, reconcile_masters
 from ampddp.precision.model_hooks import ForwardHooks, install_fp32_state_hooks
@@ -82,33 +71,15 @@ class OptLevelEngine(PrecisionEngine):
         self._forward_hooks: ForwardHooks | None = None
         self._param_names: dict[int, str] = {}
         self._pending: _PendingStep | None = None
-        if policy.enabled and policy.fp8_recipe is not None:
-            torchao_float8()  # missing: refused now, in one line, before any model or run dir is made
-        self._fp8_models: list[nn.Module] = []
-        self.fp8_verdicts: list[LinearVerdict] = []
-        """O6: every linear layer of the set-up models, whether it runs in fp8 and why not."""
+        self._conversion = model_conversion(policy)
+        """O6's fp8 layers (every other level: no conversion)."""
 
     # ---- set-up -------------------------------------------------------------------------------
     def convert_storage(self, model: nn.Module) -> None:
         if self.policy.enabled and self.policy.cast_model_type not in (None, torch.float32):
             convert_model(model, self.policy.cast_model_type, bool(self.policy.keep_batchnorm_fp32))
             self._allow_low_precision_models = True
-        self._convert_fp8(model)
-
-    def _convert_fp8(self, model: nn.Module, prefix: str = "") -> None:
-        """O6: the eligible linear layers to fp8, once per model, the verdicts logged and kept (the
-        layers named with ``prefix``: ``models[i].`` when a set-up has several)."""
-        policy = self.policy
-        if not (policy.enabled and policy.fp8_recipe is not None) or any(model is seen for seen in self._fp8_models):
-            return
-        device = next((param.device for param in model.parameters()), torch.device("cpu"))
-        verdicts = plan_fp8(model, policy.fp8_recipe, policy.fp8_filter, policy.fp8_min_size)
-        convert_to_fp8(model, verdicts, float8_config(policy.fp8_recipe, device, policy.fp8_all_gather))
-        verdicts = [dataclasses.replace(verdict, name=prefix + verdict.name) for verdict in verdicts] if prefix else verdicts
-        self._fp8_models.append(model)
-        self.fp8_verdicts.extend(verdicts)
-        if policy.verbosity > 0:
-            report_plan(verdicts, policy.fp8_recipe)
+        self._conversion.convert(model)
 
     def setup(self, models: list[nn.Module], optimizers: list[Optimizer]) -> tuple[list[nn.Module], list[Optimizer]]:
         check_models_and_optimizers(models, optimizers, self._allow_low_precision_models, fp8=self.policy.fp8_recipe is not None)
@@ -140,7 +111,7 @@ class OptLevelEngine(PrecisionEngine):
         for index, model in enumerate(models):
             if self._casts_model:
                 convert_model(model, policy.cast_model_type, bool(policy.keep_batchnorm_fp32))
-            self._convert_fp8(model, f"models[{index}]." if len(models) > 1 else "")
+            self._conversion.convert(model, f"models[{index}]." if len(models) > 1 else "")
         return fp32_data
 
     def _install_hooks(self, models: list[nn.Module]) -> None:
@@ -154,27 +125,16 @@ class OptLevelEngine(PrecisionEngine):
         low_params = input_dtype is not None or policy.sharded_param_dtype is not None  # apex casts such outputs to fp32
         output_dtype = policy.cast_model_outputs or (torch.float32 if low_params else None)
         self._forward_hooks = ForwardHooks(self._cast_context, input_dtype, output_dtype)
-        eager_fp8 = EagerFp8Warning()
         for model in models:
             self._handles += self._forward_hooks.install(model)
-            self._handles += self._fp8_hooks(model, eager_fp8)
             if self._casts_model:
                 self._handles += install_fp32_state_hooks(model, self._master_of)
+        self._handles += self._conversion.hooks(models)
         run_eagerly_as_own_frame(DdpForwards.__call__)
         self._handles += [model.register_forward_pre_hook(self._ddp_forwards) for model in models]
         if any(scaler.dynamic for scaler in self.scalers):
             self._buffer_guard = BufferGuard(models)
             self._handles += self._buffer_guard.install(models)
-
-    def _fp8_hooks(self, model: nn.Module, eager_warning: EagerFp8Warning) -> list[RemovableHandle]:
-        """O6's forward hooks: the warning for fp8 outside torch.compile on a GPU; under FSDP2's fp8
-        all-gather, the weights' scales taken before the forward (first, before FSDP2's own hook
-        gathers the root; plain Python when dynamo meets it as a frame of its own, as the other hooks)."""
-        handles = eager_warning.install(model)
-        if self.policy.fp8_all_gather and gathers_fp8(model):
-            run_eagerly_as_own_frame(refresh_fp8_scales)
-            handles.append(model.register_forward_pre_hook(refresh_fp8_scales, prepend=True))
-        return handles
 
     def add_optimizer(self, optimizer: Optimizer, fp32_data: dict[int, torch.Tensor] | None = None) -> None:
         """Track an optimizer (masters, skip hooks); ``setup`` calls it, the legacy ``amp.init`` handle
@@ -256,7 +216,7 @@ class OptLevelEngine(PrecisionEngine):
         return self._cast_context if self._cast_context is not None else contextlib.nullcontext()
 
     def fp8_plan(self) -> list[dict[str, Any]]:
-        return [verdict.to_dict() for verdict in self.fp8_verdicts]
+        return [verdict.to_dict() for verdict in self._conversion.verdicts]
 
     def recompute_context(self) -> AbstractContextManager[Any]:
         active = self._cast_context is not None and self._cast_context.active  # the forward ran inside it: so does the recompute
@@ -423,7 +383,7 @@ class OptLevelEngine(PrecisionEngine):
             policy=self.policy.describe(),
             scalers=scalers,
             skipped_steps=self.skipped_steps,
-            fp8_layers=tuple(verdict.name for verdict in self.fp8_verdicts if verdict.fp8),
+            fp8_layers=tuple(verdict.name for verdict in self._conversion.verdicts if verdict.fp8),
         )
 
     def load_precision_state(self, state: PrecisionState) -> None:

@@ -352,11 +352,9 @@ def validate(config: RunConfig) -> Built:
     _check_optimizer(config, model)
     _check_checkpoints(config, model, engine, env.rank)
     launched = dist_cfg.nproc_per_node if env.launcher == "none" and dist_cfg.nproc_per_node > 1 else env.world_size
-    if parallel.shards_params and launched < 2:
-        raise ConfigError(
-            "distributed.strategy=fsdp2 shards over processes and this run has one: set distributed.nproc_per_node >= 2 "
-            "(or launch with torchrun), or use strategy ddp or none (a checkpoint of an fsdp2 run resumes under either)"
-        )
+    refusal = parallel.plan.processes_refusal(launched)
+    if refusal is not None:
+        raise ConfigError(refusal)
     _check_epoch_schedule(config, launched, datasets)
     _check_resume_settings(config, model, launched, datasets)
     check_run_dir(config.trainer.run_dir)

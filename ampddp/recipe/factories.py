@@ -345,10 +345,8 @@ def parallel_from(config: RunConfig) -> Parallel:
     """The distributed section's strategy, sync-BN, torch DDP and FSDP2 settings as one object (a DDP
     or FSDP2 setting with another strategy is refused naming the recipe key)."""
     dist_cfg = config.distributed
-    ddp, fsdp = ddp_options(config), fsdp_options(config)
-    ddp.check_strategy(dist_cfg.strategy, where="distributed.")
-    fsdp.check_strategy(dist_cfg.strategy, where="distributed.fsdp_")
-    return Parallel(strategy=dist_cfg.strategy, sync_bn=dist_cfg.sync_bn, ddp=ddp, fsdp=fsdp)
+    return Parallel(strategy=dist_cfg.strategy, sync_bn=dist_cfg.sync_bn, ddp=ddp_options(config), fsdp=fsdp_options(config),
+                    where="distributed.")  # fmt: skip
 
 
 def loader_settings(config: RunConfig) -> LoaderSettings:

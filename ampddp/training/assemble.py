@@ -14,6 +14,7 @@ from ampddp.checkpoint.restore import initial_weights, load_model_state
 from ampddp.distributed.env import DistEnv
 from ampddp.distributed.parallel import Parallel
 from ampddp.precision.choice import Precision
+from ampddp.precision.engine import PrecisionEngine
 from ampddp.prepare import Prepared, prepare
 from ampddp.training.compile_model import ModelCompiler
 from ampddp.training.device import DeviceSettings
@@ -25,7 +26,8 @@ logger = logging.getLogger("ampddp.trainer")
 class RunSetup:
     """How a model becomes a prepared run: precision, parallelism (sync-BN, wrapper), compilation, memory format."""
 
-    precision: Precision = field(default_factory=Precision)
+    precision: Precision | PrecisionEngine = field(default_factory=Precision)
+    """A choice (its engine built for the strategy), or the caller's own fresh engine."""
     parallel: Parallel = field(default_factory=Parallel)
     compiler: ModelCompiler | None = None
     init_from: str | Path | None = None

@@ -29,7 +29,6 @@ from ampddp.checkpoint.sharded import local_shards, read_into_live, shape_view, 
 from ampddp.checkpoint.store import CheckpointRef, CheckpointStore, plan_resume
 from ampddp.distributed.data import ResumableSampler, broadcast_from_main, sum_across_ranks
 from ampddp.distributed.env import DistEnv
-from ampddp.distributed.fsdp2 import is_sharded
 from ampddp.distributed.full_state import gathered, sharded_model_state, sharded_optimizer_state
 from ampddp.errors import CheckpointError, ConfigError
 from ampddp.observe.observer import TrackedRuns
@@ -74,14 +73,16 @@ class Checkpointer:
 
     ``resume``: ``"auto"`` (the newest checkpoint in ``store`` that verifies), ``"never"``, or the
     path of a checkpoint or run dir. ``config``: the run's settings, saved and compared on resume.
-    ``seed`` derives a rank's RNG when the checkpoint was saved by fewer ranks.
+    ``seed`` derives a rank's RNG when the checkpoint was saved by fewer ranks. ``layout``: whole
+    (one shared file of whole tensors) or sharded (each rank its shards; where a recipe says auto,
+    the strategy's word: ``Strategy.checkpoint_layout``).
     """
 
     def __init__(self, state: TrainingState, store: CheckpointStore | None, env: DistEnv, *, resume: str | Path = "auto",
-                 config: dict[str, Any] | None = None, seed: int = 0, layout: str = "auto") -> None:  # fmt: skip
+                 config: dict[str, Any] | None = None, seed: int = 0, layout: str = "whole") -> None:  # fmt: skip
         self.state, self.store, self.env = state, store, env
         self.resume, self.config, self.seed = resume, dict(config or {}), seed
-        self.sharded = layout == "sharded" or (layout == "auto" and is_sharded(state.module))
+        self.sharded = layout == "sharded"
         self.saved_step: int | None = None
 
     def register(self, name: str, item: Stateful) -> None:

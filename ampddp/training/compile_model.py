@@ -25,7 +25,6 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from ampddp.choices import COMPILE_CHOICES, COMPILE_MODES, DEFAULT_BACKEND
-from ampddp.distributed.fsdp2 import sharded_blocks
 from ampddp.errors import ConfigError, choice_error, closest
 from ampddp.torch_compat import compile_backends
 
@@ -81,7 +80,7 @@ class ModelCompiler:
         """``prepared`` with its model compiled; ``on_first_step(seconds)`` gets the first training step's
         forward + backward wall time (compilation included) when that backward ends."""
         mode = None if self.mode == "default" else self.mode
-        blocks = sharded_blocks(prepared.module)
+        blocks = prepared.strategy.compile_units(prepared.module)
         if blocks:  # FSDP2: block by block, as torchtitan; each block's gathers run around its graph
             for block in blocks:
                 block.compile(mode=mode, backend=self.backend)

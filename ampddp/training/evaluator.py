@@ -14,7 +14,6 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from ampddp.checkpoint.rng import capture_rng, restore_rng
 from ampddp.distributed.data import eval_sampler, sum_across_ranks
 from ampddp.distributed.env import DistEnv
-from ampddp.distributed.fsdp2 import is_sharded
 from ampddp.errors import BadSamplesError, ConfigError
 from ampddp.training.batches import BatchAdapter, LossFn, MetricsFn
 from ampddp.training.loading import DataLoading, LoaderSettings, loader_pass, name_batch_rows
@@ -32,8 +31,10 @@ class Evaluator:
     """
 
     def __init__(self, eval_set: Dataset, batch_size: int, env: DistEnv, *, loss_fn: LossFn, metrics: MetricsFn | None,
-                 batches: BatchAdapter, loading: DataLoading | None = None) -> None:  # fmt: skip
+                 batches: BatchAdapter, loading: DataLoading | None = None, collective_forward: bool = False) -> None:  # fmt: skip
         self.eval_set, self.batch_size, self.env = eval_set, batch_size, env
+        self.collective_forward = collective_forward
+        """Every forward gathers with every rank (the strategy's word: FSDP2), so each rank runs as many."""
         self.loss_fn, self.metrics, self.batches = loss_fn, metrics, batches
         self.loading = loading or DataLoading(LoaderSettings(), env.device, seed=0)
         self._loader: DataLoader | None = None
@@ -85,9 +86,9 @@ class Evaluator:
         return sums, seen
 
     def _idle_forwards(self, model: nn.Module, batches_here: int) -> int:
-        """Forwards this rank runs after its shard so that every rank runs as many: a sharded (FSDP2)
-        model gathers its params in each forward, with every rank; the shards of an unpadded split differ."""
-        if not self.env.distributed or not any(is_sharded(module) for module in model.modules()):
+        """Forwards this rank runs after its shard so that every rank runs as many where each forward is a
+        collective (a sharded model gathers its params in each, with every rank); the shards of an unpadded split differ."""
+        if not self.env.distributed or not self.collective_forward:
             return 0
         most = torch.tensor([batches_here], dtype=torch.int64, device=self.env.device)
         dist.all_reduce(most, op=dist.ReduceOp.MAX)

@@ -51,6 +51,24 @@ def test_prepare_takes_the_objects():
     assert run.module[0].weight.dtype == torch.float16
 
 
+def test_prepare_and_the_trainer_take_a_ready_engine_and_use_that_one(tmp_path):
+    """An engine of the caller's own making is the one the run steps with, not a second build."""
+    from ampddp import CheckpointSettings, build_engine
+
+    engine = build_engine("O1", loss_scale=32.0)
+    run = prepare(nn.Linear(4, 2), lambda p: torch.optim.SGD(p, lr=0.1), DistEnv(), precision=engine, parallel=Parallel("none"))
+    assert run.engine is engine and engine.loss_scale() == 32.0
+    assert run.strategy.name == "none" and run.strategy.checkpoint_layout == "whole"
+
+    mine = build_engine("O2", loss_scale=16.0)
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
+    trainer = Trainer(nn.Linear(4, 2), lambda p: torch.optim.SGD(p, lr=0.1), data, precision=mine, parallel=Parallel("none"),
+                      batch_size=4, max_steps=2, checkpoints=CheckpointSettings(tmp_path), report=None)  # fmt: skip
+    trainer.fit()
+    assert trainer.engine is mine and trainer.progress.global_step == 2
+    assert trainer.run.module.weight.dtype == torch.float16, "the given engine's O2 cast the model"
+
+
 def test_the_library_is_one_import_away():
     """``from ampddp import ...`` gives the doors and their parts; ``prepare`` from the package trains
     exactly as ``ampddp.prepare.prepare`` does."""

@@ -12,7 +12,7 @@ from torch import nn
 from ampddp import Parallel, Precision
 from ampddp.distributed.env import DistEnv
 from ampddp.distributed.fsdp2 import FSDPOptions, block_classes, repeated_blocks, shard_model
-from ampddp.distributed.wrap import wrap_model
+from ampddp.distributed.strategies import wrap_model
 from ampddp.errors import ConfigError
 from ampddp.precision.modes import resolve_policy
 from ampddp.recipe.checks import validate

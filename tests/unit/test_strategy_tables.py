@@ -6,13 +6,13 @@ from __future__ import annotations
 from ampddp.choices import STRATEGIES, SYNC_BN_IMPLS
 from ampddp.distributed.apex_ddp import DistributedDataParallel
 from ampddp.distributed.apex_sync_bn import SyncBatchNorm
+from ampddp.distributed.strategies import STRATEGY_TABLE
 from ampddp.distributed.sync_bn import CONVERTERS
-from ampddp.distributed.wrap import WRAPPERS
 
 
-def test_every_strategy_name_has_a_wrapper_and_every_wrapper_a_name():
-    # fsdp2 shards through Parallel/prepare (the precision engine maps onto it), not a whole-model wrapper
-    assert set(WRAPPERS) == set(STRATEGIES) - {"fsdp2"}
+def test_every_strategy_name_has_a_strategy_and_every_strategy_a_name():
+    assert tuple(STRATEGY_TABLE) == STRATEGIES
+    assert all(strategy.name == name for name, strategy in STRATEGY_TABLE.items())
 
 
 def test_every_sync_bn_name_but_auto_has_a_converter():
