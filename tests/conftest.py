@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from helpers import HAS_TORCHAO, NO_TORCHAO
 
-from ampddp.precision.cast_context import end_thread_casts
+from ampddp.precision.casting.cast_context import end_thread_casts
 
 WATCHED_NAMESPACES = (torch, F, torch.Tensor)
 

@@ -42,7 +42,7 @@ from ampddp.amp.set_up import CastScope, SetUp
 from ampddp.amp.state_io import load_amp_state
 from ampddp.distributed.env import launched_rank_without_a_group
 from ampddp.errors import AmpUsageError
-from ampddp.precision.cast_context import end_thread_casts, suspend_thread_casts
+from ampddp.precision.casting import end_thread_casts, suspend_thread_casts
 from ampddp.precision.engine import PrecisionEngine, check_loss, check_models_and_optimizers
 from ampddp.precision.modes import MODES, build_engine, check_opt_level
 from ampddp.precision.registry import (

@@ -19,7 +19,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ampddp.amp.stash import mark_optimizer, unmark_optimizer
 from ampddp.amp.state_io import carry_amp_state
-from ampddp.precision.cast_context import (
+from ampddp.precision.casting import (
     OpCastContext,
     Opening,
     close_thread_window,

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampddp.precision.casting import map_tensors
+from ampddp.precision.casting.tensors import map_tensors
 
 
 def _non_finite(value: Any) -> bool:

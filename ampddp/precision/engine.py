@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from ampddp.errors import AmpUsageError
-from ampddp.precision.casting import first_non_fp32_param
+from ampddp.precision.casting.tensors import first_non_fp32_param
 from ampddp.precision.fp8 import fp8_layer_in
 from ampddp.precision.master import OptimizerGrads
 from ampddp.precision.policy import PrecisionPolicy

@@ -13,8 +13,8 @@ from torch.utils.hooks import RemovableHandle
 
 from ampddp.errors import AmpUsageError, ConfigError, closest
 from ampddp.precision.buffer_guard import BufferGuard
-from ampddp.precision.casting import device_types
-from ampddp.precision.device_autocast import DeviceAutocast
+from ampddp.precision.casting.device_autocast import DeviceAutocast
+from ampddp.precision.casting.tensors import device_types
 from ampddp.precision.diagnostics import overflow_origin
 from ampddp.precision.engine import PrecisionEngine, check_loss, check_models_and_optimizers
 from ampddp.precision.policy import DYNAMIC, parse_setting

@@ -22,16 +22,16 @@ from torch.utils.hooks import RemovableHandle
 
 from ampddp.errors import AmpUsageError, ConfigError, NonFiniteGradientsError
 from ampddp.precision.buffer_guard import BufferGuard
-from ampddp.precision.cast_context import OpCastContext
-from ampddp.precision.casting import convert_model, device_types
+from ampddp.precision.casting.cast_context import OpCastContext
+from ampddp.precision.casting.model_hooks import ForwardHooks, install_fp32_state_hooks
+from ampddp.precision.casting.op_table import build_op_table
+from ampddp.precision.casting.tensors import convert_model, device_types
 from ampddp.precision.compile_support import run_eagerly_as_own_frame
 from ampddp.precision.diagnostics import overflow_origin
 from ampddp.precision.engine import PrecisionEngine, check_loss, check_models_and_optimizers, policy_compute_dtype
 from ampddp.precision.fp8_conversion import model_conversion
 from ampddp.precision.master import GradPhase, OptimizerGrads
 from ampddp.precision.master_sync import DdpForwards, reconcile_masters
-from ampddp.precision.model_hooks import ForwardHooks, install_fp32_state_hooks
-from ampddp.precision.op_table import build_op_table
 from ampddp.precision.policy import PrecisionPolicy
 from ampddp.precision.registry import OpRegistry
 from ampddp.precision.scaler import LossScaler

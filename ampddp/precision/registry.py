@@ -15,7 +15,7 @@ import torch
 from torch.overrides import handle_torch_function, has_torch_function
 
 from ampddp.errors import choice_error
-from ampddp.precision.cast_rules import BFLOAT16, CAST_KINDS, FP32, LOW, PROMOTE, call_tagged, entered_casts
+from ampddp.precision.casting.cast_rules import BFLOAT16, CAST_KINDS, FP32, LOW, PROMOTE, call_tagged, entered_casts
 
 __all__ = ["BFLOAT16", "CAST_ATTRIBUTE", "CAST_KINDS", "FP32", "LOW", "PROMOTE", "OpRegistry", "Registration", "tag_function"]
 CAST_ATTRIBUTE = "__ampddp_cast__"

@@ -127,6 +127,21 @@ def test_the_loop_names_no_precision_mode():
         assert f'"{mode}"' not in source and f"torch.{mode}" not in source, mode
 
 
+def test_outside_precision_the_casting_mechanism_is_used_through_its_package_only():
+    """The facade and the rest ask ``ampddp.precision.casting`` (its ``__init__``: the mechanism's API),
+    never a module behind it, so the mechanism can change inside without them."""
+    inner = {path.stem for path in (PACKAGE / "precision" / "casting").glob("*.py")} - {"__init__", "op_lists"}
+    prefix = "ampddp.precision.casting."
+    reaching_in = sorted(
+        f"{name} imports {imported}"
+        for name, path in modules().items()
+        if not name.startswith("ampddp.precision")
+        for imported in imports_of(path)
+        if imported.startswith(prefix) and imported[len(prefix) :].split(".")[0] in inner
+    )
+    assert not reaching_in, f"import these names from ampddp.precision.casting instead: {reaching_in}"
+
+
 def test_no_modules_import_each_other_in_a_circle():
     """Within a layer too: a circle means neither module can be read (or tested) without the other.
     Imports inside functions count (they run at use); the lazy package ``__init__`` maps do not."""

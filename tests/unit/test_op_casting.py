@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ampddp import OpRegistry, build_engine, float_function, half_function, promote_function
-from ampddp.precision.cast_context import OpCastContext
-from ampddp.precision.op_table import build_op_table
+from ampddp.precision.casting.cast_context import OpCastContext
+from ampddp.precision.casting.op_table import build_op_table
 from ampddp.precision.registry import bfloat16_function
 
 LEVELS = {"O1": torch.float16, "O4": torch.bfloat16}
@@ -404,7 +404,7 @@ def test_dispatcher_kernels_cast_every_list_op_as_the_torch_function_mode_does(l
 def test_dispatcher_kernels_are_shared_counted_and_removed_with_the_last_context():
     import gc
 
-    from ampddp.precision.aten_casts import KERNELS
+    from ampddp.precision.casting.aten_casts import KERNELS
 
     gc.collect()
     before = KERNELS.registered()

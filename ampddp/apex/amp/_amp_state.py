@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 
 from ampddp.amp import Amp, default
 from ampddp.errors import AmpUsageError, ConfigError
-from ampddp.precision.cast_context import OpCastContext
+from ampddp.precision.casting import OpCastContext
 from ampddp.precision.opt_level import OptLevelEngine
 from ampddp.precision.policy import PrecisionPolicy
 from ampddp.precision.scaler import LossScaler

@@ -23,8 +23,7 @@ from torch.optim import Optimizer
 from ampddp.amp import default
 from ampddp.amp.loss_blocks import OptLevelLossBlocks
 from ampddp.errors import AmpUsageError, ConfigError
-from ampddp.precision import op_lists
-from ampddp.precision.cast_context import OpCastContext, suspend_thread_casts
+from ampddp.precision.casting import OpCastContext, op_lists, suspend_thread_casts
 from ampddp.precision.modes import resolve_policy
 from ampddp.precision.opt_level import OptLevelEngine
 from ampddp.precision.registry import FP32, OpRegistry

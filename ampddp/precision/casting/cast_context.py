@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ampddp.precision.aten_casts import KERNELS, AtenCastPlan, EnteredPlan
-from ampddp.precision.cast_rules import (
+from ampddp.precision.casting.aten_casts import KERNELS, AtenCastPlan, EnteredPlan
+from ampddp.precision.casting.cast_rules import (
     BANNED,
     INPLACE_FP32,
     CastCache,
@@ -37,13 +37,13 @@ from ampddp.precision.cast_rules import (
     remove_entered_casts,
     target_dtype,
 )
+from ampddp.precision.casting.device_autocast import DeviceAutocast
+from ampddp.precision.casting.function_swaps import ORIGINAL_ATTRIBUTE, Dispatcher, install_dispatcher, release_dispatcher
+from ampddp.precision.casting.mode_stack import push_below_others, remove_mode
+from ampddp.precision.casting.op_table import OpTable
+from ampddp.precision.casting.rnn_inputs import RnnInputAlignment
 from ampddp.precision.compile_support import run_eagerly_as_own_frame
-from ampddp.precision.device_autocast import DeviceAutocast
-from ampddp.precision.function_swaps import ORIGINAL_ATTRIBUTE, Dispatcher, install_dispatcher, release_dispatcher
-from ampddp.precision.mode_stack import push_below_others, remove_mode
-from ampddp.precision.op_table import OpTable
 from ampddp.precision.registry import CAST_ATTRIBUTE, FP32
-from ampddp.precision.rnn_inputs import RnnInputAlignment
 from ampddp.torch_compat import push_function_mode
 
 _WINDOW = threading.local()

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import get_overridable_functions
 
-from ampddp.precision import op_lists
-from ampddp.precision.cast_rules import BANNED, INPLACE_FP32
-from ampddp.precision.function_swaps import ORIGINAL_ATTRIBUTE
+from ampddp.precision.casting import op_lists
+from ampddp.precision.casting.cast_rules import BANNED, INPLACE_FP32
+from ampddp.precision.casting.function_swaps import ORIGINAL_ATTRIBUTE
 from ampddp.precision.registry import FP32, LOW, PROMOTE, Registration
 
 NAMESPACES = (torch, F, torch.Tensor)

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ampddp.precision.cast_context import OpCastContext
-from ampddp.precision.casting import cast_floating
+from ampddp.precision.casting.cast_context import OpCastContext
+from ampddp.precision.casting.tensors import cast_floating
 from ampddp.precision.compile_support import run_eagerly_as_own_frame
 
 logger = logging.getLogger("ampddp.precision")

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from ampddp.precision.casting import map_tensors
-from ampddp.precision.device_autocast import DeviceAutocast
+from ampddp.precision.casting.device_autocast import DeviceAutocast
+from ampddp.precision.casting.tensors import map_tensors
 
 LOW = "half"
 """Run in the level's low-precision dtype (float16 under O1, bfloat16 under O4)."""

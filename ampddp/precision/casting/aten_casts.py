@@ -29,8 +29,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ampddp.precision import op_lists
-from ampddp.precision.cast_rules import (
+from ampddp.precision.casting import op_lists
+from ampddp.precision.casting.cast_rules import (
     BANNED,
     FP32,
     INPLACE_FP32,

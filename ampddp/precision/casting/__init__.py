@@ -1,0 +1,39 @@
+"""O1/O4 op casting and model casts: what runs in which dtype inside (and, for the facade, around) a forward.
+
+The public face of the mechanism, for the engines and the apex-compatible facade: the op-cast
+context (``OpCastContext``) and its thread windows, apex's op lists (``op_lists``), the table built
+from them and the registered functions (``build_op_table``), the forward's input/output casts and
+fp32 state hooks, and the tensor helpers (cast a model, map nested tensors). The modules behind it
+(ATen kernels, function swaps, the torch-function mode stack, RNN inputs) are its own.
+"""
+
+from ampddp.precision.casting import op_lists
+from ampddp.precision.casting.cast_context import (
+    OpCastContext,
+    Opening,
+    close_thread_window,
+    end_thread_casts,
+    open_thread_window,
+    suspend_thread_casts,
+)
+from ampddp.precision.casting.model_hooks import ForwardHooks, install_fp32_state_hooks
+from ampddp.precision.casting.op_table import build_op_table
+from ampddp.precision.casting.tensors import cast_floating, convert_model, device_types, first_non_fp32_param, map_tensors
+
+__all__ = [
+    "ForwardHooks",
+    "OpCastContext",
+    "Opening",
+    "build_op_table",
+    "cast_floating",
+    "close_thread_window",
+    "convert_model",
+    "device_types",
+    "end_thread_casts",
+    "first_non_fp32_param",
+    "install_fp32_state_hooks",
+    "map_tensors",
+    "op_lists",
+    "open_thread_window",
+    "suspend_thread_casts",
+]
