@@ -42,21 +42,25 @@ from ampddp.amp.set_up import CastScope, SetUp
 from ampddp.amp.state_io import load_amp_state
 from ampddp.distributed.env import launched_rank_without_a_group
 from ampddp.errors import AmpUsageError
-from ampddp.precision.casting import end_thread_casts, suspend_thread_casts
-from ampddp.precision.engine import PrecisionEngine, check_loss, check_models_and_optimizers
-from ampddp.precision.modes import MODES, build_engine, check_opt_level
-from ampddp.precision.registry import (
+from ampddp.precision import (
     BFLOAT16,
     FP32,
     LOW,
+    MODES,
     PROMOTE,
     OpRegistry,
+    PrecisionEngine,
     bfloat16_function,
+    build_engine,
+    check_loss,
+    check_models_and_optimizers,
+    check_opt_level,
     float_function,
     half_function,
     promote_function,
+    warn_if_slower_than_fp32,
 )
-from ampddp.precision.speed_warning import warn_if_slower_than_fp32
+from ampddp.precision.casting import end_thread_casts, suspend_thread_casts
 
 
 def _as_list(value: Any, kind: type, name: str) -> tuple[list[Any], bool]:

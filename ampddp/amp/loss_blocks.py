@@ -16,11 +16,7 @@ import torch
 from torch.optim import Optimizer
 
 from ampddp.errors import AmpUsageError
-from ampddp.precision.apex_backend import ApexEngine
-from ampddp.precision.engine import PrecisionEngine, check_loss
-from ampddp.precision.master import GradPhase, OptimizerGrads
-from ampddp.precision.opt_level import OptLevelEngine
-from ampddp.precision.scaler import LossScaler
+from ampddp.precision import ApexEngine, GradPhase, LossScaler, OptimizerGrads, OptLevelEngine, PrecisionEngine, check_loss
 
 
 def loss_blocks(engine: PrecisionEngine) -> OptLevelLossBlocks | ApexEngine:

@@ -19,6 +19,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ampddp.amp.stash import mark_optimizer, unmark_optimizer
 from ampddp.amp.state_io import carry_amp_state
+from ampddp.precision import PrecisionEngine, run_eagerly_as_own_frame
 from ampddp.precision.casting import (
     OpCastContext,
     Opening,
@@ -26,8 +27,6 @@ from ampddp.precision.casting import (
     end_thread_casts,
     open_thread_window,
 )
-from ampddp.precision.compile_support import run_eagerly_as_own_frame
-from ampddp.precision.engine import PrecisionEngine
 
 
 @dataclass

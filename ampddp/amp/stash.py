@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from ampddp.precision.master import GradPhase, OptimizerGrads
+from ampddp.precision import GradPhase, OptimizerGrads
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 LAZY_INIT_METHODS = ("_amp_lazy_init", "_lazy_init_maybe_master_weights")

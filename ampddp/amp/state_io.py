@@ -18,8 +18,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from ampddp.errors import ConfigError
-from ampddp.precision.engine import PrecisionEngine
-from ampddp.precision.state import PrecisionState
+from ampddp.precision import PrecisionEngine, PrecisionState
 
 OPTIMIZER_STATE_KEY = "ampddp_amp"
 """Where an initialized optimizer's ``state_dict()`` holds its set-up's ``amp.state_dict()``."""

@@ -13,7 +13,7 @@ from ampddp.checkpoint import keys
 from ampddp.checkpoint.files import load_safely
 from ampddp.errors import CheckpointError, ConfigError
 from ampddp.precision.engine import PrecisionEngine
-from ampddp.precision.state import PrecisionState, convert
+from ampddp.precision.state import Conversion, PrecisionState, convert
 
 logger = logging.getLogger("ampddp.checkpoint")
 _SHOW = 5
@@ -100,14 +100,25 @@ def load_model_state(state: Any, module: nn.Module, where: str) -> None:
     module.load_state_dict(state)
 
 
-def restore_precision(engine: PrecisionEngine, saved: Any, where: str) -> list[str]:
-    """Load saved precision state into ``engine``, converting between modes (``state.convert``);
-    returns the warnings given. A malformed state is a CheckpointError naming the bad entry."""
+def precision_conversion(engine: PrecisionEngine, saved: Any, where: str) -> Conversion:
+    """What loading saved precision state into ``engine`` would do (``state.convert``), checked and
+    changing nothing: a malformed state, or one with another number of loss scalers than ``engine``
+    keeps, is a CheckpointError naming it."""
     try:
         state = PrecisionState.from_dict(saved, where=f"{where}: its {keys.PRECISION!r} entry is malformed")
     except ConfigError as error:
         raise CheckpointError(str(error)) from None
-    conversion = convert(state, engine.precision_state())
+    live = engine.precision_state()
+    conversion = convert(state, live)
+    if conversion.state is not None and len(conversion.state.scalers) != len(live.scalers):
+        raise CheckpointError(
+            f"{where}: its precision state has {len(conversion.state.scalers)} loss scaler(s); {live.mode} here keeps {len(live.scalers)}"
+        )
+    return conversion
+
+
+def apply_precision(engine: PrecisionEngine, conversion: Conversion, where: str) -> list[str]:
+    """Load a checked conversion (:func:`precision_conversion`) into ``engine``; returns the warnings given."""
     if conversion.state is not None:
         engine.load_precision_state(conversion.state)
     if conversion.note is not None:
@@ -117,6 +128,34 @@ def restore_precision(engine: PrecisionEngine, saved: Any, where: str) -> list[s
     message = f"{where}: {conversion.warning}"
     logger.warning(message)
     return [message]
+
+
+def restore_precision(engine: PrecisionEngine, saved: Any, where: str) -> list[str]:
+    """Load saved precision state into ``engine``, converting between modes (``state.convert``);
+    returns the warnings given. A malformed state is a CheckpointError naming the bad entry."""
+    return apply_precision(engine, precision_conversion(engine, saved, where), where)
+
+
+SHARED_ENTRIES = ((keys.MODEL, dict, "a dict"), (keys.OPTIMIZER, dict, "a dict"), (keys.PRECISION, dict, "a dict"),
+                  (keys.PROGRESS, dict, "a dict"), (keys.SAMPLER, dict, "a dict"), (keys.WORLD_SIZE, int, "an int"))  # fmt: skip
+"""The entries every checkpoint's shared file holds, with the type each must have."""
+
+
+def check_shared_entries(shared: Any, where: str) -> None:
+    """Every entry a resume reads is there with its type (the scheduler's a dict or None), before
+    anything is loaded: one line naming the first that is not."""
+    if not isinstance(shared, dict):
+        raise CheckpointError(f"{where}: expected a dict of state, found {type(shared).__name__}")
+    for key, kind, expected in SHARED_ENTRIES:
+        value = shared.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            found = "missing" if key not in shared else f"a {type(value).__name__}"
+            raise CheckpointError(f"{where}: not a complete ampddp checkpoint: its {key!r} entry is {found}, expected {expected}")
+    if shared.get(keys.SCHEDULER) is not None and not isinstance(shared[keys.SCHEDULER], dict):
+        found = type(shared[keys.SCHEDULER]).__name__
+        raise CheckpointError(
+            f"{where}: not a complete ampddp checkpoint: its {keys.SCHEDULER!r} entry is a {found}, expected a dict or None"
+        )
 
 
 def initial_weights(path: str | Path) -> dict[str, Any]:

@@ -305,21 +305,22 @@ class CheckpointStore:
 
 
 def plan_resume(store: CheckpointStore | None, resume: str | Path, passed_over: Collection[str] = ()) -> dict[str, Any]:
-    """Rank 0's resume decision as plain data to broadcast: ``start`` (a folder or None),
-    ``shards_verified`` (False: a sharded checkpoint's shards were checked by size alone, the ranks
-    hash them together before reading), ``warnings`` (lines already logged), ``error`` ((kind,
-    message) or None).
+    """Rank 0's resume decision as plain data to broadcast, reading only (nothing moves): ``start``
+    (a folder or None), ``shards_verified`` (False: a sharded checkpoint's shards were checked by
+    size alone, the ranks hash them together before reading), ``set_aside`` (this run's newer step
+    folders, moved into ``<run_dir>/abandoned/`` by :func:`set_aside_newer` when the resume is
+    applied), ``warnings`` (lines already logged), ``error`` ((kind, message) or None).
 
     ``"auto"``: the newest checkpoint of ``store`` that verifies; each newer one that does not (or is
     in ``passed_over``: found bad by the ranks) is reported and left on disk. A step folder: that
-    checkpoint (it must verify); when it belongs to ``store``, newer step folders are moved into
-    ``<run_dir>/abandoned/``. A run dir: its newest checkpoint that verifies. ``store`` (this run's,
-    or None) must otherwise hold nothing newer.
+    checkpoint (it must verify); when it belongs to ``store``, newer step folders are set aside. A run
+    dir: its newest checkpoint that verifies. ``store`` (this run's, or None) must otherwise hold
+    nothing newer.
     """
     try:
-        return {"start": None, "error": None, "shards_verified": True, **_plan(store, resume, passed_over)}
+        return {"start": None, "error": None, "shards_verified": True, "set_aside": [], **_plan(store, resume, passed_over)}
     except (CheckpointError, ConfigError) as error:
-        return {"start": None, "warnings": [], "error": (type(error).__name__, str(error))}
+        return {"start": None, "warnings": [], "set_aside": [], "error": (type(error).__name__, str(error))}
 
 
 def _plan(store: CheckpointStore | None, resume: str | Path, passed_over: Collection[str]) -> dict[str, Any]:
@@ -328,8 +329,7 @@ def _plan(store: CheckpointStore | None, resume: str | Path, passed_over: Collec
         logger.warning(line)
     if store is None or resume == "auto":
         return {"start": str(ref.path) if ref is not None else None, "warnings": warnings, "shards_verified": resume != "auto"}
-    warnings += _clear_newer(store, ref)
-    return {"start": str(ref.path) if ref is not None else None, "warnings": warnings}
+    return {"start": str(ref.path) if ref is not None else None, "warnings": warnings, "set_aside": _newer_to_set_aside(store, ref)}
 
 
 def _chosen(store: CheckpointStore | None, resume: str | Path, passed_over: Collection[str]) -> tuple[CheckpointRef | None, list[str]]:
@@ -352,18 +352,13 @@ def _chosen(store: CheckpointStore | None, resume: str | Path, passed_over: Coll
     return ref, warnings
 
 
-def _clear_newer(store: CheckpointStore, ref: CheckpointRef | None) -> list[str]:
-    """Step folders of this run newer than where it starts from: moved aside when it starts from one of
+def _newer_to_set_aside(store: CheckpointStore, ref: CheckpointRef | None) -> list[str]:
+    """Step folders of this run newer than where it starts from: set aside when it starts from one of
     its own checkpoints, refused when they are complete and it starts elsewhere."""
     start = ref.step if ref is not None else 0
     newer = [folder for folder in store.step_folders() if (step_of(folder) or 0) > start]
     if newer and ref is not None and ref.path.resolve().parent == store.root.resolve():
-        moved = store.move_aside(newer)
-        line = f"resuming from step {start}: moved the newer checkpoint folders aside: " + ", ".join(
-            f"{a.name} -> {b}" for a, b in zip(newer, moved)
-        )
-        logger.warning(line)
-        return [line]
+        return [str(folder) for folder in newer]
     if any((folder / keys.COMPLETE_FILE).is_file() for folder in newer):
         newest = max(step_of(folder) or 0 for folder in newer)
         raise ConfigError(
@@ -372,6 +367,17 @@ def _clear_newer(store: CheckpointStore, ref: CheckpointRef | None) -> list[str]
             f"(newer ones are moved to {keys.ABANDONED_DIR}/), or a new run_dir"
         )
     return []
+
+
+def set_aside_newer(store: CheckpointStore, start: int, folders: list[str]) -> None:
+    """Move the step folders a resume from ``start`` planned to set aside (:func:`plan_resume`) into
+    ``<run_dir>/abandoned/``, saying where each went; the first write of a resumed run."""
+    if not folders:
+        return
+    newer = [Path(folder) for folder in folders if Path(folder).exists()]
+    moved = store.move_aside(newer)
+    places = ", ".join(f"{a.name} -> {b}" for a, b in zip(newer, moved))
+    logger.warning("resuming from step %d: moved the newer checkpoint folders aside: %s", start, places)
 
 
 @dataclass(frozen=True)

@@ -83,3 +83,43 @@ def _capturing_warnings() -> bool:
     if hasattr(logging, "_warnings_showwarning"):
         return logging._warnings_showwarning is not None
     return warnings.showwarning is getattr(logging, "_showwarning", None)
+
+
+class _HeldNotes(logging.Filter):
+    """Holds back the records below WARNING that reach the root handlers (their first look at a record)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list[logging.LogRecord] = []
+        self.seen: set[int] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.WARNING:
+            return True
+        if id(record) not in self.seen:
+            self.seen.add(id(record))
+            self.held.append(record)
+        return False
+
+
+@contextlib.contextmanager
+def notes_held_until_done() -> Iterator[None]:
+    """Informational lines logged inside are printed when the block succeeds, dropped when it raises:
+    a run refused while it is being built says one line (its error; warnings still pass at once),
+    and a run that builds says what it chose (``precision auto -> ...``) as before."""
+    handlers = list(logging.getLogger().handlers)
+    held = _HeldNotes()
+    for handler in handlers:
+        handler.addFilter(held)
+    try:
+        yield
+    except BaseException:
+        held.held.clear()
+        raise
+    finally:
+        for handler in handlers:
+            handler.removeFilter(held)
+    for record in held.held:
+        for handler in handlers:
+            if record.levelno >= handler.level:
+                handler.handle(record)

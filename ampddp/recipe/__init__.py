@@ -1,3 +1,4 @@
 """A training run from a recipe: ``reading`` turns YAML and overrides into a checked RunConfig,
-``factories`` maps its sections to objects, ``checks`` validates a recipe before anything is written,
-``schedule`` holds the LR schedules with warmup, ``run`` trains it here or in spawned processes."""
+``factories`` maps its sections to objects, ``checks`` checks its values before any part is built,
+``build`` builds the run once, in order, checking each part where it is used, ``schedule`` holds the
+LR schedules with warmup, ``run`` trains it here or in spawned processes."""

@@ -296,7 +296,23 @@ def optimizer_factory(config: RunConfig) -> Callable[[Iterable[nn.Parameter]], O
             raise ConfigError(
                 f"optimizer.kwargs.{key} is not an argument of {cls.__name__}{closest(key, valid)}; valid: {', '.join(valid)}"
             )
-    return functools.partial(cls, **settings, **opt.kwargs)
+    return _optimizer_maker(opt.name, functools.partial(cls, **settings, **opt.kwargs))
+
+
+def _optimizer_maker(name: str, make: Callable[..., Optimizer]) -> Callable[[Iterable[nn.Parameter]], Optimizer]:
+    """``make(params)``, where the optimizer class's refusal of its settings (``fused`` with
+    ``foreach``, a fused kernel on the wrong device) is one line naming optimizer.name."""
+
+    def make_optimizer(params: Iterable[nn.Parameter]) -> Optimizer:
+        try:
+            return make(params)
+        except ConfigError:
+            raise
+        except (ValueError, TypeError, RuntimeError) as error:
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise ConfigError(f"optimizer.name={name}: {reason}") from None
+
+    return make_optimizer
 
 
 def steps_per_epoch(config: RunConfig, train_samples: int, world_size: int) -> int:

@@ -12,7 +12,7 @@ import io
 import logging
 import platform
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -23,10 +23,17 @@ from torch.optim import Optimizer
 from ampddp.checkpoint import keys
 from ampddp.checkpoint.finite import refuse_non_finite
 from ampddp.checkpoint.manifest import Manifest, config_digest, step_of
-from ampddp.checkpoint.restore import check_model_state, check_optimizer_state, check_sampler_state, restore_precision
+from ampddp.checkpoint.restore import (
+    apply_precision,
+    check_model_state,
+    check_optimizer_state,
+    check_sampler_state,
+    check_shared_entries,
+    precision_conversion,
+)
 from ampddp.checkpoint.rng import capture_rng, derive_rng, restore_rng
 from ampddp.checkpoint.sharded import local_shards, read_into_live, shape_view, shard_files, shards_problem, split_state, verify_shards
-from ampddp.checkpoint.store import CheckpointRef, CheckpointStore, plan_resume
+from ampddp.checkpoint.store import CheckpointRef, CheckpointStore, plan_resume, set_aside_newer
 from ampddp.distributed.data import ResumableSampler, broadcast_from_main, sum_across_ranks
 from ampddp.distributed.env import DistEnv
 from ampddp.distributed.full_state import gathered, sharded_model_state, sharded_optimizer_state
@@ -34,6 +41,7 @@ from ampddp.errors import CheckpointError, ConfigError
 from ampddp.observe.observer import TrackedRuns
 from ampddp.observe.progress import Progress
 from ampddp.precision.engine import PrecisionEngine
+from ampddp.precision.state import Conversion
 from ampddp.training.resume import SchedulePlan, check_resume_settings, plan_schedule
 
 logger = logging.getLogger("ampddp.trainer")
@@ -62,6 +70,23 @@ class TrainingState:
     """The experiment trackers' run ids (W&B, MLflow), continued after a resume."""
 
 
+@dataclass
+class ResumePlan:
+    """A checkpoint read and checked against the live run, nothing changed yet: what
+    :meth:`Checkpointer.apply` restores. ``notes``: the settings that changed, said when it is applied;
+    ``set_aside``: this run's newer step folders, moved into ``abandoned/`` when it is applied."""
+
+    ref: CheckpointRef
+    shared: dict[str, Any]
+    rng: dict[str, Any] | None
+    manifest: Manifest | None
+    progress: Progress
+    schedule: SchedulePlan
+    precision: Conversion
+    notes: list[str] = field(default_factory=list)
+    set_aside: list[str] = field(default_factory=list)
+
+
 def _versions() -> dict[str, str]:
     from ampddp import __version__
 
@@ -84,6 +109,8 @@ class Checkpointer:
         self.resume, self.config, self.seed = resume, dict(config or {}), seed
         self.sharded = layout == "sharded"
         self.saved_step: int | None = None
+        self.planned = False
+        self.plan: ResumePlan | None = None
 
     def register(self, name: str, item: Stateful) -> None:
         """Save and restore ``item`` with every checkpoint, under ``name``.
@@ -147,27 +174,37 @@ class Checkpointer:
         self.saved_step = step
         return ref
 
-    def resume_if_asked(self, finished: Callable[[Progress], bool]) -> None:
-        """Load the checkpoint this run continues from, if any. Rank 0 decides (the newest checkpoint
+    def plan_resume(self, finished: Callable[[Progress], bool]) -> ResumePlan | None:
+        """Read and check the checkpoint this run continues from, if any, against the live run,
+        changing nothing (:meth:`resume_if_asked` applies it). Rank 0 decides (the newest checkpoint
         that verifies, or the one asked for), so ranks on file systems with stale caches cannot resume
         from different steps; every rank raises its error."""
+        self.planned = True
+        self.plan = None
         if self.store is None and self.resume in ("auto", "never"):
-            return
+            return None
         passed_over: list[str] = []
         while True:
-            plan = broadcast_from_main(plan_resume(self.store, self.resume, passed_over) if self.env.is_main else None, self.env)
-            if plan["error"] is not None:
-                kind, message = plan["error"]
+            decided = broadcast_from_main(plan_resume(self.store, self.resume, passed_over) if self.env.is_main else None, self.env)
+            if decided["error"] is not None:
+                kind, message = decided["error"]
                 raise (ConfigError if kind == "ConfigError" else CheckpointError)(message)
-            if plan["start"] is None:
-                return
-            ref = CheckpointRef(Path(plan["start"]), step_of(Path(plan["start"])) or 0)  # rank 0 found it: no look on this rank
-            problem = None if plan["shards_verified"] else shards_problem(ref.path, self.env)
+            if decided["start"] is None:
+                return None
+            ref = CheckpointRef(Path(decided["start"]), step_of(Path(decided["start"])) or 0)  # rank 0 found it: no look on this rank
+            problem = None if decided["shards_verified"] else shards_problem(ref.path, self.env)
             if problem is None:
-                self.load(ref, finished, shards_verified=True)
-                return
+                self.plan = replace(self.read(ref, finished, shards_verified=True), set_aside=decided["set_aside"])
+                return self.plan
             logger.warning("checkpoint step %d does not verify, skipped and left on disk: %s", ref.step, problem)
-            passed_over.append(plan["start"])
+            passed_over.append(decided["start"])
+
+    def resume_if_asked(self, finished: Callable[[Progress], bool]) -> None:
+        """Restore the checkpoint this run continues from, if any: the one :meth:`plan_resume` chose
+        (planned now unless it was before)."""
+        plan = self.plan if self.planned else self.plan_resume(finished)
+        if plan is not None:
+            self.apply(plan)
 
     def _read_and_check(self, ref: CheckpointRef, shards_verified: bool) -> tuple[dict[str, Any], dict[str, Any] | None, Manifest | None]:
         """The shared entries, this rank's RNG and the manifest, read, verified and checked against the
@@ -179,14 +216,14 @@ class Checkpointer:
         try:
             manifest = ref.manifest()
             shared = CheckpointStore.load_shared(ref, manifest)
-            rank_state = CheckpointStore.load_rank(ref, self.env.rank, manifest)
-            rng = rank_state[keys.RNG] if rank_state is not None else None
+            rng = self._rank_rng(ref, manifest)
             if shared.get(keys.SHARDS) is not None:  # checked by shape and dtype; this rank verifies its share of the files
                 if shards_verified:
                     shard_files(ref.path, manifest)  # the manifest vouches for the shards DCP will read
                 else:
                     verify_shards(ref.path, manifest, self.env)
                 shared = shape_view(shared, where)
+            check_shared_entries(shared, where)
             check_model_state(shared[keys.MODEL], self.state.module, where)
             check_optimizer_state(shared[keys.OPTIMIZER], self.state.optimizer, where)
             check_sampler_state(shared[keys.SAMPLER], self.state.sampler.state_dict(), where)
@@ -200,45 +237,73 @@ class Checkpointer:
             raise CheckpointError(f"{ref.path}: {failed} rank(s) could not read or check their part of this checkpoint; nothing loaded")
         return shared, rng, manifest
 
+    def _rank_rng(self, ref: CheckpointRef, manifest: Manifest) -> dict[str, Any] | None:
+        """This rank's saved RNG state (None when the checkpoint was saved by fewer ranks)."""
+        rank_state = CheckpointStore.load_rank(ref, self.env.rank, manifest)
+        if rank_state is None:
+            return None
+        if not isinstance(rank_state.get(keys.RNG), dict):
+            raise CheckpointError(f"{ref.rank_file(self.env.rank)}: not a complete ampddp checkpoint: no {keys.RNG!r} state")
+        return rank_state[keys.RNG]
+
     def _check_extra(self, saved: Any, where: str) -> None:
         missing = [name for name in self.state.extra if not isinstance(saved, dict) or name not in saved]
         if missing:
             has = ", ".join(saved) if isinstance(saved, dict) and saved else "none"
             raise CheckpointError(f"{where}: holds no state for the registered item(s) {', '.join(missing)} (it holds: {has})")
 
-    def load(self, ref: CheckpointRef, finished: Callable[[Progress], bool], shards_verified: bool = False) -> None:
-        """Restore every item; the run continues exactly where the checkpoint was taken.
+    def read(self, ref: CheckpointRef, finished: Callable[[Progress], bool], shards_verified: bool = False) -> ResumePlan:
+        """Everything restoring ``ref`` needs, read and checked against the live run (entries, shapes,
+        precision, progress, the run's settings, the LR schedule's extension), changing nothing.
 
         ``finished(progress)`` says whether the saved run is complete (then its schedule is not
         re-planned); ``shards_verified``: a sharded checkpoint's files were just hashed (not again).
         """
         shared, rng, manifest = self._read_and_check(ref, shards_verified)
-        state = self.state
-        if shared.get(keys.SHARDS) is not None:  # collective: each rank reads its part, cut as it holds the tensors
-            shared = read_into_live(ref.path, shared, manifest, state.module.state_dict(), state.optimizer, self.env)
+        where = str(ref.shared_file)
         changed = check_resume_settings(shared.get(keys.CONFIG), self.config, str(ref.path))
         saved_progress = Progress()
-        saved_progress.load_state_dict(shared[keys.PROGRESS])
+        try:
+            saved_progress.load_state_dict(shared[keys.PROGRESS])
+        except (TypeError, ValueError, KeyError) as error:
+            raise CheckpointError(f"{where}: its {keys.PROGRESS!r} entry is malformed ({error})") from None
         applied = saved_progress.global_step - saved_progress.skipped_steps
-        plan = (
+        state = self.state
+        schedule = (
             SchedulePlan()  # a finished run only reports that it is complete: nothing to re-plan
             if finished(saved_progress)
             else plan_schedule(state.optimizer, state.scheduler, shared[keys.OPTIMIZER], shared.get(keys.SCHEDULER), applied, str(ref.path))
         )
-        for line in ([changed] if changed else []) + plan.notes:
+        precision = precision_conversion(state.engine, shared[keys.PRECISION], where)
+        return ResumePlan(ref, shared, rng, manifest, saved_progress, schedule, precision, [changed] if changed else [])
+
+    def load(self, ref: CheckpointRef, finished: Callable[[Progress], bool], shards_verified: bool = False) -> None:
+        """Restore every item; the run continues exactly where the checkpoint was taken (:meth:`read`,
+        then :meth:`apply`)."""
+        self.apply(self.read(ref, finished, shards_verified))
+
+    def apply(self, plan: ResumePlan) -> None:
+        """Restore what ``plan`` read and checked: the newer folders it sets aside moved first (rank 0),
+        a sharded checkpoint's tensors read into the live ones, then every item."""
+        state, ref, shared = self.state, plan.ref, plan.shared
+        if self.store is not None and self.env.is_main:
+            set_aside_newer(self.store, ref.step, plan.set_aside)
+        if shared.get(keys.SHARDS) is not None:  # collective: each rank reads its part, cut as it holds the tensors
+            shared = read_into_live(ref.path, shared, plan.manifest, state.module.state_dict(), state.optimizer, self.env)
+        for line in plan.notes + plan.schedule.notes:
             logger.warning(line)
         self._load_extra(shared.get(EXTRA, {}), str(ref.shared_file))  # first: a user item that refuses its state changes nothing else
-        restore_precision(state.engine, shared[keys.PRECISION], str(ref.shared_file))
+        apply_precision(state.engine, plan.precision, str(ref.shared_file))
         state.module.load_state_dict(sharded_model_state(shared[keys.MODEL], state.module.state_dict()))
-        if plan.load_optimizer:
+        if plan.schedule.load_optimizer:
             state.optimizer.load_state_dict(sharded_optimizer_state(shared[keys.OPTIMIZER], state.optimizer))
-        if plan.load_scheduler and shared.get(keys.SCHEDULER) is not None:
+        if plan.schedule.load_scheduler and shared.get(keys.SCHEDULER) is not None:
             state.scheduler.load_state_dict(shared[keys.SCHEDULER])
-        plan.apply(state.optimizer, state.scheduler)
-        state.progress.load_state_dict(saved_progress.state_dict())
+        plan.schedule.apply(state.optimizer, state.scheduler)
+        state.progress.load_state_dict(plan.progress.state_dict())
         self._continue_tracked_runs(ref, shared.get(keys.TRACKED_RUNS) or {})
         self.saved_step = ref.step
-        self._restore_rng(rng, ref, shared[keys.WORLD_SIZE])
+        self._restore_rng(plan.rng, ref, shared[keys.WORLD_SIZE])
         logger.info("resumed from %s at step %d (epoch %d)", ref.path, state.progress.global_step, state.progress.epoch)
 
     def _continue_tracked_runs(self, ref: CheckpointRef, saved: dict[str, str]) -> None:

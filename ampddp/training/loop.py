@@ -26,7 +26,7 @@ from ampddp.preemption import StopSignals
 from ampddp.prepare import Prepared
 from ampddp.training.batches import BatchAdapter, LossFn
 from ampddp.training.callbacks import Callbacks
-from ampddp.training.checkpointer import Checkpointer
+from ampddp.training.checkpointer import Checkpointer, ResumePlan
 from ampddp.training.device import DeviceSettings
 from ampddp.training.evaluator import Evaluator
 from ampddp.training.last_batch import check_single_sample_batch, epochs_to_finish
@@ -308,3 +308,8 @@ class TrainingLoop:
     def load_checkpoint(self, ref: CheckpointRef) -> None:
         """Restore every registered item from ``ref`` (see ``Checkpointer.load``)."""
         self.checkpointer.load(ref, self._is_finished)
+
+    def plan_resume(self) -> ResumePlan | None:
+        """Read and check, now, the checkpoint ``fit`` will continue from (None: a fresh start), changing
+        nothing: a bad or unfitting checkpoint fails before anything is written (``Checkpointer.plan_resume``)."""
+        return self.checkpointer.plan_resume(self._is_finished)

@@ -15,10 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
+import ampddp.recipe.build
 import ampddp.recipe.checks
 import ampddp.recipe.run
 from ampddp.checkpoint import keys
 from ampddp.cli import EXIT_BROKEN_PIPE, EXIT_NONFINITE, main
+from ampddp.distributed.env import DistEnv
 from ampddp.errors import NonFiniteGradientsError
 from ampddp.observe.progress import Progress
 from ampddp.precision.modes import build_engine
@@ -346,6 +348,13 @@ def test_checkpoints_the_trainer_writes_pass_the_checks(tmp_path):
     ampddp.recipe.run.launch(load_config(QUICKSTART, [f"trainer.run_dir={tmp_path / 'first'}", *small]))
     step = tmp_path / "first" / keys.CHECKPOINTS_DIR / keys.STEP_DIR.format(step=2)
     for start in (f"checkpoint.resume_from={step}", f"checkpoint.init_from={step / keys.SHARED_FILE}"):
-        ampddp.recipe.run.validate(load_config(QUICKSTART, [f"trainer.run_dir={tmp_path / 'second'}", *small, start]))
+        built_and_planned(load_config(QUICKSTART, [f"trainer.run_dir={tmp_path / 'second'}", *small, start]))
     good = fake_checkpoint(tmp_path / "fake", good_shared())
-    ampddp.recipe.run.validate(load_config(QUICKSTART, [f"trainer.run_dir={tmp_path / 'third'}", f"checkpoint.resume_from={good}"]))
+    built_and_planned(load_config(QUICKSTART, [f"trainer.run_dir={tmp_path / 'third'}", f"checkpoint.resume_from={good}"]))
+
+
+def built_and_planned(config) -> None:
+    """Check, build and plan the resume of a run in this process, as ``ampddp train`` does, writing nothing."""
+    ampddp.recipe.checks.check_recipe(config)
+    ampddp.recipe.build.build_run(config, DistEnv())
+    assert not Path(config.trainer.run_dir).exists()

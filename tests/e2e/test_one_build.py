@@ -1,6 +1,7 @@
-"""A run is built once per process: what ``validate`` built to check it (the data sets, the model)
-is what trains, so an image folder is scanned once and the model initialised once, and the result
-is the same as building them again (the pinned curves, ``test_golden_curves.py``, hold that too)."""
+"""A run is built once per process, in order, and checked where each part is used: an image folder is
+scanned once, the model initialised once, and a resume checked against the optimizer, scheduler and
+engine that train (none built to be thrown away); the result is the same as building them again (the
+pinned curves, ``test_golden_curves.py``, hold that too)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,14 @@ import pytest
 import torch
 from image_folders import make_image_folder
 
+import ampddp.precision.modes
 import ampddp.recipe.factories
 import ampddp.zoo.data
 from ampddp.checkpoint.store import CheckpointStore
 from ampddp.cli import main
-from ampddp.recipe.checks import validate
+from ampddp.distributed.env import DistEnv
+from ampddp.recipe.build import build_run
+from ampddp.recipe.checks import check_recipe
 from ampddp.recipe.factories import build_datasets_from, build_model_from
 from ampddp.recipe.reading import load_config
 
@@ -53,13 +57,30 @@ def test_an_image_folder_is_scanned_and_the_model_built_once(tmp_path, monkeypat
     assert CheckpointStore(tmp_path / "run").latest().step == 3
 
 
-def test_the_validated_parts_are_those_training_would_build(tmp_path):
+@pytest.mark.timeout(300)
+def test_a_resume_is_checked_against_the_parts_that_train_and_none_is_built_twice(tmp_path, monkeypatch):
+    """The optimizer, scheduler and engine a resumed run's checkpoint is checked against are the ones
+    that train: one of each per run, the checkpoint's shared file read once, the model built once."""
+    no_warmup = [*overrides(tmp_path), "optimizer.warmup_steps=0", "optimizer.scheduler=step"]  # extends on resume
+    assert main(["train", str(RECIPE), *no_warmup]) == 0
+    optimizers = counting(monkeypatch, torch.optim.SGD, "__init__")
+    schedulers = counting(monkeypatch, ampddp.recipe.factories, "lr_scheduler")
+    engines = counting(monkeypatch, ampddp.precision.modes.ModeSpec, "build_engine")
+    models = counting(monkeypatch, ampddp.recipe.factories, "build_model")
+    reads = counting(monkeypatch, CheckpointStore, "load_shared")
+    assert main(["train", str(RECIPE), *no_warmup, "trainer.max_epochs=2"]) == 0
+    assert (len(optimizers), len(schedulers), len(engines), len(models), len(reads)) == (1, 1, 1, 1, 1)
+    assert CheckpointStore(tmp_path / "run").latest().step == 6
+
+
+def test_the_built_run_is_what_a_fresh_build_gives_and_writes_nothing(tmp_path):
     config = load_config(RECIPE, overrides(tmp_path))
-    built = validate(config)
+    check_recipe(config)
+    trainer = build_run(config, DistEnv())
     torch.manual_seed(config.trainer.seed)
     fresh = build_model_from(config)
-    assert built.model is not None and built.model.training
-    assert all(torch.equal(a, b) for a, b in zip(built.model.state_dict().values(), fresh.state_dict().values()))
-    train_set, eval_set = build_datasets_from(config, augment=config.data.augment)
-    assert built.datasets is not None and [len(part) for part in built.datasets] == [len(train_set), len(eval_set)]
-    assert built.datasets[0].samples == train_set.samples
+    assert trainer.run.module.training
+    assert all(torch.equal(a, b) for a, b in zip(trainer.run.module.state_dict().values(), fresh.state_dict().values()))
+    train_set, _ = build_datasets_from(config, augment=config.data.augment)
+    assert trainer.train_set.samples == train_set.samples
+    assert not (tmp_path / "run").exists()

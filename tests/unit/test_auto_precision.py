@@ -17,7 +17,8 @@ from ampddp.precision import auto, hardware
 from ampddp.precision.choice import Precision
 from ampddp.precision.registry import FP32, OpRegistry
 from ampddp.prepare import prepare
-from ampddp.recipe.checks import validate
+from ampddp.recipe.build import build_run
+from ampddp.recipe.checks import check_recipe
 from ampddp.recipe.factories import precision_from
 from ampddp.recipe.reading import load_config
 
@@ -120,8 +121,9 @@ def test_a_recipe_defaults_to_auto_and_refuses_mode_settings_without_a_mode(tmp_
     for key in ("precision.loss_scale=128", "precision.float_functions=[torch.sigmoid]", "precision.keep_batchnorm_fp32=true"):
         with pytest.raises(ConfigError, match=rf"precision.mode is auto \(the default\).*{key.split('=')[0]}.*set precision.mode"):
             precision_from(load_config(None, [key]))
-    built = validate(load_config(ROOT / "recipes" / "quickstart.yaml", [f"trainer.run_dir={tmp_path / 'run'}", "distributed.device=cpu"]))
-    assert built.model is not None
+    quickstart = load_config(ROOT / "recipes" / "quickstart.yaml", [f"trainer.run_dir={tmp_path / 'run'}", "distributed.device=cpu"])
+    check_recipe(quickstart)
+    assert build_run(quickstart, DistEnv()).engine.mode == auto.auto_mode(CPU)[0]
 
 
 def test_an_auto_run_resumed_where_auto_picks_otherwise_keeps_its_checkpoints_mode(monkeypatch, tmp_path, caplog):

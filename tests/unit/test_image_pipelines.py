@@ -13,7 +13,7 @@ from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 
 from ampddp.errors import ConfigError
-from ampddp.recipe.checks import validate
+from ampddp.recipe.checks import check_recipe
 from ampddp.recipe.reading import load_config
 from ampddp.zoo.data import (
     AUTO_AUGMENTS,
@@ -179,7 +179,7 @@ def test_layout_problems_are_one_line_naming_the_path(folder, change, message):
 
 
 def check(tmp_path: Path, *overrides: str) -> None:
-    validate(load_config(QUICKSTART, [f"trainer.run_dir={tmp_path / 'run'}", *overrides]))
+    check_recipe(load_config(QUICKSTART, [f"trainer.run_dir={tmp_path / 'run'}", *overrides]))
 
 
 def test_validate_checks_the_image_settings_against_the_data_set(tmp_path, folder):

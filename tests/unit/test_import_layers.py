@@ -142,6 +142,26 @@ def test_outside_precision_the_casting_mechanism_is_used_through_its_package_onl
     assert not reaching_in, f"import these names from ampddp.precision.casting instead: {reaching_in}"
 
 
+def test_the_apex_facade_comes_into_precision_by_its_door_only():
+    """``ampddp.amp`` and ``ampddp.apex`` import precision's names from ``ampddp.precision`` (its
+    ``__init__``) and the casting mechanism from ``ampddp.precision.casting``, never a module behind
+    them: precision's insides can move without the facade."""
+    import ampddp.precision
+
+    door = set(ampddp.precision.__all__)
+    facade = ("ampddp.amp", "ampddp.apex")
+    reaching_in = sorted(
+        f"{name} imports {imported}"
+        for name, path in modules().items()
+        if name.startswith(facade)
+        for imported in imports_of(path)
+        if imported.startswith("ampddp.precision.")
+        and imported.split(".")[2] != "casting"
+        and not (imported.count(".") == 2 and imported.split(".")[2] in door)
+    )
+    assert not reaching_in, f"import these from ampddp.precision (add them to its __all__) instead: {reaching_in}"
+
+
 def test_no_modules_import_each_other_in_a_circle():
     """Within a layer too: a circle means neither module can be read (or tested) without the other.
     Imports inside functions count (they run at use); the lazy package ``__init__`` maps do not."""

@@ -15,7 +15,8 @@ from ampddp.distributed.fsdp2 import FSDPOptions, block_classes, repeated_blocks
 from ampddp.distributed.strategies import wrap_model
 from ampddp.errors import ConfigError
 from ampddp.precision.modes import resolve_policy
-from ampddp.recipe.checks import validate
+from ampddp.recipe.build import build_run
+from ampddp.recipe.checks import check_recipe
 from ampddp.recipe.reading import load_config
 from ampddp.training.batches import accuracy, cross_entropy
 from ampddp.zoo.models import GPT, Block, gpt
@@ -93,13 +94,12 @@ def test_the_recipe_refuses_fsdp2_on_one_process_and_fsdp_keys_without_it(tmp_pa
     with pytest.raises(
         ConfigError, match=r"strategy=fsdp2 shards over processes and this run has one: set distributed.nproc_per_node >= 2"
     ):
-        validate(load_config(RECIPE, [*overrides, "distributed.nproc_per_node=1"]))
+        check_recipe(load_config(RECIPE, [*overrides, "distributed.nproc_per_node=1"]))
     with pytest.raises(ConfigError, match=r"distributed.fsdp_blocks=\('Block',\): FSDP2 settings, but strategy=ddp"):
-        validate(load_config(RECIPE, [*overrides, "distributed.strategy=ddp", "distributed.fsdp_blocks=[Block]"]))
+        check_recipe(load_config(RECIPE, [*overrides, "distributed.strategy=ddp", "distributed.fsdp_blocks=[Block]"]))
     with pytest.raises(ConfigError, match=r"fp32_islands=False applies only under distributed strategy fsdp2"):
-        validate(load_config(RECIPE, [*overrides, "distributed.strategy=ddp", "precision.mode=O5", "precision.fp32_islands=false"]))
-    built = validate(load_config(RECIPE, overrides))
-    assert isinstance(built.model, GPT)
+        build_run(load_config(RECIPE, [*overrides, "distributed.strategy=ddp", "precision.mode=O5", "precision.fp32_islands=false"]), DistEnv())
+    check_recipe(load_config(RECIPE, overrides))
 
 
 def test_the_gpt_predicts_the_next_token_and_refuses_bad_shapes():

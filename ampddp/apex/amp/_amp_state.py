@@ -18,10 +18,8 @@ from torch.optim import Optimizer
 
 from ampddp.amp import Amp, default
 from ampddp.errors import AmpUsageError, ConfigError
+from ampddp.precision import LossScaler, OptLevelEngine, PrecisionPolicy
 from ampddp.precision.casting import OpCastContext
-from ampddp.precision.opt_level import OptLevelEngine
-from ampddp.precision.policy import PrecisionPolicy
-from ampddp.precision.scaler import LossScaler
 
 
 class ScalerView:

@@ -39,7 +39,7 @@ from ampddp.apex._names import unknown_name
 from ampddp.apex.fp16_utils.fp16util import clip_grad_norm, master_params_to_model_params, model_grads_to_master_grads
 from ampddp.apex.fp16_utils.loss_scaler import DynamicLossScaler, LossScaler, restore_scaler
 from ampddp.errors import AmpUsageError, ConfigError, NonFiniteGradientsError
-from ampddp.precision.master import GradPhase, OptimizerGrads
+from ampddp.precision import GradPhase, OptimizerGrads
 
 __all__ = ["FP16_Optimizer", "clip_grad_norm", "master_params_to_model_params", "model_grads_to_master_grads"]
 REPLACEMENTS = {

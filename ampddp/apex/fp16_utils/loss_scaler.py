@@ -28,7 +28,7 @@ from torch import nn
 from ampddp.apex._names import unknown_name
 from ampddp.apex.fp16_utils.fp16util import to_python_float
 from ampddp.errors import ConfigError
-from ampddp.precision.scaler import LossScaler as _EngineScaler
+from ampddp.precision import LossScaler as _EngineScaler
 
 __all__ = ["DynamicLossScaler", "LossScaler", "to_python_float"]
 REPLACEMENTS: dict[str, str] = {}

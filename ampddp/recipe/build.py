@@ -1,0 +1,124 @@
+"""One build of a recipe's run, in order: data -> model -> strategy and engine -> optimizer and
+scheduler -> resume plan.
+
+Each part is built once and checked where it is used, so the engine, optimizer and scheduler a
+checkpoint to resume from is checked against are the ones that train. Nothing is written here:
+``ampddp.recipe.run`` probes and locks the run dir after the build, before the first write.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ampddp.checkpoint.restore import initial_weights, load_model_state
+from ampddp.config import RunConfig, is_import_path
+from ampddp.distributed.env import DistEnv
+from ampddp.errors import CheckpointError, ConfigError
+from ampddp.preemption import DEFAULT_STOP_SIGNALS, StopSignals
+from ampddp.recipe.factories import (
+    DROP_LAST,
+    SHUFFLE,
+    build_datasets_from,
+    build_model_from,
+    checkpoint_settings,
+    data_root,
+    device_settings,
+    loader_settings,
+    model_compiler,
+    optimizer_factory,
+    parallel_from,
+    precision_from,
+    reporting_from,
+    scheduler_factory,
+    steps_per_epoch,
+)
+from ampddp.trainer import Trainer
+from ampddp.training.settings import LoopSettings
+from ampddp.zoo.data import find_classes
+
+DATASET_CLASSES = {"digits": 10, "cifar10": 10}
+
+
+def build_run(config: RunConfig, env: DistEnv, stop_signals: tuple[str, ...] | StopSignals = DEFAULT_STOP_SIGNALS) -> Trainer:
+    """The run ``config`` describes on ``env``, built and checked, ready to ``fit``; the checkpoint it
+    resumes from (if any) read and checked against it, nothing changed or written yet."""
+    data, trainer_cfg = config.data, config.trainer
+    train_set, eval_set = build_datasets_from(config, augment=data.augment)
+    model = checked_model(config)
+    _start_from_weights(config, model)
+    epoch_steps = steps_per_epoch(config, len(train_set), env.world_size)
+    loop = LoopSettings(
+        batch_size=data.batch_size, grad_accum_steps=trainer_cfg.grad_accum_steps, clip_grad_norm=trainer_cfg.clip_grad_norm,
+        max_epochs=trainer_cfg.max_epochs, max_steps=trainer_cfg.max_steps, seed=trainer_cfg.seed, shuffle=SHUFFLE,
+        drop_last=DROP_LAST, checkpoint_every=config.checkpoint.every_steps, eval_every=trainer_cfg.eval_every_steps,
+        log_every=trainer_cfg.log_every_steps, max_nonfinite_losses=trainer_cfg.max_nonfinite_losses,
+    )  # fmt: skip
+    trainer = Trainer(
+        model, optimizer_factory(config), train_set, eval_set=eval_set, env=env,
+        precision=precision_from(config), parallel=parallel_from(config), compile=model_compiler(config),
+        loading=loader_settings(config), device=device_settings(config), make_scheduler=scheduler_factory(config, epoch_steps),
+        checkpoints=dataclasses.replace(checkpoint_settings(config), init_from=None), report=reporting_from(config),
+        stop_signals=stop_signals, **dataclasses.asdict(loop),
+    )  # fmt: skip
+    _plan_resume(config, trainer)
+    return trainer
+
+
+def checked_model(config: RunConfig) -> nn.Module:
+    """The model, seeded as training seeds it; on a built-in data set, one tiny forward pass first: a
+    size or channel mismatch fails here, not at step 1. On a user's data set the inputs are unknown:
+    it is only built."""
+    model_cfg, data = config.model, config.data
+    torch.manual_seed(config.trainer.seed)
+    model = build_model_from(config)
+    if is_import_path(data.name):
+        return model
+    classes = DATASET_CLASSES.get(data.name)
+    if data.name == "imagefolder" and data.root is not None:
+        classes = len(find_classes(Path(data_root(config)) / "train"))
+    if classes is not None and model_cfg.num_classes < classes:
+        raise ConfigError(
+            f"model.num_classes={model_cfg.num_classes} is too small for data.name={data.name}, which has {classes} classes; "
+            f"it must be >= {classes}"
+        )
+    shape = (2, data.channels, data.image_size, data.image_size)
+    try:
+        with torch.no_grad():
+            outputs = model.eval()(torch.zeros(shape))
+    except (RuntimeError, ValueError, TypeError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        hint = "its forward must take one image batch" if isinstance(error, TypeError) else "try a larger data.image_size"
+        raise ConfigError(
+            f"model.name={model_cfg.name} cannot take data.channels={data.channels} x data.image_size={data.image_size} images "
+            f"({reason[:200]}); {hint}"
+        ) from None
+    model.train()
+    if not isinstance(outputs, torch.Tensor) or tuple(outputs.shape) != (2, model_cfg.num_classes):
+        found = tuple(outputs.shape) if isinstance(outputs, torch.Tensor) else type(outputs).__name__
+        raise ConfigError(f"model.name={model_cfg.name} returns outputs of shape {found}, expected (batch, model.num_classes)")
+    return model
+
+
+def _start_from_weights(config: RunConfig, model: nn.Module) -> None:
+    """checkpoint.init_from's model weights, checked against ``model`` and loaded into it."""
+    init_from = config.checkpoint.init_from
+    if init_from is None:
+        return
+    try:
+        load_model_state(initial_weights(init_from), model, str(init_from))
+    except CheckpointError as error:
+        raise CheckpointError(f"checkpoint.init_from: {error}") from None
+
+
+def _plan_resume(config: RunConfig, trainer: Trainer) -> None:
+    """The checkpoint the run continues from, read and checked against the parts that train."""
+    try:
+        trainer.plan_resume()
+    except CheckpointError as error:
+        if config.checkpoint.resume_from is None:
+            raise
+        raise CheckpointError(f"checkpoint.resume_from: {error}") from None
