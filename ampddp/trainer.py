@@ -53,13 +53,23 @@ MOVED_TO_OBJECTS = {
 """Trainer arguments that became parts of an object, and where each went."""
 
 
-def loop_settings(settings: dict[str, Any]) -> LoopSettings:
-    """``LoopSettings`` from keywords, with an error naming an unknown one and the valid names."""
+def loop_settings(loop: LoopSettings | None, settings: dict[str, Any]) -> LoopSettings:
+    """The loop's ``LoopSettings``: ``loop`` as given, or made from keywords (with an error naming an
+    unknown one and the valid names); not both."""
     refuse_moved_arguments("Trainer", settings, MOVED_TO_OBJECTS)
     unknown = sorted(set(settings) - set(LoopSettings.names()))
     if unknown:
         raise ConfigError(f"Trainer got unknown argument(s) {', '.join(unknown)}; loop settings are: {', '.join(LoopSettings.names())}")
-    return LoopSettings(**settings)
+    if loop is None:
+        return LoopSettings(**settings)
+    if not isinstance(loop, LoopSettings):
+        raise ConfigError(f"loop={loop!r} is not valid; valid: LoopSettings(batch_size=..., max_steps=...) or None")
+    if settings:
+        raise ConfigError(
+            f"Trainer got loop=LoopSettings(...) and the loop setting(s) {', '.join(sorted(settings))} as keywords: "
+            "give them in one place (inside LoopSettings)"
+        )
+    return loop
 
 
 class Trainer(TrainingLoop):
@@ -81,9 +91,9 @@ class Trainer(TrainingLoop):
     config; None: no checkpoints). ``report``: a ``Reporting`` (console progress; metrics.jsonl,
     summary.json, plots and loggers such as W&B or MLflow in the run dir), by default progress and
     the run dir's files; None: silent. ``callbacks``: your ``Callback`` objects, called in order after
-    the reporting. ``**settings``: the ``LoopSettings`` fields (batch_size,
-    grad_accum_steps, clip_grad_norm, max_epochs, max_steps, seed, shuffle, drop_last,
-    checkpoint_every, eval_every, log_every, max_nonfinite_losses).
+    the reporting. ``loop``: a ``LoopSettings`` (batch_size, grad_accum_steps, clip_grad_norm,
+    max_epochs, max_steps, seed, shuffle, drop_last, checkpoint_every, eval_every, log_every,
+    max_nonfinite_losses), or those fields as keywords (``**settings``), not both.
     """
 
     def __init__(
@@ -107,9 +117,10 @@ class Trainer(TrainingLoop):
         report: Reporting | None = DEFAULT_REPORTING,
         callbacks: Sequence[Callback] = (),
         stop_signals: tuple[str, ...] | StopSignals = DEFAULT_STOP_SIGNALS,
+        loop: LoopSettings | None = None,
         **settings: Any,
     ) -> None:
-        loop = loop_settings(settings)
+        loop = loop_settings(loop, settings)
         checkpoints = _checked_parts(checkpoints, report, loop, stop_signals)
         hooks = as_callbacks(callbacks)
         self.compiler = compile if isinstance(compile, ModelCompiler) else ModelCompiler.from_setting(compile)

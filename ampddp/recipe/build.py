@@ -62,7 +62,7 @@ def build_run(config: RunConfig, env: DistEnv, stop_signals: tuple[str, ...] | S
         precision=precision_from(config), parallel=parallel_from(config), compile=model_compiler(config),
         loading=loader_settings(config), device=device_settings(config), make_scheduler=scheduler_factory(config, epoch_steps),
         checkpoints=dataclasses.replace(checkpoint_settings(config), init_from=None), report=reporting_from(config),
-        stop_signals=stop_signals, **dataclasses.asdict(loop),
+        stop_signals=stop_signals, loop=loop,
     )  # fmt: skip
     _plan_resume(config, trainer)
     return trainer

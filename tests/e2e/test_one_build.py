@@ -12,6 +12,7 @@ import torch
 from image_folders import make_image_folder
 
 import ampddp.precision.modes
+import ampddp.recipe.build
 import ampddp.recipe.factories
 import ampddp.zoo.data
 from ampddp.checkpoint.store import CheckpointStore
@@ -84,3 +85,17 @@ def test_the_built_run_is_what_a_fresh_build_gives_and_writes_nothing(tmp_path):
     train_set, _ = build_datasets_from(config, augment=config.data.augment)
     assert trainer.train_set.samples == train_set.samples
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.timeout(300)
+def test_a_spawning_parent_checks_and_claims_but_builds_nothing(tmp_path, monkeypatch):
+    """Under distributed.nproc_per_node > 1 each worker builds its run; the parent only checks the
+    values and holds the run dir (the workers' builds are in other processes: not counted here)."""
+    quickstart = ROOT / "recipes" / "quickstart.yaml"
+    models = counting(monkeypatch, ampddp.recipe.factories, "build_model")
+    scans = counting(monkeypatch, ampddp.recipe.build, "build_datasets_from")
+    small = ["model.name=mlp", "data.image_size=8", "data.batch_size=16", "trainer.max_steps=2", "precision.mode=O0",
+             "distributed.nproc_per_node=2", "distributed.device=cpu", "trainer.progress=off"]  # fmt: skip
+    assert main(["train", str(quickstart), *small, f"trainer.run_dir={tmp_path / 'run'}"]) == 0
+    assert (models, scans) == ([], [])
+    assert CheckpointStore(tmp_path / "run").latest().step == 2

@@ -13,7 +13,7 @@ from helpers import make_batches, make_mlp, small_model_settings
 
 from ampddp import PRECISION_MODES, ConfigError, build_engine
 from ampddp.amp import Amp
-from ampddp.checkpoint.restore import restore_precision
+from ampddp.checkpoint.restore import apply_precision, precision_conversion, restore_precision
 from ampddp.errors import CheckpointError
 from ampddp.precision import STATE_VERSION, PrecisionState, ScalerState
 from ampddp.precision.state import convert
@@ -225,6 +225,22 @@ def test_a_state_for_another_number_of_scalers_is_refused_and_changes_nothing():
 def test_restore_names_the_checkpoint_when_its_precision_entry_is_malformed():
     with pytest.raises(CheckpointError, match=r"^ckpt/shared.pt: its 'precision' entry is malformed: scalers\[0\] must be a dict"):
         restore_precision(fresh("O1"), {"mode": "native-fp16", "scalers": [1]}, "ckpt/shared.pt")
+
+
+def test_a_checkpoints_scaler_count_is_checked_before_anything_is_loaded():
+    """What a resume checks first (``precision_conversion``, in ``Checkpointer.plan_resume``) refuses a
+    state the engine cannot take, naming the file, and changes nothing; a fitting one applies."""
+    engine = trained("O1")
+    before = engine.state_dict()
+    two = trained("O1", num_losses=2, init_loss_scale=512.0).state_dict()
+    with pytest.raises(CheckpointError, match=r"^ckpt/shared.pt: its precision state has 2 loss scaler\(s\); O1 here keeps 1$"):
+        precision_conversion(engine, two, "ckpt/shared.pt")
+    assert engine.state_dict() == before
+    one = trained("O1", init_loss_scale=512.0).state_dict()
+    conversion = precision_conversion(engine, one, "ckpt/shared.pt")
+    assert engine.state_dict() == before
+    assert apply_precision(engine, conversion, "ckpt/shared.pt") == []
+    assert engine.precision_state().scalers == PrecisionState.from_dict(one).scalers != PrecisionState.from_dict(before).scalers
 
 
 # ---- converting between modes ---------------------------------------------------------------------

@@ -98,7 +98,8 @@ def test_the_recipe_refuses_fsdp2_on_one_process_and_fsdp_keys_without_it(tmp_pa
     with pytest.raises(ConfigError, match=r"distributed.fsdp_blocks=\('Block',\): FSDP2 settings, but strategy=ddp"):
         check_recipe(load_config(RECIPE, [*overrides, "distributed.strategy=ddp", "distributed.fsdp_blocks=[Block]"]))
     with pytest.raises(ConfigError, match=r"fp32_islands=False applies only under distributed strategy fsdp2"):
-        build_run(load_config(RECIPE, [*overrides, "distributed.strategy=ddp", "precision.mode=O5", "precision.fp32_islands=false"]), DistEnv())
+        ddp_islands = ["distributed.strategy=ddp", "precision.mode=O5", "precision.fp32_islands=false"]
+        build_run(load_config(RECIPE, [*overrides, *ddp_islands]), DistEnv())
     check_recipe(load_config(RECIPE, overrides))
 
 

@@ -255,6 +255,16 @@ def test_an_unknown_trainer_argument_names_itself_and_the_valid_settings():
         Trainer(TinyTextClassifier(), sgd, TokenDataset(8), batchsize=4)
 
 
+def test_loop_settings_come_as_one_object_or_as_keywords_not_both():
+    by_object = Trainer(TinyTextClassifier(), sgd, TokenDataset(8), precision="O0", loop=LoopSettings(batch_size=4, max_steps=2))
+    by_keywords = Trainer(TinyTextClassifier(), sgd, TokenDataset(8), precision="O0", batch_size=4, max_steps=2)
+    assert by_object.settings == by_keywords.settings == LoopSettings(batch_size=4, max_steps=2)
+    with pytest.raises(ConfigError, match=r"loop=LoopSettings\(...\) and the loop setting\(s\) max_steps as keywords"):
+        Trainer(TinyTextClassifier(), sgd, TokenDataset(8), loop=LoopSettings(batch_size=4), max_steps=2)
+    with pytest.raises(ConfigError, match=r"loop=\{'batch_size': 4\} is not valid; valid: LoopSettings"):
+        Trainer(TinyTextClassifier(), sgd, TokenDataset(8), loop={"batch_size": 4})
+
+
 def test_a_custom_metric_is_logged_and_printed_by_the_run_observer(tmp_path, capsys):
     from ampddp.distributed.env import detect_env
     from ampddp.observe import Reporting
