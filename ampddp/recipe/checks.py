@@ -186,6 +186,7 @@ def check_recipe(config: RunConfig) -> None:
     run dir is probed (:func:`check_run_dir`) and locked after that, before the first write.
     """
     check_config(config)
+    refuse_tilde_folder(config.trainer.run_dir, "trainer.run_dir")
     loader_settings(config)
     device_settings(config)
     _check_schedule(config)
