@@ -1,7 +1,7 @@
 """ampddp: apex-style AMP opt levels and native torch.amp on PyTorch, for single and multi-GPU training.
 
 Public names: ``Trainer`` and ``prepare`` (the library's two doors) with the parts they take:
-``Precision``, ``Parallel``, ``CheckpointSettings``, ``LoopSettings``, ``Reporting``; ``amp`` (the
+``Precision``, ``Parallel``, ``RunDir``, ``CheckpointSettings``, ``LoopSettings``, ``Reporting``; ``amp`` (the
 apex-compatible API), ``build_engine`` and the ``PrecisionEngine`` interface,
 ``resolve_policy``/``OPT_LEVELS``/``PrecisionPolicy``, ``PrecisionState``, ``LossScaler``, ``OpRegistry`` and the cast
 decorators, and the error types.
@@ -26,7 +26,7 @@ _HOMES = {
     "Precision": "ampddp.precision.choice", "Parallel": "ampddp.distributed.parallel",
     "Trainer": "ampddp.trainer", "prepare": "ampddp.prepare", "Prepared": "ampddp.prepare",
     "CheckpointSettings": "ampddp.training.checkpoint_settings", "LoopSettings": "ampddp.training.settings",
-    "Reporting": "ampddp.observe.observer",
+    "Reporting": "ampddp.observe.observer", "RunDir": "ampddp.rundir.run_dir",
 } | dict.fromkeys(_PRECISION_NAMES, "ampddp.precision")  # fmt: skip
 
 _MODULES = ("amp", "prepare")
@@ -49,6 +49,7 @@ __all__ = [
     "PrecisionState",
     "Prepared",
     "Reporting",
+    "RunDir",
     "Trainer",
     "__version__",
     "amp",

@@ -8,8 +8,11 @@ checkpointer, the evaluator, the batch adapter and the callbacks — and hands t
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -25,6 +28,7 @@ from ampddp.precision.choice import Precision
 from ampddp.precision.engine import PrecisionEngine
 from ampddp.preemption import DEFAULT_STOP_SIGNALS, StopSignals, parse_signals
 from ampddp.prepare import MOVED_ARGUMENTS, refuse_moved_arguments
+from ampddp.rundir.run_dir import RunDir
 from ampddp.training.assemble import RunSetup
 from ampddp.training.batches import BatchAdapter, LossFn, MetricsFn, accuracy, cross_entropy
 from ampddp.training.callbacks import Callback, Callbacks, ObserverCallback, as_callbacks
@@ -38,6 +42,9 @@ from ampddp.training.loop import TrainingLoop
 from ampddp.training.resume.kept_precision import kept_precision
 from ampddp.training.settings import LoopSettings
 
+RunDirLike = RunDir | str | os.PathLike[str]
+"""What ``run_dir=`` takes: a path, or a ``RunDir`` made elsewhere (then shared)."""
+
 DEFAULT_REPORTING = Reporting()
 """Progress on the console; metrics.jsonl, summary.json and plots in the run dir."""
 
@@ -47,7 +54,7 @@ default_loss = cross_entropy
 
 MOVED_TO_OBJECTS = {
     **MOVED_ARGUMENTS,
-    **{name: f"checkpoints=CheckpointSettings({name}=...)" for name in ("run_dir", "keep_last", "resume", "init_from", "config")},
+    **{name: f"checkpoints=CheckpointSettings({name}=...)" for name in ("keep_last", "resume", "init_from", "config")},
     "observer": "report=Reporting(progress=..., loggers=[...])",
 }
 """Trainer arguments that became parts of an object, and where each went."""
@@ -87,10 +94,13 @@ class Trainer(TrainingLoop):
     ``parallel``: a ``Parallel`` (strategy, sync-BN, torch DDP's settings; None: torch DDP without
     sync-BN). ``loading``: loader workers, pinned memory, prefetching (batches do not depend on them:
     each sample is fetched under its own seed). ``device``: channels_last, cuDNN
-    benchmark, TF32. ``checkpoints``: a ``CheckpointSettings`` (run_dir, keep_last, resume, init_from,
-    config; None: no checkpoints). ``report``: a ``Reporting`` (console progress; metrics.jsonl,
-    summary.json, plots and loggers such as W&B or MLflow in the run dir), by default progress and
-    the run dir's files; None: silent. ``callbacks``: your ``Callback`` objects, called in order after
+    benchmark, TF32. ``run_dir``: where the run writes (checkpoints, metrics.jsonl,
+    summary.json, plots, the loggers' folders): a path or a ``RunDir``, made once and shared by the
+    checkpoint store and the observer; None: nothing on disk. ``checkpoints``: a ``CheckpointSettings``
+    (keep_last, resume, init_from, config, layout; its run_dir is the older spelling of ``run_dir``).
+    ``report``: a ``Reporting`` (console progress; metrics.jsonl, summary.json, plots and loggers
+    such as W&B or MLflow in the run dir), by default progress and the run dir's files; None: silent.
+    ``callbacks``: your ``Callback`` objects, called in order after
     the reporting. ``loop``: a ``LoopSettings`` (batch_size, grad_accum_steps, clip_grad_norm,
     max_epochs, max_steps, seed, shuffle, drop_last, checkpoint_every, eval_every, log_every,
     max_nonfinite_losses), or those fields as keywords (``**settings``), not both.
@@ -114,6 +124,7 @@ class Trainer(TrainingLoop):
         loading: LoaderSettings | None = None,
         device: DeviceSettings | None = None,
         checkpoints: CheckpointSettings | None = None,
+        run_dir: RunDirLike | None = None,
         report: Reporting | None = DEFAULT_REPORTING,
         callbacks: Sequence[Callback] = (),
         stop_signals: tuple[str, ...] | StopSignals = DEFAULT_STOP_SIGNALS,
@@ -121,7 +132,7 @@ class Trainer(TrainingLoop):
         **settings: Any,
     ) -> None:
         loop = loop_settings(loop, settings)
-        checkpoints = _checked_parts(checkpoints, report, loop, stop_signals)
+        checkpoints, place = _checked_parts(checkpoints, run_dir, report, loop, stop_signals)
         hooks = as_callbacks(callbacks)
         self.compiler = compile if isinstance(compile, ModelCompiler) else ModelCompiler.from_setting(compile)
         env = env or detect_env(device="auto")
@@ -134,7 +145,7 @@ class Trainer(TrainingLoop):
             run.module, run.optimizer, run.engine, make_scheduler(run.optimizer) if make_scheduler is not None else None,
             ResumableSampler(train_set, env, shuffle=loop.shuffle, seed=loop.seed, drop_last=loop.drop_last),
         )  # fmt: skip
-        store = checkpoints.store()
+        store = checkpoints.store(place)  # the run dir, made once: the store and the observer share it
         batches = batches or BatchAdapter(images=device.memory_format)
         data = DataLoading(loading or LoaderSettings(), env.device, loop.seed, worker_seed=env.rank_seed(loop.seed))
         scoring = {"loss_fn": loss_fn, "metrics": metrics, "batches": batches, "loading": data}
@@ -146,19 +157,19 @@ class Trainer(TrainingLoop):
                                       layout=run.strategy.checkpoint_layout if checkpoints.layout == "auto" else checkpoints.layout),
             loss_fn=loss_fn, batches=batches, loading=data,
             evaluator=evaluator,
-            callbacks=Callbacks([*self._observer(report, checkpoints, env, loop, len(train_set), state), *hooks]),
+            callbacks=Callbacks([*self._observer(report, place, checkpoints, env, loop, len(train_set), state), *hooks]),
             stop_signals=stop_signals, device=device,
         )  # fmt: skip
         seed_everything(env.rank_seed(loop.seed))  # the one seeding point of the training streams, per rank
 
-    def _observer(self, report: Reporting | None, checkpoints: CheckpointSettings, env: DistEnv, loop: LoopSettings,
-                  samples: int, state: TrainingState) -> list[Callback]:  # fmt: skip
+    def _observer(self, report: Reporting | None, place: RunDir | None, checkpoints: CheckpointSettings, env: DistEnv,
+                  loop: LoopSettings, samples: int, state: TrainingState) -> list[Callback]:  # fmt: skip
         """What the run reports (see ``Reporting``), as a callback: none when ``report`` is None."""
         if report is None:
             return []
         epoch_steps = max(1, math.ceil(samples / (loop.batch_size * env.world_size * loop.grad_accum_steps)))
         observer = RunObserver(
-            checkpoints.run_dir, env, progress=report.progress, loggers=report.loggers, plots=report.plots,
+            place, env, progress=report.progress, loggers=report.loggers, plots=report.plots,
             total_steps=loop.max_steps or loop.max_epochs * epoch_steps, config=checkpoints.config,
             tracked_runs=state.tracked_runs, scales_loss=state.engine.scales_loss, fp8_layers=state.engine.fp8_plan(),
             precision=state.engine.mode,
@@ -171,18 +182,35 @@ class Trainer(TrainingLoop):
             self.callbacks.on_compiled(self.progress, seconds, self.compiler.mode, self.compiler.backend)
 
 
-def _checked_parts(checkpoints: CheckpointSettings | None, report: Reporting | None, loop: LoopSettings,
-                   stop_signals: tuple[str, ...] | StopSignals) -> CheckpointSettings:  # fmt: skip
-    """The Trainer's parts checked together before anything is built; the checkpoint settings to use."""
+def _checked_parts(checkpoints: CheckpointSettings | None, run_dir: RunDirLike | None, report: Reporting | None, loop: LoopSettings,
+                   stop_signals: tuple[str, ...] | StopSignals) -> tuple[CheckpointSettings, RunDir | None]:  # fmt: skip
+    """The Trainer's parts checked together before anything is built; the checkpoint settings to use
+    and the run dir (one value, or None)."""
     if checkpoints is not None and not isinstance(checkpoints, CheckpointSettings):
-        raise ConfigError(f"checkpoints={checkpoints!r} is not valid; valid: CheckpointSettings(run_dir=..., resume=...) or None")
-    checkpoints = checkpoints or CheckpointSettings()
+        raise ConfigError(f"checkpoints={checkpoints!r} is not valid; valid: CheckpointSettings(keep_last=..., resume=...) or None")
+    checkpoints, place = _with_run_dir(checkpoints or CheckpointSettings(), run_dir)
     if report is not None and not isinstance(report, Reporting):
         raise ConfigError(f"report={report!r} is not valid; valid: Reporting(progress=..., loggers=[...], plots=...) or None (silent)")
     if report is not None and report.loggers and checkpoints.run_dir is None:
         raise ConfigError(LOGGERS_NEED_A_RUN_DIR)
     if loop.checkpoint_every is not None and checkpoints.run_dir is None:
-        raise ConfigError("checkpoint_every needs a run_dir to write checkpoints into: checkpoints=CheckpointSettings(run_dir=...)")
+        raise ConfigError("checkpoint_every needs a run_dir to write checkpoints into: Trainer(run_dir=...)")
     if not isinstance(stop_signals, StopSignals):
         parse_signals(stop_signals)
-    return checkpoints
+    return checkpoints, place
+
+
+def _with_run_dir(checkpoints: CheckpointSettings, run_dir: RunDirLike | None) -> tuple[CheckpointSettings, RunDir | None]:
+    """``run_dir`` (where the run writes: checkpoints, metrics, summary, plots, loggers), or the one
+    ``checkpoints`` names (its older spelling); two different ones are refused."""
+    if run_dir is None:
+        return checkpoints, checkpoints.place()
+    if not isinstance(run_dir, (RunDir, str, os.PathLike)):
+        raise ConfigError(f"run_dir={run_dir!r} is not valid; valid: a path, a RunDir or None")
+    place = RunDir.of(run_dir)
+    if checkpoints.run_dir is not None and Path(checkpoints.run_dir) != place.path:
+        raise ConfigError(
+            f"run_dir={place.given} and checkpoints=CheckpointSettings(run_dir={checkpoints.run_dir}) name two run dirs; give it once, "
+            "as Trainer(run_dir=...)"
+        )
+    return dataclasses.replace(checkpoints, run_dir=place.path), place

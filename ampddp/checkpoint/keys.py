@@ -21,6 +21,9 @@ overwritten. Files hold only tensors and plain containers, numbers and strings, 
 ``torch.load(weights_only=True)``.
 """
 
+from ampddp.rundir.run_dir import ABANDONED_DIR as ABANDONED_DIR
+from ampddp.rundir.run_dir import CHECKPOINTS_DIR as CHECKPOINTS_DIR
+
 FORMAT_VERSION = 1
 SHARDED_FORMAT_VERSION = 2
 """A sharded checkpoint (``checkpoint.sharded``): its model and optimizer tensors are in DCP's files
@@ -50,10 +53,8 @@ RUN_PRECISION_MODE = "precision_mode"
 """In a manifest's run facts: the concrete mode the run trained in (``auto`` resolved), which a
 resumed ``auto`` run keeps; manifests written before it lack it."""
 
-CHECKPOINTS_DIR = "checkpoints"
 SHARED_FILE = "shared.pt"
 RANK_FILE = "rank-{rank:05d}.pt"
 COMPLETE_FILE = "COMPLETE"
 STEP_DIR = "step-{step:09d}"
 STEP_DIR_PREFIX = "step-"
-ABANDONED_DIR = "abandoned"

@@ -28,7 +28,7 @@ from ampddp.checkpoint.manifest import CHECKSUM, Manifest, complete_folders, rea
 from ampddp.distributed.data import broadcast_from_main, gather_objects, sum_across_ranks
 from ampddp.distributed.env import DistEnv
 from ampddp.errors import CheckpointError, CheckpointWriteError, ConfigError, RunIOError
-from ampddp.rundir.files import RunDirIdentity
+from ampddp.rundir.run_dir import RunDir
 
 logger = logging.getLogger("ampddp.checkpoint")
 
@@ -94,10 +94,11 @@ def check_keep_last(keep_last: int | None) -> None:
 class CheckpointStore:
     """Checkpoints of one run under ``<run_dir>/checkpoints``."""
 
-    def __init__(self, run_dir: str | Path, keep_last: int | None = 3) -> None:
+    def __init__(self, run_dir: RunDir | str | Path, keep_last: int | None = 3) -> None:
         check_keep_last(keep_last)
-        self.root = Path(run_dir) / keys.CHECKPOINTS_DIR
-        self._run_dir = RunDirIdentity(run_dir)
+        self.run_dir = RunDir.of(run_dir)
+        """The run dir (shared with the run's observer: one record of which folder the run started in)."""
+        self.root = self.run_dir.checkpoints
         self.keep_last = keep_last
 
     def complete(self) -> list[CheckpointRef]:
@@ -129,7 +130,7 @@ class CheckpointStore:
             # A step is written once: replacing a complete checkpoint in place could lose it to a crash.
             return ref
         digests: dict[str, dict[str, Any]] = {}
-        self._run_everywhere(lambda: self._prepare_folder(folder) if env.is_main else self._run_dir.check(), folder, env)
+        self._run_everywhere(lambda: self._prepare_folder(folder) if env.is_main else self.run_dir.check(), folder, env)
         self._run_everywhere(lambda: digests.update(self._write_parts(ref, shared, rank_state, env, shards)), folder, env)
         every_rank = gather_objects(digests, env)
         files = {name: entry for part in every_rank for name, entry in part.items()}
@@ -185,7 +186,7 @@ class CheckpointStore:
         self._prune(keep=folder)
 
     def _prepare_folder(self, folder: Path) -> None:
-        self._run_dir.check()  # moved or removed mid-run: stop, never recreate it
+        self.run_dir.check()  # moved or removed mid-run: stop, never recreate it
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             if folder.exists():
@@ -222,7 +223,7 @@ class CheckpointStore:
 
     def move_aside(self, folders: list[Path]) -> list[Path]:
         """Move step folders into ``<run_dir>/abandoned/`` (never deleted); returns their new paths."""
-        target_root = self.root.parent / keys.ABANDONED_DIR
+        target_root = self.run_dir.abandoned
         moved = []
         try:
             target_root.mkdir(exist_ok=True)

@@ -21,16 +21,15 @@ from ampddp.observe.metrics_file import read_metrics
 from ampddp.observe.plots import plot_metrics
 from ampddp.rundir.files import (
     METRICS_FILE,
-    SUMMARY_FILE,
-    RunDirIdentity,
     drop_torn_tail,
     open_for_append,
     read_summary,
     replace_file,
     run_file_errors,
 )
+from ampddp.rundir.run_dir import RunDir
 
-LOGGERS_NEED_A_RUN_DIR = "loggers write into the run dir: give one (CheckpointSettings(run_dir=...)) or no loggers"
+LOGGERS_NEED_A_RUN_DIR = "loggers write into the run dir: give one (Trainer(run_dir=...)) or no loggers"
 PROGRESS_CHOICES = ("auto", "bar", "lines", "off")
 SCALING_FIELDS = ("loss_scale", "skipped", "skipped_steps")
 """Fields of a step record that say something only in modes that scale the loss."""
@@ -95,11 +94,13 @@ class RunObserver:
     say, tells from which step its records are that mode's).
     """
 
-    def __init__(self, run_dir: str | Path | None, env: DistEnv, *, progress: str = "auto", loggers: Sequence[MetricLogger] = (),
+    def __init__(self, run_dir: RunDir | str | Path | None, env: DistEnv, *, progress: str = "auto", loggers: Sequence[MetricLogger] = (),
                  total_steps: int | None = None, config: Mapping[str, Any] | None = None,
                  tracked_runs: TrackedRuns | None = None, scales_loss: bool = True, plots: bool = True,
                  fp8_layers: Sequence[Mapping[str, Any]] = (), precision: str | None = None) -> None:  # fmt: skip
-        self.run_dir = None if run_dir is None else Path(run_dir)
+        self.place = None if run_dir is None else RunDir.of(run_dir)
+        """The run dir as one value (shared with the checkpoint store when the Trainer made both)."""
+        self.run_dir = None if self.place is None else self.place.path
         self.env = env
         self.fp8_layers = [dict(layer) for layer in fp8_layers]
         self.precision = precision
@@ -122,16 +123,15 @@ class RunObserver:
         self._loggers = list(loggers) if self.active and self.run_dir is not None else []
         if self.run_dir is None and loggers:
             raise ConfigError(LOGGERS_NEED_A_RUN_DIR)
-        self._identity = RunDirIdentity(self.run_dir) if self.run_dir is not None else None
         self._started_loggers: list[MetricLogger] = []
         self._wants_bar = self.active and progress in ("bar", "auto") and not self._lines
         self._log_redirect: Any = None
 
     def _write(self, record: dict[str, Any]) -> None:
-        if self.run_dir is not None:
-            path = self.run_dir / METRICS_FILE
+        if self.place is not None:
+            path = self.place.metrics
             with run_file_errors(path):
-                self._identity.check()  # the first record makes the run dir (a run refused before writes nothing)
+                self.place.check()  # the first record makes the run dir (a run refused before writes nothing)
                 if self._metrics is None:
                     drop_torn_tail(path)
                     self._metrics = open_for_append(path)  # closed in close()
@@ -269,14 +269,14 @@ class RunObserver:
         if not self.active:
             return summary
         self._close_streams()
-        if self.run_dir is None:
+        if self.place is None:
             return summary
-        self._identity.check()
+        self.place.check()
         # The best evaluation of the whole run, including those before a resume.
         accuracies = [r["accuracy"] for r in read_metrics(self.run_dir) if r.get("kind") == "eval" and r.get("accuracy") is not None]
         summary["best_eval_accuracy"] = max(accuracies, default=self.best_accuracy)
-        with run_file_errors(self.run_dir / SUMMARY_FILE):
-            replace_file(self.run_dir / SUMMARY_FILE, json.dumps(summary, indent=2).encode())
+        with run_file_errors(self.place.summary):
+            replace_file(self.place.summary, json.dumps(summary, indent=2).encode())
         if self._plots:
             plot_metrics(self.run_dir)
         return summary
@@ -315,7 +315,7 @@ class RunObserver:
             self.last_eval = {key: value for key, value in evaluations[-1].items() if key not in ("kind", "step", "epoch")}
         logger.warning(
             "%s: missing or stale for this finished run (a crash or a full disk while it was written); rebuilt from %s",
-            self.run_dir / SUMMARY_FILE, METRICS_FILE,
+            self.place.summary, METRICS_FILE,
         )  # fmt: skip
         return self.close(progress, timed=False)
 

@@ -36,6 +36,7 @@ from ampddp.recipe.factories import (
     scheduler_factory,
     steps_per_epoch,
 )
+from ampddp.rundir.run_dir import RunDir
 from ampddp.trainer import Trainer
 from ampddp.training.settings import LoopSettings
 from ampddp.zoo.data import find_classes
@@ -61,7 +62,8 @@ def build_run(config: RunConfig, env: DistEnv, stop_signals: tuple[str, ...] | S
         model, optimizer_factory(config), train_set, eval_set=eval_set, env=env,
         precision=precision_from(config), parallel=parallel_from(config), compile=model_compiler(config),
         loading=loader_settings(config), device=device_settings(config), make_scheduler=scheduler_factory(config, epoch_steps),
-        checkpoints=dataclasses.replace(checkpoint_settings(config), init_from=None), report=reporting_from(config),
+        run_dir=RunDir(config.trainer.run_dir, "trainer.run_dir"), report=reporting_from(config),
+        checkpoints=dataclasses.replace(checkpoint_settings(config), run_dir=None, init_from=None),
         stop_signals=stop_signals, loop=loop,
     )  # fmt: skip
     _plan_resume(config, trainer)

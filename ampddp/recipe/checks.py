@@ -1,12 +1,11 @@
 """What a recipe's run is checked for before any part of it is built, before anything is written.
 
-``check_recipe`` is the entry point (all a parent spawning workers checks); ``check_run_dir`` probes
-the run dir once the run is built (the only check that touches the filesystem).
+``check_recipe`` is the entry point (all a parent spawning workers checks); the run dir is probed
+once the run is built (``RunDir.probe``, the only check that touches the filesystem).
 """
 
 from __future__ import annotations
 
-import os
 import signal
 from pathlib import Path
 
@@ -41,8 +40,6 @@ IMAGE_OPTIONS = (
 )
 """(data key, its default, the data sets that use it): a non-default value elsewhere is refused."""
 UNCATCHABLE_SIGNALS = frozenset(getattr(signal, name) for name in ("SIGKILL", "SIGSTOP") if hasattr(signal, name))
-_PROBE = ".ampddp-write-probe-{pid}"
-_PROBE_BYTES = 64 * 1024
 
 
 def _check_data(config: RunConfig) -> None:
@@ -128,62 +125,13 @@ def _check_resume_from(config: RunConfig) -> None:
         raise CheckpointError(f"checkpoint.resume_from={resume_from}: no such checkpoint or run directory")
 
 
-def _write_probe(directory: Path) -> None:
-    """Create, fill, fsync and remove a small file: a read-only or full filesystem fails here."""
-    probe = directory / _PROBE.format(pid=os.getpid())
-    descriptor = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.write(descriptor, b"\0" * _PROBE_BYTES)
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-        probe.unlink(missing_ok=True)
-
-
-def check_run_dir(run_dir: str) -> None:
-    """``run_dir`` is (or can be created as) a writable directory with free space.
-
-    Folders created for the check are removed again when it fails, so a refused run leaves nothing.
-    """
-    refuse_tilde_folder(run_dir, "trainer.run_dir")
-    path = Path(run_dir)
-    missing = []
-    existing = path
-    while not existing.exists() and not existing.is_symlink() and existing != existing.parent:
-        missing.append(existing)
-        existing = existing.parent
-    if not existing.is_dir():
-        kind = "a file" if existing.is_file() else "a broken link" if existing.is_symlink() else "not a directory"
-        where = "is" if existing == path else f"lies under {existing}, which is"
-        raise ConfigError(f"trainer.run_dir={run_dir} {where} {kind}; give a directory (existing or to be created)")
-    created: list[Path] = []
-    try:
-        for folder in reversed(missing):
-            try:
-                folder.mkdir()
-            except FileExistsError:  # another rank of this job made it a moment ago
-                if not folder.is_dir():
-                    raise
-                continue
-            created.append(folder)
-        _write_probe(path)
-    except OSError as error:
-        for folder in reversed(created):
-            try:
-                folder.rmdir()
-            except OSError:
-                break
-        reason = error.strerror or str(error)
-        raise ConfigError(f"trainer.run_dir={run_dir} is not writable ({reason}); give a writable directory with free space") from None
-
-
 def check_recipe(config: RunConfig) -> None:
     """What a run can be checked for before any part of it is built, and all a parent spawning
     workers checks before they exist: values and ranges, precision settings the device cannot run,
     dotted names, data paths and image options, the LR schedule and strategy settings, the processes
     the strategy needs, stop signals, the torch.compile backend, reporting, and that a checkpoint to
     resume from exists. Each built part is checked where it is built (``ampddp.recipe.build``); the
-    run dir is probed (:func:`check_run_dir`) and locked after that, before the first write.
+    run dir is probed (``RunDir.probe``) and locked after that, before the first write.
     """
     check_config(config)
     refuse_tilde_folder(config.trainer.run_dir, "trainer.run_dir")

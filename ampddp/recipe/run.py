@@ -21,10 +21,10 @@ from ampddp.errors import ConfigError
 from ampddp.observe.console import notes_held_until_done, rank_console
 from ampddp.preemption import EarlySignals, StopSignals
 from ampddp.recipe.build import build_run
-from ampddp.recipe.checks import check_recipe, check_run_dir
+from ampddp.recipe.checks import check_recipe
 from ampddp.recipe.factories import process_group_backend
 from ampddp.recipe.rank_agreement import check_ranks_agree
-from ampddp.rundir.lock import RunDirLock
+from ampddp.rundir.run_dir import RunDir
 
 __all__ = ["check_recipe", "launch", "train"]
 
@@ -100,10 +100,11 @@ def claimed_run_dir(run_dir: str, env: DistEnv) -> Iterator[None]:
         refusal: BaseException | None = None
         doing = "write into the run_dir"
         try:
-            check_run_dir(run_dir)
+            place = RunDir(run_dir, "trainer.run_dir")
+            place.probe()
             if env.is_main:
                 doing = "take the run_dir lock"
-                held.enter_context(RunDirLock(run_dir))
+                held.enter_context(place.lock())
         except BaseException as error:  # any failure: the other ranks must hear of it, not wait
             refusal = error
         said = gather_objects(None if refusal is None else (doing, str(refusal) or type(refusal).__name__), env)

@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
-from ampddp.checkpoint import keys
 from ampddp.checkpoint.manifest import complete_folders, config_digest, read_manifest, verify_folder
 from ampddp.config import RunConfig
 from ampddp.errors import CheckpointError
 from ampddp.observe.progress import Progress, finished
 from ampddp.rundir.files import read_summary
-from ampddp.rundir.lock import RunDirLock
+from ampddp.rundir.run_dir import RunDir
 
 logger = logging.getLogger("ampddp.trainer")
 
@@ -38,8 +36,8 @@ def finished_run_summary(config: RunConfig, environ: dict[str, str] | None = Non
     environ = dict(os.environ) if environ is None else environ
     if config.checkpoint.resume != "auto" or config.checkpoint.resume_from or any(name in environ for name in LAUNCHER_VARIABLES):
         return None
-    run_dir = Path(config.trainer.run_dir)
-    folders = complete_folders(run_dir / keys.CHECKPOINTS_DIR)
+    run_dir = RunDir(config.trainer.run_dir, "trainer.run_dir")
+    folders = complete_folders(run_dir.checkpoints)
     if not folders:
         return None
     folder = folders[-1][1]
@@ -50,12 +48,12 @@ def finished_run_summary(config: RunConfig, environ: dict[str, str] | None = Non
     progress = _finished_progress(manifest.run, config)
     if progress is None or not manifest.verifiable or manifest.world_size != config.distributed.nproc_per_node:
         return None
-    with RunDirLock(run_dir):
+    with run_dir.lock():
         try:
             verify_folder(folder, manifest)
         except CheckpointError:
             return None
-        summary = read_summary(run_dir)
+        summary = read_summary(run_dir.path)
     if summary.get("steps") != progress.global_step:
         return None  # its summary was not written whole: the full start rebuilds it (and the plots)
     logger.info("already complete at step %d (epoch %d): nothing to train (%s verified)", progress.global_step, progress.epoch, folder)

@@ -11,6 +11,7 @@ from ampddp.checkpoint.store import CheckpointStore, check_keep_last
 from ampddp.choices import CHECKPOINT_LAYOUTS
 from ampddp.errors import ConfigError, choice_error
 from ampddp.rundir.paths import expand_path, refuse_tilde_folder
+from ampddp.rundir.run_dir import RunDir
 from ampddp.training.checkpointer import RESUME_CHOICES, check_resume_choice
 
 
@@ -53,6 +54,13 @@ class CheckpointSettings:
         if self.config is not None and not isinstance(self.config, Mapping):
             raise ConfigError(f"config must be a dict of the run's settings, got {type(self.config).__name__}")
 
-    def store(self) -> CheckpointStore | None:
-        """The run's checkpoint store (None without a run_dir)."""
-        return None if self.run_dir is None else CheckpointStore(self.run_dir, self.keep_last)
+    def place(self) -> RunDir | None:
+        """The run dir as one value (None without a run_dir): made once per run and handed to the
+        store and the observer."""
+        return None if self.run_dir is None else RunDir(self.run_dir)
+
+    def store(self, place: RunDir | None = None) -> CheckpointStore | None:
+        """The run's checkpoint store in ``place`` (default: a new value of run_dir; None without one)."""
+        if place is None and self.run_dir is None:
+            return None
+        return CheckpointStore(place if place is not None else self.run_dir, self.keep_last)

@@ -46,3 +46,28 @@ def test_a_run_whose_dir_is_moved_mid_run_stops_with_one_line_and_nothing_recrea
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("ampddp train: error:")]
     assert len(errors) == 1 and "the run dir was removed during the run" in errors[0]
     assert not run_dir.exists() and (moved / "metrics.jsonl").is_file()
+
+
+def test_one_run_dir_value_is_shared_by_the_store_and_the_observer(tmp_path):
+    """The Trainer makes the run dir once: the checkpoint store and the observer hold the same
+    ``RunDir``, so a move noticed by either is noticed by both (one record of the starting folder)."""
+    import torch
+    from helpers import make_mlp
+
+    from ampddp import CheckpointSettings, Trainer
+    from ampddp.rundir.run_dir import RunDir
+    from ampddp.training.callbacks import ObserverCallback
+
+    data = torch.utils.data.TensorDataset(torch.randn(8, 16), torch.randint(0, 4, (8,)))
+    trainer = Trainer(make_mlp(), lambda p: torch.optim.SGD(p, lr=0.1), data, precision="O0", batch_size=4, max_steps=1,
+                      checkpoints=CheckpointSettings(tmp_path / "run"))  # fmt: skip
+    observer = next(part.observer for part in trainer.callbacks.callbacks if isinstance(part, ObserverCallback))
+    place = trainer.checkpointer.store.run_dir
+    assert isinstance(place, RunDir) and observer.place is place
+    assert (place.checkpoints, place.metrics, place.summary) == (tmp_path / "run" / "checkpoints", tmp_path / "run" / "metrics.jsonl",
+                                                                 tmp_path / "run" / "summary.json")  # fmt: skip
+    assert not (tmp_path / "run").exists()  # made, not written: nothing exists before the first write
+    trainer.fit()
+    (tmp_path / "run").rename(tmp_path / "moved")
+    with pytest.raises(RunIOError, match="was removed during the run"):
+        trainer.checkpointer.store.run_dir.check()

@@ -18,6 +18,7 @@ import torch
 import ampddp.recipe.build
 import ampddp.recipe.checks
 import ampddp.recipe.run
+import ampddp.rundir.run_dir
 from ampddp.checkpoint import keys
 from ampddp.cli import EXIT_BROKEN_PIPE, EXIT_NONFINITE, main
 from ampddp.distributed.env import DistEnv
@@ -25,6 +26,7 @@ from ampddp.errors import NonFiniteGradientsError
 from ampddp.observe.progress import Progress
 from ampddp.precision.modes import build_engine
 from ampddp.recipe.reading import load_config, parse_overrides
+from ampddp.rundir.run_dir import RunDir
 from ampddp.zoo.models import build_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -194,7 +196,7 @@ def test_unwritable_run_dir_is_refused_and_the_folders_made_for_the_check_are_re
     def fail(directory):
         raise error
 
-    monkeypatch.setattr(ampddp.recipe.checks, "_write_probe", fail)
+    monkeypatch.setattr(ampddp.rundir.run_dir, "_write_probe", fail)
     line = refused(capsys, tmp_path / "new" / "run")
     assert f"trainer.run_dir={tmp_path / 'new' / 'run'} is not writable ({reason}" in line
     assert not any(tmp_path.iterdir())
@@ -214,7 +216,7 @@ def test_read_only_run_dir_for_real(tmp_path, capsys):
 def test_the_write_probe_leaves_nothing_in_an_existing_run_dir(tmp_path, capsys):
     (tmp_path / "notes.txt").write_text("mine")
     refused(capsys, tmp_path, "data.batch_size=0")
-    ampddp.recipe.checks.check_run_dir(str(tmp_path))
+    RunDir(str(tmp_path)).probe()
     assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
 
 

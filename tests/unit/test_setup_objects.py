@@ -95,7 +95,7 @@ def test_the_library_is_one_import_away():
     [
         ("precision_overrides", "precision=Precision(mode, overrides={...})"),
         ("sync_bn", "parallel=Parallel(sync_bn=...)"),
-        ("run_dir", "checkpoints=CheckpointSettings(run_dir=...)"),
+        ("keep_last", "checkpoints=CheckpointSettings(keep_last=...)"),
         ("resume", "checkpoints=CheckpointSettings(resume=...)"),
         ("observer", "report=Reporting(progress=..., loggers=[...])"),
     ],
@@ -105,3 +105,25 @@ def test_the_trainers_former_arguments_say_where_they_went(argument, where):
     expected = f"Trainer no longer takes {argument}: each is now part of an object ({argument} -> {where})"
     with pytest.raises(ConfigError, match=re.escape(expected)):
         Trainer(nn.Linear(4, 2), lambda p: torch.optim.SGD(p, lr=0.1), dataset, **{argument: {"loss_scale": 1.0}})
+
+
+def test_the_run_dir_is_given_once_as_a_path_or_a_run_dir_value(tmp_path):
+    from ampddp import CheckpointSettings
+    from ampddp.rundir.run_dir import RunDir
+
+    dataset = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.zeros(8, dtype=torch.long))
+
+    def trainer(**kwargs):
+        return Trainer(nn.Linear(4, 2), lambda p: torch.optim.SGD(p, lr=0.1), dataset, precision="O0", batch_size=4, max_steps=1,
+                       report=None, **kwargs)  # fmt: skip
+
+    place = RunDir(tmp_path / "a")
+    assert trainer(run_dir=place).checkpointer.store.run_dir is place  # a RunDir made elsewhere is shared, not copied
+    older = trainer(checkpoints=CheckpointSettings(tmp_path / "b")).checkpointer.store  # the older spelling
+    assert older.root == tmp_path / "b" / "checkpoints"
+    assert trainer(run_dir=tmp_path / "c", checkpoints=CheckpointSettings(tmp_path / "c", keep_last=1)).checkpointer.store.keep_last == 1
+    with pytest.raises(ConfigError, match=r"name two run dirs; give it once, as Trainer\(run_dir=...\)"):
+        trainer(run_dir=tmp_path / "c", checkpoints=CheckpointSettings(tmp_path / "d"))
+    with pytest.raises(ConfigError, match=r"run_dir=3 is not valid; valid: a path, a RunDir or None"):
+        trainer(run_dir=3)
+    assert trainer().checkpointer.store is None and not any(tmp_path.iterdir())
