@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -74,10 +75,17 @@ class TrackedRuns:
         return dict(self.ids)
 
     def load_state_dict(self, state: Any) -> None:
-        if not isinstance(state, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in state.items()):
-            raise ConfigError(f"tracked runs must be a dict of logger name -> run id (strings), got {state!r}")
-        self.ids = dict(state)
+        """The saved ids whose form a tracker can take (a checkpoint is untrusted bytes); any other is
+        dropped with a warning, and its tracker starts a fresh run."""
+        entries = state.items() if isinstance(state, Mapping) else []
+        kept = {name: run_id for name, run_id in entries if isinstance(name, str) and isinstance(run_id, str) and RUN_ID.fullmatch(run_id)}
+        if len(kept) != len(entries) or not isinstance(state, Mapping):
+            logger.warning("the checkpoint's tracked-run ids are malformed (%s); those trackers start fresh runs", ascii(state)[:200])
+        self.ids = kept
 
+
+RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+"""The form of a tracked-run id a checkpoint may hand a tracker (W&B's and MLflow's ids are of it)."""
 
 FILE_ONLY_RECORDS = ("start", "fp8_layers")
 """Records metrics.jsonl keeps that are no time series for the loggers: where a run starts, and what
@@ -159,8 +167,13 @@ class RunObserver:
         for sink in self._loggers:
             try:
                 run_id = sink.start(self.run_dir, self._config, self.tracked_runs.ids.get(sink.name), step)
-            except BaseException:
+            except Exception as error:  # a broken store or a refused id: the run's own files keep everything
                 _close_quietly(sink, failed=True)  # what it opened before failing (an MLflow run) is not left running
+                logger.warning("logger %s could not start (%s: %s); the run goes on without it", sink.name, type(error).__name__,
+                               str(error)[:300])  # fmt: skip
+                continue
+            except BaseException:
+                _close_quietly(sink, failed=True)
                 raise
             self._started_loggers.append(sink)
             if run_id is not None:
