@@ -44,9 +44,11 @@ from ampddp.zoo.data import find_classes
 DATASET_CLASSES = {"digits": 10, "cifar10": 10}
 
 
-def build_run(config: RunConfig, env: DistEnv, stop_signals: tuple[str, ...] | StopSignals = DEFAULT_STOP_SIGNALS) -> Trainer:
+def build_run(config: RunConfig, env: DistEnv, stop_signals: tuple[str, ...] | StopSignals = DEFAULT_STOP_SIGNALS,
+              run_dir: RunDir | None = None) -> Trainer:  # fmt: skip
     """The run ``config`` describes on ``env``, built and checked, ready to ``fit``; the checkpoint it
-    resumes from (if any) read and checked against it, nothing changed or written yet."""
+    resumes from (if any) read and checked against it, nothing changed or written yet. ``run_dir``:
+    trainer.run_dir as the value the caller probes and locks (made here when None)."""
     data, trainer_cfg = config.data, config.trainer
     train_set, eval_set = build_datasets_from(config, augment=data.augment)
     model = checked_model(config)
@@ -62,7 +64,7 @@ def build_run(config: RunConfig, env: DistEnv, stop_signals: tuple[str, ...] | S
         model, optimizer_factory(config), train_set, eval_set=eval_set, env=env,
         precision=precision_from(config), parallel=parallel_from(config), compile=model_compiler(config),
         loading=loader_settings(config), device=device_settings(config), make_scheduler=scheduler_factory(config, epoch_steps),
-        run_dir=RunDir(config.trainer.run_dir, "trainer.run_dir"), report=reporting_from(config),
+        run_dir=run_dir or RunDir(config.trainer.run_dir, "trainer.run_dir"), report=reporting_from(config),
         checkpoints=dataclasses.replace(checkpoint_settings(config), run_dir=None, init_from=None),
         stop_signals=stop_signals, loop=loop,
     )  # fmt: skip

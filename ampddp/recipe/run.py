@@ -40,10 +40,11 @@ def train(config: RunConfig, env: DistEnv, early: EarlySignals | None = None, *,
     printed once the run dir is claimed: a run refused on the way says only its error.
     """
     with StopSignals(config.trainer.stop_signals, early=early) as stop, rank_console(env):
+        place = RunDir(config.trainer.run_dir, "trainer.run_dir")  # one value: the run writes, probes and locks it
         with notes_held_until_done():
-            trainer = build_run(config, env, stop)
+            trainer = build_run(config, env, stop, place)
             if claim is not None:
-                claim.enter_context(claimed_run_dir(config.trainer.run_dir, env))
+                claim.enter_context(claimed_run_dir(place, env))
         with PeerWatch(env) as watch, watch.guard():
             return trainer.fit()["summary"]
 
@@ -65,7 +66,10 @@ def launch(config: RunConfig, early: EarlySignals | None = None) -> dict[str, An
     dist_cfg = config.distributed
     env = detect_env(device=dist_cfg.device, backend=process_group_backend(config), timeout_s=dist_cfg.timeout_s)
     if dist_cfg.nproc_per_node > 1 and env.launcher == "none":
-        with claimed_run_dir(config.trainer.run_dir, env), StopSignals(config.trainer.stop_signals, early=early) as stop:
+        with (
+            claimed_run_dir(RunDir(config.trainer.run_dir, "trainer.run_dir"), env),
+            StopSignals(config.trainer.stop_signals, early=early) as stop,
+        ):
             results = launch_local(
                 _spawned, dist_cfg.nproc_per_node, (config,), device=dist_cfg.device, backend=process_group_backend(config),
                 timeout_s=dist_cfg.timeout_s, forward_signals=stop,
@@ -88,7 +92,7 @@ def _joined(config: RunConfig) -> Iterator[DistEnv]:
 
 
 @contextlib.contextmanager
-def claimed_run_dir(run_dir: str, env: DistEnv) -> Iterator[None]:
+def claimed_run_dir(run_dir: RunDir, env: DistEnv) -> Iterator[None]:
     """``run_dir`` probed for writing on every rank and locked by rank 0 (one writer per run_dir)
     until leaving, on every path.
 
@@ -100,11 +104,10 @@ def claimed_run_dir(run_dir: str, env: DistEnv) -> Iterator[None]:
         refusal: BaseException | None = None
         doing = "write into the run_dir"
         try:
-            place = RunDir(run_dir, "trainer.run_dir")
-            place.probe()
+            run_dir.probe()
             if env.is_main:
                 doing = "take the run_dir lock"
-                held.enter_context(place.lock())
+                held.enter_context(run_dir.lock())
         except BaseException as error:  # any failure: the other ranks must hear of it, not wait
             refusal = error
         said = gather_objects(None if refusal is None else (doing, str(refusal) or type(refusal).__name__), env)

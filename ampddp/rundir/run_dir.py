@@ -1,9 +1,9 @@
 """``RunDir``: a run's directory as one value, made once and handed to every part that writes there.
 
-It knows the run's files (checkpoints/, abandoned/, metrics.jsonl, summary.json, the plots, a
-logger's folder, the lock), probes the directory for writing before a run claims it, takes the lock,
-and remembers which folder the run started in: the checkpoint store and the observer share one
-``RunDir``, so one record notices the folder being moved or removed mid-run. Torch-free.
+It knows where the run's own files go (checkpoints/, abandoned/, metrics.jsonl, summary.json),
+probes the directory for writing before a run claims it, takes the lock, and remembers which folder
+the run started in: the checkpoint store and the observer share one ``RunDir``, so one record
+notices the folder being moved or removed mid-run. Torch-free.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import os
 from pathlib import Path
 
 from ampddp.errors import ConfigError
-from ampddp.rundir.files import METRICS_FILE, PLOT_FILES, SUMMARY_FILE, RunDirIdentity
-from ampddp.rundir.lock import LOCK_FILE, RunDirLock
+from ampddp.rundir.files import METRICS_FILE, SUMMARY_FILE, RunDirIdentity
+from ampddp.rundir.lock import RunDirLock
 from ampddp.rundir.paths import refuse_tilde_folder
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -58,18 +58,6 @@ class RunDir:
     @property
     def summary(self) -> Path:
         return self.path / SUMMARY_FILE
-
-    @property
-    def plots(self) -> tuple[Path, ...]:
-        return tuple(self.path / name for name in PLOT_FILES)
-
-    @property
-    def lock_file(self) -> Path:
-        return self.path / LOCK_FILE
-
-    def folder(self, name: str) -> Path:
-        """A logger's own folder (``tensorboard``, ``csv``, ``wandb``)."""
-        return self.path / name
 
     def check(self) -> None:
         """Before each write: the first records the folder (creating it); later ones raise RunIOError
