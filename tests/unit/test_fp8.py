@@ -175,15 +175,20 @@ def largest_gap(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
+FP8_STEPS = 8
+"""Steps each recipe trains against O4: torch's CPU fp8 matmuls are slow reference kernels on some CPUs
+(Intel with AMX: 2.6 s a step of this GPT, where O4 takes 0.04 s)."""
+
+
 def test_o6_runs_the_eligible_matmuls_in_fp8_and_follows_o4():
-    # Measured over these 50 steps: 0.1% (rowwise) and 0.15% (tensorwise) at most from O4's losses.
-    reference, none = gpt_losses("O4")
+    # Measured over these 8 steps: 0.11% (rowwise) and 0.05% (tensorwise) at most from O4's losses.
+    reference, none = gpt_losses("O4", steps=FP8_STEPS)
     assert none == 0
     for recipe in ("rowwise", "tensorwise"):
-        losses, fp8 = gpt_losses("O6", {"fp8_min_size": 16, "fp8_recipe": recipe})
+        losses, fp8 = gpt_losses("O6", {"fp8_min_size": 16, "fp8_recipe": recipe}, steps=FP8_STEPS)
         assert fp8 == 7, f"{recipe}: {fp8} matmuls in fp8 (2 blocks x 4 linear layers, less the first one)"
         assert largest_gap(losses, reference) <= 1e-2, (recipe, largest_gap(losses, reference))
-        assert losses[-1] < losses[0] - 2.0
+        assert losses[-1] < losses[0] - 1.5
 
 
 def test_o6_compiles_with_its_fp8_matmuls_in_the_graphs_and_trains_as_eager():
