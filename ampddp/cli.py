@@ -23,8 +23,9 @@ from ampddp.errors import (
     PeerFailureError,
     RunIOError,
     UnsupportedTorchError,
+    escape_controls,
 )
-from ampddp.preemption import EXIT_PREEMPTED, EarlySignals
+from ampddp.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, EarlySignals, StopRequested
 
 EXIT_USAGE = 2
 """A bad recipe, setting, path or checkpoint, or a torch older than ampddp supports (refused before anything was
@@ -58,13 +59,12 @@ def _export(args: argparse.Namespace, early: EarlySignals) -> int:
 
 
 def _train(args: argparse.Namespace, early: EarlySignals) -> int:
-    import logging
-
     from ampddp.choices import LOG_LEVEL_VARIABLE
+    from ampddp.observe.command_console import set_up_command_console
     from ampddp.recipe.reading import load_config
     from ampddp.rundir.finished import finished_run_summary
 
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    set_up_command_console(args.verbose)
     if args.verbose:
         os.environ[LOG_LEVEL_VARIABLE] = "DEBUG"  # inherited by the ranks this command starts
     config = load_config(args.recipe, args.overrides)
@@ -79,7 +79,9 @@ def _train(args: argparse.Namespace, early: EarlySignals) -> int:
         prints = detect_env(device="cpu").is_main  # under a launcher every rank returns it; one prints
     if prints:
         print(json.dumps(summary, indent=2))
-    return EXIT_PREEMPTED if summary.get("preempted") else 0
+    if not summary.get("preempted"):
+        return 0
+    return EXIT_INTERRUPTED if summary["preempted"] == "SIGINT" else EXIT_PREEMPTED
 
 
 def _version() -> str:
@@ -107,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("recipe", help="recipe YAML file (see recipes/)")
     train.add_argument("overrides", nargs="*", metavar="section.key=value", help="e.g. precision.mode=O2 trainer.max_steps=100")
-    train.add_argument("--verbose", action="store_true", help="also ampddp's debug records (every precision setting, ...)")
+    train.add_argument("--verbose", action="store_true", help="also debug records and other libraries' notes")
     train.set_defaults(handler=_train)
     inspect = commands.add_parser(
         "inspect",
@@ -132,7 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _one_line(error: BaseException) -> str:
-    return " ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
+    """The error's message on one line, its control characters escaped (a key or path with ESC in it
+    must not drive the user's terminal)."""
+    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
+    return escape_controls(text)
 
 
 def _silence_stdout() -> None:
@@ -169,19 +174,29 @@ def _run(args: argparse.Namespace, early: EarlySignals) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; its exit status: 0, EXIT_USAGE, EXIT_NONFINITE, EXIT_PEER_FAILURE, EXIT_IO,
-    EXIT_PREEMPTED or EXIT_BROKEN_PIPE.
+    EXIT_PREEMPTED, EXIT_INTERRUPTED or EXIT_BROKEN_PIPE.
 
-    Stop signals are held from the first line, before torch and the recipe load: ``train`` hands
-    those the recipe names to the run (one already received stops it at its first step).
+    Stop signals are caught from the first line, before torch and the recipe load: one that arrives
+    before training begins ends the command at once (nothing new to save), with one line and its
+    status; ``train`` hands those the recipe names to the run, where they checkpoint and stop.
     """
     with EarlySignals() as early:
+        command = "ampddp"
         try:
-            code = _run(build_parser().parse_args(argv), early)
+            args = build_parser().parse_args(argv)
+            command = f"ampddp {args.command}"
+            code = _run(args, early)
             sys.stdout.flush()  # a closed pipe fails here, not in the interpreter's exit-time flush
             return code
         except BrokenPipeError:
             _silence_stdout()
             return EXIT_BROKEN_PIPE
+        except StopRequested as error:  # a stop signal where there was nothing (more) to save
+            print(f"{command}: {_one_line(error)}", file=sys.stderr)
+            return error.exit_code
+        except KeyboardInterrupt:  # Ctrl-C where no stop signal was configured for it
+            print(f"{command}: interrupted (SIGINT)", file=sys.stderr)
+            return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from ampddp.choices import (
     STRATEGIES,
     SYNC_BN_CHOICES,
 )
+from ampddp.preemption import DEFAULT_STOP_SIGNALS
 
 IMPORT_PATH_FORM = "package.module:function"
 """How a recipe names a user's function: the module to import, a colon, the callable in it."""
@@ -222,8 +223,9 @@ class TrainerConfig:
     """The same as listing tensorboard in observe.loggers."""
     max_nonfinite_losses: int = field(default=10, metadata=_at_least(1))
     """Consecutive non-finite losses after which training stops with an error."""
-    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
-    """Signals that make every rank finish its step, checkpoint, and exit with status 75."""
+    stop_signals: list[str] = field(default_factory=lambda: list(DEFAULT_STOP_SIGNALS))
+    """Signals that make every rank finish its step, checkpoint, and exit with status 75 (130 for SIGINT);
+    before training begins they end the run at once."""
     compile: bool | str = field(default=False, metadata=_choices(*COMPILE_CHOICES))
     """torch.compile the model after the precision set-up: false, true (mode default) or a torch.compile mode.
     The first step pays the compile time; checkpoints are the same as eager ones."""
@@ -248,7 +250,8 @@ class CheckpointConfig:
     resume_from: str | None = field(default=None, metadata=PATH_SETTING)
     """A checkpoint folder or run dir to resume from instead (overrides resume)."""
     init_from: str | None = field(default=None, metadata=PATH_SETTING)
-    """Weights to start from: an ampddp checkpoint, an apex-era dict or a plain state dict file."""
+    """Weights to start from: an ampddp checkpoint (a file, a step folder or a run dir: its newest checkpoint
+    that verifies), an apex-era dict or a plain state dict file."""
     allow_changes: bool = False
     """Resume even when the model, data set, split (eval_fraction, seed) or image size changed."""
     layout: str = field(default="auto", metadata=_choices(*CHECKPOINT_LAYOUTS))

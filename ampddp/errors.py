@@ -7,7 +7,16 @@ the message alone, without reading ampddp's source.
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Callable, Iterable, Sequence
+
+_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def escape_controls(text: str) -> str:
+    """``text`` with control characters (and bidirectional overrides) written as escapes: an echoed
+    key, value or path with ``\\x1b`` in it must not drive the terminal that shows the error."""
+    return _CONTROLS.sub(lambda found: f"\\x{ord(found[0]):02x}" if ord(found[0]) < 256 else f"\\u{ord(found[0]):04x}", text)
 
 
 class ConfigError(ValueError):

@@ -1,32 +1,66 @@
-"""Stop cleanly when the cluster asks: finish the step, checkpoint, exit with a code that says so.
+"""Stop cleanly when the cluster (or the user) asks: finish the step, checkpoint, exit with a code that says so.
 
 Schedulers announce preemption with SIGTERM (Kubernetes, most batch systems) or a chosen signal
-before the time limit (SLURM ``--signal=USR1@120``). While ``StopSignals`` is active, those signals
-only set a flag; the trainer shares it with the other ranks in the all-reduce it makes at every
-optimizer step anyway, so all ranks stop after the same step, save a checkpoint and return. A second signal during the save changes nothing.
+before the time limit (SLURM ``--signal=USR1@120``); a user at a terminal presses Ctrl-C (SIGINT).
+While ``StopSignals`` is active and training has begun, those signals only set a flag; the trainer
+shares it with the other ranks in the all-reduce it makes at every optimizer step anyway, so all
+ranks stop after the same step, save a checkpoint and return. A second SIGTERM during the save
+changes nothing; a second Ctrl-C stops at once.
 
-``EarlySignals`` covers the seconds before that: the command line installs it before importing
-torch or reading the recipe, and the ``StopSignals`` of the run takes over what it caught. This
-module imports nothing heavy, so that it can be first.
+Before training begins there is nothing new to save, so a signal ends the command at once:
+``EarlySignals`` covers the command's first line to the recipe (parsing, checks), the run's
+``StopSignals`` the set-up. This module imports nothing heavy, so that it can be first.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from types import FrameType
 from typing import Any
 
 from ampddp.errors import ConfigError
 
+logger = logging.getLogger("ampddp.trainer")
+
 EXIT_PREEMPTED = 75
 """Exit status of ``ampddp train`` after a signal-triggered checkpoint-and-stop (EX_TEMPFAIL: retry)."""
-DEFAULT_STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
-EARLY_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2")
-"""What ``EarlySignals`` holds until the recipe is read: the signals a recipe may configure to stop a run
-(SIGINT stays Python's KeyboardInterrupt until then)."""
+EXIT_INTERRUPTED = 130
+"""Exit status after Ctrl-C (SIGINT), with or without a checkpoint: 128 + SIGINT, as a shell reports it."""
+DEFAULT_STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
+EARLY_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+"""What ``EarlySignals`` catches until the recipe is read: the signals a recipe may configure to stop a run."""
+
+
+class StopRequested(BaseException):
+    """A stop signal before training began, or a second Ctrl-C: the command ends at once (nothing new
+    to save, or the user asked not to wait for it). A ``BaseException``, as ``KeyboardInterrupt`` is:
+    it is raised wherever the signal lands, and an ``except Exception`` there must not swallow it."""
+
+    exit_code = EXIT_PREEMPTED
+
+
+class Interrupted(StopRequested, KeyboardInterrupt):
+    """``StopRequested`` by SIGINT (Ctrl-C); a ``KeyboardInterrupt`` too, for code (a notebook, a
+    script's own ``except KeyboardInterrupt``) that expects Ctrl-C as one."""
+
+    exit_code = EXIT_INTERRUPTED
+
+
+def stopped_at_once(sig: signal.Signals, why: str) -> StopRequested:
+    """The exception a signal ``sig`` raises to end the command now; ``why``: what is kept."""
+    kind = Interrupted if sig == signal.SIGINT else StopRequested
+    return kind(f"stopped by {sig.name} {why}")
+
+
+SAME_PRESS_S = 1.0
+"""A SIGINT this soon after the first is the same Ctrl-C arriving twice (a terminal sends it to every
+process of the job, and a launching process forwards it too), not a second press."""
+BEFORE_TRAINING = "before training began: nothing new to save; the same command starts (or resumes) the run again"
 
 
 def _lookup(name: str) -> signal.Signals | None:
@@ -66,52 +100,54 @@ def blocked_signals(signals: Iterable[signal.Signals]) -> Iterator[None]:
 
 
 class EarlySignals:
-    """Context manager holding SIGTERM, SIGUSR1 and SIGUSR2 from a command's first line until the recipe says which stop the run.
+    """Context manager ending the command at once on SIGTERM, SIGINT, SIGUSR1 or SIGUSR2, from its
+    first line until the recipe says which signals stop the run.
 
-    It only records what arrives. ``StopSignals(..., early=this)`` takes over the signals it
-    configures, keeping one that already arrived; ``release`` (and leaving the block) gives every
-    other signal its previous disposition back and delivers it again if it arrived, so the process
-    then acts as if it had never been caught.
+    The handler raises ``StopRequested`` (``Interrupted`` for SIGINT), so a signal ends recipe
+    parsing, the start-up checks or a blocking open at once, with exit status 75 (130), where the
+    default disposition would kill without a word and Ctrl-C would print a traceback.
+    ``StopSignals(..., early=this)`` takes over the signals it configures; ``release`` (and leaving
+    the block) gives every other signal its previous disposition back.
     """
 
     def __init__(self) -> None:
         self._previous: dict[signal.Signals, Any] = {}
-        self.received: list[signal.Signals] = []
 
-    def _record(self, signum: int, frame: FrameType | None) -> None:
-        if signum not in self.received:
-            self.received.append(signal.Signals(signum))
+    def _stop(self, signum: int, frame: FrameType | None) -> None:
+        raise stopped_at_once(signal.Signals(signum), BEFORE_TRAINING)
 
     def __enter__(self) -> EarlySignals:
         if _in_main_thread():
             for sig in filter(None, map(_lookup, EARLY_SIGNALS)):
-                self._previous[sig] = signal.signal(sig, self._record)
+                self._previous[sig] = signal.signal(sig, self._stop)
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
         self.release()
 
-    def take(self, sig: signal.Signals) -> tuple[Any, bool] | None:
-        """Stop holding ``sig`` for a new handler: its previous disposition and whether it arrived; None if not held."""
-        if sig not in self._previous:
-            return None
-        return self._previous.pop(sig), sig in self.received
+    def take(self, sig: signal.Signals) -> Any:
+        """Stop catching ``sig`` for a new handler: its previous disposition; None if not caught here."""
+        return self._previous.pop(sig, None)
 
     def release(self, keep: Iterable[str] = ()) -> None:
-        """Give back every held signal not named in ``keep``; one that already arrived is raised again."""
+        """Give back every caught signal not named in ``keep``."""
         kept = {_lookup(name) for name in keep}
         for sig in [sig for sig in self._previous if sig not in kept]:
             signal.signal(sig, self._previous.pop(sig))
-            if sig in self.received:
-                signal.raise_signal(sig)
 
 
 class StopSignals:
     """Context manager turning the given signals into a stop request (main thread only).
 
-    With ``early``, it takes those signals over from an ``EarlySignals`` (one already caught counts
-    as received) and releases the rest. It unblocks them too: ``launch_local`` starts its workers with
-    the forwarded signals blocked, so that one forwarded before a worker is ready waits for this handler.
+    Until ``begin_training`` a signal ends the process at once (``StopRequested``: there is nothing
+    new to save, and a set-up that builds a large model or reads a large data set would otherwise
+    outlast a scheduler's grace period); from then on it sets ``received``, and the training loop
+    checkpoints after the step and stops. A second SIGINT (``SAME_PRESS_S`` or more later) does not wait: it raises ``Interrupted``
+    at once (a save it interrupts is abandoned atomically, the newest complete checkpoint stays).
+
+    With ``early``, it takes those signals over from an ``EarlySignals``. It unblocks them too:
+    ``launch_local`` starts its workers with the forwarded signals blocked, so that one forwarded
+    before a worker is ready waits for this handler.
     """
 
     def __init__(self, names: tuple[str, ...] | list[str] = DEFAULT_STOP_SIGNALS, early: EarlySignals | None = None) -> None:
@@ -119,33 +155,45 @@ class StopSignals:
         self._early = early
         self._previous: dict[signal.Signals, Any] = {}
         self._mask: set[signal.Signals] | None = None
+        self._training = False
+        self._first_at = 0.0
         self.received: str | None = None
 
+    def begin_training(self) -> None:
+        """From now on a signal asks for a checkpoint-and-stop after the current step."""
+        self._training = True
+
+    def asked(self) -> bool:
+        """Whether a stop signal arrived (training stops after the step it is in)."""
+        return self.received is not None
+
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        sig = signal.Signals(signum)
+        if not self._training:
+            raise stopped_at_once(sig, BEFORE_TRAINING)
         if self.received is None:
-            self.received = signal.Signals(signum).name
+            self.received, self._first_at = sig.name, time.monotonic()
+            if sig == signal.SIGINT:
+                logger.warning("SIGINT: stopping after this step with a checkpoint; press Ctrl-C again to stop at once without it")
+        elif sig == signal.SIGINT and time.monotonic() - self._first_at >= SAME_PRESS_S:
+            raise stopped_at_once(sig, "again: stopped at once; the newest complete checkpoint is kept, the same command resumes from it")
 
     def __enter__(self) -> StopSignals:
         if not _in_main_thread():
             return self
-        for sig in self.signals:
-            self._previous[sig] = signal.signal(sig, self._handle)
-        if hasattr(signal, "pthread_sigmask"):
-            self._mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, self.signals)
-        if self._early is not None:
-            self._take_over(self._early)
+        try:
+            for sig in self.signals:
+                previous = signal.signal(sig, self._handle)
+                held = self._early.take(sig) if self._early is not None else None
+                self._previous[sig] = previous if held is None else held
+            if self._early is not None:
+                self._early.release()
+            if hasattr(signal, "pthread_sigmask"):
+                self._mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, self.signals)  # a pending one is handled here
+        except BaseException:
+            self.__exit__()
+            raise
         return self
-
-    def _take_over(self, early: EarlySignals) -> None:
-        arrived_early = []
-        for sig in self.signals:
-            held = early.take(sig)
-            if held is not None:
-                self._previous[sig], arrived = held
-                arrived_early += [sig] if arrived else []
-        if arrived_early:  # they came before any signal this handler saw
-            self.received = min(arrived_early, key=early.received.index).name
-        early.release()
 
     def __exit__(self, *exc_info: Any) -> None:
         # The mask first: a spawned worker started with these signals blocked gets them blocked

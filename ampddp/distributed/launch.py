@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 from ampddp.distributed.env import DEFAULT_TIMEOUT_S, setup_distributed, shutdown_distributed
 from ampddp.errors import AmpUsageError, CheckpointError, ConfigError, NonFiniteGradientsError, PeerFailureError
-from ampddp.preemption import StopSignals, blocked_signals, parse_signals
+from ampddp.preemption import StopRequested, StopSignals, blocked_signals, parse_signals
 
 logger = logging.getLogger("ampddp.distributed")
 THREADS_ENV = "OMP_NUM_THREADS"
@@ -38,7 +38,7 @@ class RankExitedError(LaunchError, PeerFailureError):
     left, and for the CLI's exit status, another rank died."""
 
 
-USER_FACING_ERRORS = (ConfigError, CheckpointError, NonFiniteGradientsError, AmpUsageError, PeerFailureError)
+USER_FACING_ERRORS = (ConfigError, CheckpointError, NonFiniteGradientsError, AmpUsageError, PeerFailureError, StopRequested)
 """Errors re-raised in the launching process with their own type (one line and exit status in the CLI)."""
 
 
@@ -101,8 +101,7 @@ def launch_local(
     Signals named in ``forward_signals`` that reach this process are passed on to every worker. The
     workers start with them blocked, so one forwarded while a worker still imports waits (pending)
     until its ``StopSignals`` unblocks it instead of killing it; ``fn`` should enter one for them.
-    Given the parent's active ``StopSignals``, one that it received before the workers existed is
-    forwarded once they do.
+    Given the parent's active ``StopSignals``, a signal before the workers exist ends the launch at once.
     """
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ConfigError(f"nprocs={nprocs!r} is not valid; it must be an integer >= 1")
@@ -131,8 +130,6 @@ def launch_local(
             for process in processes:
                 process.start()
             forwarded = {sig: signal.signal(sig, forward) for sig in signals}
-        if stop is not None and stop.received:  # came before the workers existed
-            forward(signal.Signals[stop.received], None)
         return _collect(processes, results, nprocs, job_timeout_s)
     finally:
         for sig, previous in forwarded.items():

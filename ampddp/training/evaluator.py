@@ -22,6 +22,10 @@ RESERVED_NAMES = ("loss", "samples", "kind", "step", "epoch")
 """Names an evaluation record already uses: a metric may not take them."""
 
 
+class EvaluationStopped(Exception):
+    """A stop signal reached a rank during an evaluation: every rank left it at the same batch."""
+
+
 class Evaluator:
     """The loss (``loss_fn``, as in training) and ``metrics`` over ``eval_set``, averaged per sample.
 
@@ -41,12 +45,15 @@ class Evaluator:
         self._sampler: Sampler[int] | None = None
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, forward_context: Callable[[], AbstractContextManager[Any]]) -> dict[str, float]:
+    def evaluate(self, model: nn.Module, forward_context: Callable[[], AbstractContextManager[Any]],
+                 stop: Callable[[], bool] | None = None) -> dict[str, float]:  # fmt: skip
+        """The means over the split. ``stop``: whether a stop signal arrived; before each batch the
+        ranks agree on it and, when any rank has one, all raise ``EvaluationStopped`` together."""
         rng = capture_rng()
         modes = [(module, module.training) for module in model.modules()]  # a frozen (eval-mode) part stays frozen
         model.eval()
         try:
-            sums, seen = self._sums(model, forward_context)
+            sums, seen = self._sums(model, forward_context, stop)
         finally:
             for module, training in modes:
                 module.training = training
@@ -56,43 +63,63 @@ class Evaluator:
         count = totals[-1]
         return {**{name: (total / count).item() for name, total in zip(names, totals[:-1])}, "samples": int(count)}
 
-    def _sums(self, model: nn.Module, forward_context: Callable[[], AbstractContextManager[Any]]) -> tuple[dict[str, float], float]:
+    def _sums(self, model: nn.Module, forward_context: Callable[[], AbstractContextManager[Any]],
+              stop: Callable[[], bool] | None) -> tuple[dict[str, float], float]:  # fmt: skip
         if self._loader is None:  # built once; its workers (if any) start and stop with each evaluation
             self._sampler = eval_sampler(self.eval_set, self.env)
             self._loader = self.loading.eval_loader(self.eval_set, self._sampler, self.batch_size)
         sums: dict[str, float] = {}
         seen = 0.0
-        idle_forwards = self._idle_forwards(model, len(self._loader))
+        positions = self._positions(len(self._loader), stop is not None)
         batch = None
         with closing(loader_pass(self._loader)) as batches:  # a failing batch stops the workers here and now
-            for number, batch in enumerate(batches):
-                batch = self.batches.to_device(batch, self.env.device)
-                count = self.batches.count(batch)
-                with forward_context():
-                    outputs = self.batches.forward(model, batch)
-                    try:
-                        values = {"loss": self.loss_fn(outputs, batch).detach().double() * count}
-                    except BadSamplesError as error:
-                        raise error.named(self._samples(number, error.rows)) from error
-                values.update(self._metric_values(outputs, batch))
-                for name, value in values.items():
+            for number in range(positions):
+                if stop is not None and self._stop_agreed(stop()):
+                    raise EvaluationStopped
+                loaded = next(batches, None)
+                if loaded is None:  # this rank's shard is done; the others still gather (FSDP2) or agree on stops
+                    if self.collective_forward:
+                        filler = batch if batch is not None else self.batches.to_device(self._loader.collate_fn([self.eval_set[0]]),
+                                                                                         self.env.device)  # fmt: skip
+                        with forward_context():  # counted nowhere: only to take part in the sharded model's gathers
+                            self.batches.forward(model, filler)
+                    continue
+                batch = self.batches.to_device(loaded, self.env.device)
+                for name, value in self._values(model, forward_context, batch, number).items():
                     sums[name] = sums.get(name, 0.0) + float(value)
-                seen += count
-        if idle_forwards:
-            filler = batch if batch is not None else self.batches.to_device(self._loader.collate_fn([self.eval_set[0]]), self.env.device)
-            for _ in range(idle_forwards):  # counted nowhere: only to take part in the sharded model's gathers
-                with forward_context():
-                    self.batches.forward(model, filler)
+                seen += self.batches.count(batch)
         return sums, seen
 
-    def _idle_forwards(self, model: nn.Module, batches_here: int) -> int:
-        """Forwards this rank runs after its shard so that every rank runs as many where each forward is a
-        collective (a sharded model gathers its params in each, with every rank); the shards of an unpadded split differ."""
-        if not self.env.distributed or not self.collective_forward:
-            return 0
+    def _values(self, model: nn.Module, forward_context: Callable[[], AbstractContextManager[Any]], batch: Any,
+                number: int) -> dict[str, Any]:  # fmt: skip
+        """Loss (times the batch's sample count) and metric sums of batch ``number``."""
+        count = self.batches.count(batch)
+        with forward_context():
+            outputs = self.batches.forward(model, batch)
+            try:
+                values = {"loss": self.loss_fn(outputs, batch).detach().double() * count}
+            except BadSamplesError as error:
+                raise error.named(self._samples(number, error.rows)) from error
+        values.update(self._metric_values(outputs, batch))
+        return values
+
+    def _positions(self, batches_here: int, agreeing: bool) -> int:
+        """How many batch positions this rank goes through: its own batches, or, where each position
+        is a collective (a sharded model gathers its params in every forward; ranks agree on a stop
+        before every batch), the most batches any rank has (the shards of an unpadded split differ)."""
+        if not self.env.distributed or not (self.collective_forward or agreeing):
+            return batches_here
         most = torch.tensor([batches_here], dtype=torch.int64, device=self.env.device)
         dist.all_reduce(most, op=dist.ReduceOp.MAX)
-        return int(most.item()) - batches_here
+        return int(most.item())
+
+    def _stop_agreed(self, local: bool) -> bool:
+        """Whether any rank has a stop signal (one small all-reduce when distributed)."""
+        if not self.env.distributed:
+            return local
+        flag = torch.tensor([float(local)], device=self.env.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item() > 0)
 
     def _samples(self, batch_number: int, rows: tuple[int, ...]) -> str:
         """``rows`` of evaluation batch ``batch_number`` named by their dataset indices."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import signal
 from typing import Any
 
 import torch
@@ -22,13 +23,13 @@ from ampddp.distributed.data import ResumableSampler, gather_objects, sum_across
 from ampddp.errors import BadSamplesError, ConfigError
 from ampddp.observe.progress import Progress, finished
 from ampddp.precision.engine import PrecisionEngine
-from ampddp.preemption import StopSignals
+from ampddp.preemption import StopSignals, stopped_at_once
 from ampddp.prepare import Prepared
 from ampddp.training.batches import BatchAdapter, LossFn
 from ampddp.training.callbacks import Callbacks
 from ampddp.training.checkpointer import Checkpointer, ResumePlan
 from ampddp.training.device import DeviceSettings
-from ampddp.training.evaluator import Evaluator
+from ampddp.training.evaluator import EvaluationStopped, Evaluator
 from ampddp.training.last_batch import check_single_sample_batch, epochs_to_finish
 from ampddp.training.loading import DataLoading, InputTimer, LoaderSettings, name_batch_rows
 from ampddp.training.nonfinite import NonFiniteGuard, blame_inputs, non_finite_rows
@@ -59,6 +60,9 @@ class TrainingLoop:
         self.guard = NonFiniteGuard(settings.max_nonfinite_losses)
         self.last_eval: dict[str, float] = {}
         self._evaluated_step: int | None = None
+        self._stop: StopSignals | None = None
+        """The stop signals while training runs: an evaluation then stops with them."""
+        self._evaluation_stopped = False
 
     @property
     def engine(self) -> PrecisionEngine:
@@ -102,7 +106,10 @@ class TrainingLoop:
         stop = StopSignals(self.stop_signals) if own else self.stop_signals
         with self.device.backend_flags(self.run.env.device):  # the final evaluation too
             with stop if own else contextlib.nullcontext():
-                preempted = self._train_until_done(stop)
+                try:
+                    preempted = self._train_until_done(stop)
+                finally:
+                    self._stop = None
             if not preempted and self.evaluator is not None and self._evaluated_step != self.progress.global_step:
                 self._evaluate_and_report()  # a run that ended without a step (max_steps=0); the last step evaluates itself
         if self.checkpointer.saved_step != self.progress.global_step:
@@ -125,6 +132,8 @@ class TrainingLoop:
         return {"progress": self.progress.state_dict(), "eval": {}, "summary": {**summary, "already_complete": True, "preempted": None}}
 
     def _train_until_done(self, stop: StopSignals) -> str | None:
+        stop.begin_training()  # a signal from here on checkpoints after the step; before, it ended the set-up at once
+        self._stop = stop
         settings = self.settings
         loader = self.loading.train_loader(self.train_set, self.sampler, settings.batch_size)  # once: workers persist
         while not self._finished():
@@ -141,7 +150,7 @@ class TrainingLoop:
                         stop_agreed = self._optimizer_step(window, index + 1 - len(window), ends_epoch=index == last, stop=stop)
                         if self._finished():
                             break  # a stop on the last step: the run ended (evaluated) as it would have anyway
-                        if stop_agreed:
+                        if stop_agreed or self._evaluation_stopped:
                             return stop.received or "a stop signal on another rank"
                         window = []
         return None
@@ -166,10 +175,32 @@ class TrainingLoop:
             self._evaluate_and_report()
 
     def _evaluate_and_report(self) -> None:
-        self.last_eval = self.evaluate()
+        if self.evaluator is None:
+            raise ConfigError("evaluate() needs an eval_set")
+        stop = self._stop
+        try:
+            self.last_eval = self.evaluator.evaluate(self.run.model, self.engine.forward_context, None if stop is None else stop.asked)
+        except EvaluationStopped:
+            self._stop_evaluating(stop)
+            return
         self._evaluated_step = self.progress.global_step
         logger.debug("step %d epoch %d: %s", self.progress.global_step, self.progress.epoch, self.last_eval)
         self.callbacks.on_evaluation(self.progress, self.last_eval)
+
+    def _stop_evaluating(self, stop: StopSignals | None) -> None:
+        """A stop signal cut an evaluation short: training stops after this step, with its checkpoint;
+        the final evaluation instead ends the run at once, keeping the newest checkpoint, which a
+        resume evaluates from (a finished run's checkpoint always follows its final evaluation)."""
+        name = stop.received if stop is not None and stop.received else "SIGTERM"
+        step = self.progress.global_step
+        if self._finished():
+            kept = self.checkpointer.saved_step
+            raise stopped_at_once(signal.Signals[name], (
+                f"during the final evaluation (step {step}): the newest checkpoint (step {kept}) is kept and the same "
+                "command resumes from it and evaluates" if kept is not None else
+                f"during the final evaluation (step {step}), before any checkpoint: the same command trains the run again"))  # fmt: skip
+        logger.warning("evaluation at step %d stopped by %s (not recorded); checkpointing this step and stopping", step, name)
+        self._evaluation_stopped = True
 
     def evaluate(self) -> dict[str, float]:
         """Loss and metrics over the whole eval set, every sample counted exactly once."""
@@ -276,7 +307,7 @@ class TrainingLoop:
             self._end_epoch()
         elif self.evaluator is not None and (self._finished() or (every.eval_every and step % every.eval_every == 0)):
             self._evaluate_and_report()
-        if every.checkpoint_every and step % every.checkpoint_every == 0:
+        if every.checkpoint_every and step % every.checkpoint_every == 0 and not self._evaluation_stopped:
             self.checkpointer.save()
 
     def _diagnose(self, window: list[Any], first: int) -> str:

@@ -1,4 +1,5 @@
-"""Stop signals in the first seconds of ``ampddp train``: during imports, recipe parsing, validate, worker start-up.
+"""Stop signals in the first seconds of ``ampddp train`` (imports, recipe parsing, checks, the build, worker start-up),
+and Ctrl-C.
 
 A signal that comes before the interpreter has run ampddp's first line (about 0.1-0.2 s after
 the process starts, more on a loaded machine) kills the process as it would any program; the
@@ -7,6 +8,7 @@ tests wait for the handler (SigCgt in /proc) when their delay is shorter than th
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import time
@@ -18,7 +20,7 @@ from test_preemption import train_command
 from ampddp.checkpoint.inspect import summarize
 from ampddp.cli import main
 from ampddp.errors import CheckpointError
-from ampddp.preemption import EXIT_PREEMPTED, EarlySignals, StopSignals
+from ampddp.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, EarlySignals, Interrupted, StopRequested, StopSignals
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads signal dispositions from /proc")
 STEPS = ["trainer.max_steps=200", "trainer.max_epochs=100"]
@@ -56,31 +58,43 @@ def alive(pid: int) -> bool:
         return False
 
 
+def one_line(log: Path) -> str:
+    """The command's own words: its last line, which must not be the end of a traceback."""
+    text = log.read_text()
+    assert "Traceback" not in text, text[-3000:]
+    return text.strip().splitlines()[-1]
+
+
 @pytest.mark.timeout(900)
-def test_a_stop_signal_in_the_first_seconds_checkpoints_exits_75_and_resumes(tmp_path):
-    """Each interrupted run resumes the one before it: a signal during a resume's set-up checkpoints too."""
+def test_a_stop_signal_before_training_ends_the_command_at_once_and_a_later_start_trains(tmp_path):
+    """Parsing, checks, imports, the build: nothing new to save, so each signal ends the command in
+    seconds with its status (75, or 130 for Ctrl-C) and one line; the run then starts (or resumes) as if
+    never stopped. A signal that lands once training began ends in a checkpoint instead."""
     run_dir = tmp_path / "run"
     command = train_command(run_dir, *STEPS)
-    step = 0
-    for delay, sig in [(0.1, signal.SIGTERM), (0.3, signal.SIGTERM), (0.6, signal.SIGUSR1), (1.0, signal.SIGTERM),
-                       (1.5, signal.SIGTERM), (2.0, signal.SIGTERM)]:  # fmt: skip
+    for delay, sig in [(0.1, signal.SIGTERM), (0.4, signal.SIGINT), (1.0, signal.SIGUSR1), (2.0, signal.SIGINT)]:
         log = tmp_path / f"{delay}.log"
         with log.open("w") as output:
             started = time.monotonic()
             process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
             signal_after(process, started, delay, sig)
+            sent = time.monotonic()
             code = process.wait(timeout=240)
-        assert code == EXIT_PREEMPTED, f"{sig.name} at {delay}s: exit status {code}\n{log.read_text()[-2000:]}"
-        assert summarize(run_dir)["step"] > step, f"{sig.name} at {delay}s: no new checkpoint"
-        step = summarize(run_dir)["step"]
-        assert step < 200
+        took = time.monotonic() - sent
+        expected = EXIT_INTERRUPTED if sig == signal.SIGINT else EXIT_PREEMPTED
+        assert code == expected, f"{sig.name} at {delay}s: exit status {code}\n{log.read_text()[-2000:]}"
+        said = one_line(log)
+        assert f"stopped by {sig.name}" in said, said
+        assert took < 60, f"{sig.name} at {delay}s: {took:.0f} s to stop"  # seconds on an idle machine; a loaded one is slower
+        with contextlib.suppress(CheckpointError):  # a signal after training began: its checkpoint verifies
+            assert summarize(run_dir)["step"] < 200
     finished = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert finished.returncode == 0, finished.stderr[-2000:]
     assert summarize(run_dir)["step"] == 200
 
 
 @pytest.mark.timeout(400)
-def test_spawned_workers_get_the_signal_the_parent_received_before_they_existed(tmp_path):
+def test_a_signal_to_a_spawning_parent_before_training_ends_it_and_its_workers(tmp_path):
     run_dir = tmp_path / "run"
     log = tmp_path / "spawn.log"
     workers: set[int] = set()
@@ -94,8 +108,7 @@ def test_spawned_workers_get_the_signal_the_parent_received_before_they_existed(
             time.sleep(0.05)
         code = process.wait(timeout=10)
     assert code == EXIT_PREEMPTED, f"exit status {code}\n{log.read_text()[-3000:]}"
-    assert summarize(run_dir)["step"] >= 1
-    assert len(workers) >= 2, "the parent never started its workers"
+    assert "stopped by SIGTERM" in one_line(log)
     deadline = time.monotonic() + 30  # multiprocessing's resource tracker leaves once it sees the parent gone
     while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -107,7 +120,7 @@ import os, signal, sys
 import ampddp.recipe.reading as reading
 read = reading.load_config
 def read_after_a_sigterm(*args, **kwargs):
-    os.kill(os.getpid(), signal.SIGTERM)  # arrives while ampddp holds it, before the recipe is known
+    os.kill(os.getpid(), signal.SIGTERM)  # arrives while the recipe is read: it is not known yet which signals stop the run
     return read(*args, **kwargs)
 reading.load_config = read_after_a_sigterm
 from ampddp.cli import main
@@ -116,38 +129,48 @@ sys.exit(main(sys.argv[1:]))
 
 
 @pytest.mark.timeout(300)
-def test_a_signal_the_recipe_does_not_stop_on_acts_as_if_never_caught(tmp_path):
+def test_a_signal_while_the_recipe_is_read_ends_the_command_even_one_the_recipe_does_not_stop_on(tmp_path):
     run_dir = tmp_path / "run"
     command = train_command(run_dir, *STEPS, "trainer.stop_signals=[SIGUSR2]")
     command = [command[0], "-c", SIGNAL_WHILE_READING, *command[3:]]  # python -m ampddp ARGS -> python -c PROGRAM ARGS
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    _, errors = process.communicate(timeout=240)
-    assert process.returncode == -signal.SIGTERM, errors[-2000:]
-    with pytest.raises(CheckpointError):
-        summarize(run_dir)
+    process = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert process.returncode == EXIT_PREEMPTED, process.stderr[-2000:]
+    assert process.stderr.strip().splitlines() == [
+        "ampddp train: stopped by SIGTERM before training began: nothing new to save; the same command starts (or resumes) the run again"
+    ]
+    assert not run_dir.exists()
 
 
-def test_stop_signals_inherit_what_the_early_catcher_received_and_release_the_rest():
-    """In-process: SIGUSR1 arrives early and is configured; SIGUSR2 arrives early and is not, so it is raised again."""
-    seen: list[int] = []
+def test_the_run_takes_the_early_catcher_over_and_gives_every_signal_back_after():
+    """In-process: early, a signal ends the command (StopRequested, Interrupted for Ctrl-C, itself a
+    KeyboardInterrupt); the run's StopSignals takes over the ones it names and, before training, ends
+    it too; once training began, a signal is a request; leaving restores what was there before."""
+    watched = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+    before = {sig: signal.getsignal(sig) for sig in watched}
+    with EarlySignals() as early:
+        with pytest.raises(Interrupted) as caught:
+            signal.raise_signal(signal.SIGINT)
+        assert isinstance(caught.value, KeyboardInterrupt) and caught.value.exit_code == EXIT_INTERRUPTED
+        with StopSignals(["SIGTERM", "SIGINT"], early=early) as stop:
+            assert signal.getsignal(signal.SIGUSR2) is before[signal.SIGUSR2]  # not named: given back
+            with pytest.raises(StopRequested, match="SIGTERM before training began"):
+                signal.raise_signal(signal.SIGTERM)
+            stop.begin_training()
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)  # the same press arriving twice (terminal and launcher)
+            assert stop.received == "SIGINT" and stop.asked()
+        assert {sig: signal.getsignal(sig) for sig in watched} == before
 
-    def usr2_handler(signum: int, frame: object) -> None:
-        seen.append(signum)
 
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    previous = signal.signal(signal.SIGUSR2, usr2_handler)
-    try:
-        with EarlySignals() as early:
-            signal.raise_signal(signal.SIGUSR1)
-            signal.raise_signal(signal.SIGUSR2)
-            assert seen == []
-            with StopSignals(["SIGTERM", "SIGUSR1"], early=early) as stop:
-                assert stop.received == "SIGUSR1"
-                assert seen == [signal.SIGUSR2]
-                assert signal.getsignal(signal.SIGUSR2) is usr2_handler
-            assert {sig: signal.getsignal(sig) for sig in before} == before
-    finally:
-        signal.signal(signal.SIGUSR2, previous)
+def test_a_second_ctrl_c_stops_at_once(monkeypatch):
+    monkeypatch.setattr("ampddp.preemption.SAME_PRESS_S", 0.0)
+    with StopSignals(["SIGTERM", "SIGINT"]) as stop:
+        stop.begin_training()
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGTERM)  # a second SIGTERM changes nothing: the checkpoint is on its way
+        with pytest.raises(Interrupted, match="SIGINT again: stopped at once"):
+            signal.raise_signal(signal.SIGINT)
+        assert stop.received == "SIGTERM"
 
 
 def test_other_commands_give_the_signals_back(tmp_path, capsys):

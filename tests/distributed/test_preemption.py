@@ -1,4 +1,4 @@
-"""Preemption: SIGTERM at random moments, SIGKILL under torchrun --max-restarts, failing saves."""
+"""Preemption: SIGTERM and Ctrl-C at random moments, SIGKILL under torchrun --max-restarts, failing saves."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from ampddp.checkpoint.inspect import summarize
 from ampddp.distributed import free_port
 from ampddp.errors import CheckpointError
 from ampddp.observe import read_metrics
-from ampddp.preemption import EXIT_PREEMPTED
+from ampddp.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = str(ROOT / "recipes" / "quickstart.yaml")
@@ -31,7 +31,7 @@ def train_command(run_dir: Path, *extra: str) -> list[str]:
 
 
 @pytest.mark.timeout(400)
-def test_sigterm_at_random_moments_checkpoints_exits_75_and_resumes_bit_exactly(tmp_path):
+def test_sigterm_and_ctrl_c_at_random_moments_checkpoint_exit_75_or_130_and_resume_bit_exactly(tmp_path):
     steps = ["trainer.max_steps=600", "trainer.max_epochs=100", "precision.mode=O2"]
     straight = subprocess.run(train_command(tmp_path / "straight", *steps), capture_output=True, text=True, timeout=300)
     assert straight.returncode == 0, straight.stderr[-2000:]
@@ -44,13 +44,14 @@ def test_sigterm_at_random_moments_checkpoints_exits_75_and_resumes_bit_exactly(
         while line and not line.startswith("step "):
             line = process.stdout.readline()
         time.sleep(rng.uniform(0.0, 0.3))
-        process.send_signal(signal.SIGTERM)
+        sig = signal.SIGINT if attempt in (1, 4) else signal.SIGTERM  # Ctrl-C checkpoints as SIGTERM does
+        process.send_signal(sig)
         if attempt % 3 == 0:
             time.sleep(0.01)
             process.send_signal(signal.SIGTERM)  # a second signal during the save must not corrupt it
         process.stdout.read()
         code = process.wait(timeout=120)
-        assert code == EXIT_PREEMPTED, f"attempt {attempt}: exit status {code}"
+        assert code == (EXIT_INTERRUPTED if sig == signal.SIGINT else EXIT_PREEMPTED), f"attempt {attempt}: exit status {code}"
         preemptions += 1
         assert summarize(run_dir)["step"] < 600
     assert preemptions == 6
