@@ -18,7 +18,7 @@ import torch
 
 from ampddp.checkpoint import keys
 from ampddp.checkpoint.files import write_bytes_atomic
-from ampddp.checkpoint.store import CheckpointStore, find_checkpoint
+from ampddp.checkpoint.store import CheckpointStore, read_newest
 from ampddp.choices import EXPORT_DTYPE_NAMES
 from ampddp.errors import CheckpointError, ConfigError
 
@@ -40,8 +40,7 @@ def export_weights(location: str | Path, out: str | Path, dtype: str = "saved", 
         raise ConfigError(f"--dtype {dtype!r} is not valid; valid: {', '.join(EXPORT_DTYPES)}")
     out = Path(out)
     _check_output(out, force)
-    ref = find_checkpoint(location)
-    shared = CheckpointStore.load_whole(ref, ref.manifest())
+    ref, shared = read_newest(location, lambda ref: (ref, CheckpointStore.load_whole(ref, ref.manifest())))
     tensors = _exported_tensors(shared, EXPORT_DTYPES[dtype], ref.shared_file)
     precision = shared.get(keys.PRECISION) or {}
     progress = shared.get(keys.PROGRESS) or {}

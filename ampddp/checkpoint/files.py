@@ -24,7 +24,7 @@ import torch
 
 from ampddp.checkpoint.manifest import FileDigest, new_hasher, verify_file
 from ampddp.errors import CheckpointError, CheckpointWriteError
-from ampddp.rundir.files import create_temporary
+from ampddp.rundir.beneath import replace_beneath
 
 
 def fsync_directory(directory: Path) -> None:
@@ -39,32 +39,22 @@ def fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def write_bytes_atomic(path: Path, data: bytes) -> FileDigest:
-    """Write ``data`` to ``path`` atomically and durably; returns its digest."""
+def write_bytes_atomic(path: Path, data: bytes, root: Path | None = None) -> FileDigest:
+    """Write ``data`` to ``path`` atomically and durably; returns its digest. ``root``: the folder
+    (the run dir) below which no link is followed on the way to ``path`` (default: its own folder)."""
     hasher = new_hasher()
     hasher.update(data)
-    _write_atomic(Path(path), lambda handle: handle.write(data))
+    _write_atomic(Path(path), lambda handle: handle.write(data), root)
     return FileDigest(len(data), hasher.hexdigest())
 
 
-def _write_atomic(path: Path, write: Callable[[BinaryIO], Any]) -> None:
-    try:  # a fresh name (O_EXCL): a link planted at a predictable temporary name is never followed
-        fd, temporary = create_temporary(path)
-    except OSError as error:
-        raise CheckpointWriteError(f"{path}: cannot write checkpoint file ({error.strerror or error})") from error
+def _write_atomic(path: Path, write: Callable[[BinaryIO], Any], root: Path | None) -> None:
+    """A fresh temporary name (``O_EXCL``: a link planted at a predictable one is never followed),
+    fsynced and renamed over ``path``, its folder fsynced (see ``rundir.beneath.replace_beneath``)."""
     try:
-        with os.fdopen(fd, "wb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
+        replace_beneath(Path(root or path.parent), path, write)
     except OSError as error:
-        temporary.unlink(missing_ok=True)
         raise CheckpointWriteError(f"{path}: cannot write checkpoint file ({error.strerror or error})") from error
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    fsync_directory(path.parent)
 
 
 class _WritebackAsYouGo(io.RawIOBase):
@@ -106,9 +96,10 @@ class _WritebackAsYouGo(io.RawIOBase):
         return written
 
 
-def save_atomic(obj: Any, path: Path) -> FileDigest:
+def save_atomic(obj: Any, path: Path, root: Path | None = None) -> FileDigest:
     """``torch.save`` ``obj`` to ``path`` atomically and durably (streamed: no extra copy in memory);
-    returns the file's size and checksum, computed from the bytes as they were written."""
+    returns the file's size and checksum, computed from the bytes as they were written. ``root``: as
+    for ``write_bytes_atomic``."""
     writers: list[_WritebackAsYouGo] = []
 
     def write(handle: BinaryIO) -> None:
@@ -120,7 +111,7 @@ def save_atomic(obj: Any, path: Path) -> FileDigest:
                 raise writers[0].error from None
             raise
 
-    _write_atomic(Path(path), write)
+    _write_atomic(Path(path), write, root)
     return FileDigest(writers[0].size, writers[0].hasher.hexdigest())
 
 

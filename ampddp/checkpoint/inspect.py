@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ampddp.checkpoint import keys
-from ampddp.checkpoint.store import CheckpointStore, find_checkpoint
+from ampddp.checkpoint.store import CheckpointRef, CheckpointStore, read_newest
 from ampddp.errors import CheckpointError, ConfigError
 from ampddp.precision.state import PrecisionState
 
@@ -42,8 +42,12 @@ def _precision_state(shared: dict[str, Any], where: str) -> PrecisionState:
 
 
 def summarize(location: str | Path) -> dict[str, Any]:
-    """Summary of a checkpoint folder/file, or of a run dir's latest complete checkpoint."""
-    ref = find_checkpoint(location)
+    """Summary of a checkpoint folder/file, or of a run dir's newest checkpoint that verifies (a live
+    run's included: one pruned while it is read is passed over)."""
+    return read_newest(location, _summary_of)
+
+
+def _summary_of(ref: CheckpointRef) -> dict[str, Any]:
     manifest = ref.manifest()
     integrity = ref.verify(manifest)
     shared = CheckpointStore.load_whole(ref, manifest, shards_verified=True)  # every file was just hashed

@@ -11,13 +11,15 @@ import hashlib
 import json
 import mmap
 import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from ampddp.checkpoint import keys
-from ampddp.errors import CheckpointError
+from ampddp.errors import CheckpointError, ConfigError
+from ampddp.rundir.beneath import file_kind, link_refused, open_beneath
 
 CHECKSUM = "xxh3_128"
 """The checksum of every checkpoint file: XXH3-128 runs at memory speed (~10 GiB/s on one core, vs
@@ -73,12 +75,21 @@ def verify_file(path: Path, expected: FileDigest) -> None:
     """Raise ``CheckpointError`` naming ``path`` unless it has ``expected``'s size and checksum."""
     path = Path(path)
     try:
-        with open(path, "rb") as handle:
+        with open_checkpoint_file(path) as handle:
             _verify_open_file(path, handle, expected)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing ({expected.size} bytes listed in {path.parent.name}/COMPLETE)") from None
     except OSError as error:
         raise CheckpointError(f"{path}: cannot read checkpoint file ({error.strerror or error})") from None
+
+
+def open_checkpoint_file(path: Path) -> BinaryIO:
+    """``path`` open for reading: a regular file, not a link (a checkpoint's files are ampddp's own,
+    never links) nor a FIFO or device (which would block or never end); else a ``CheckpointError``."""
+    try:
+        return os.fdopen(open_beneath(Path(path).parent, Path(path), os.O_RDONLY), "rb")
+    except ConfigError as error:
+        raise CheckpointError(f"{error}: not a checkpoint file ampddp wrote") from None
 
 
 def _size_mismatch(path: Path, size: int, expected: FileDigest) -> CheckpointError:
@@ -90,7 +101,10 @@ def _size_mismatch(path: Path, size: int, expected: FileDigest) -> CheckpointErr
 def check_size(path: Path, expected: FileDigest) -> None:
     """Raise ``CheckpointError`` naming ``path`` unless it exists with ``expected``'s size (no hashing)."""
     try:
-        size = Path(path).stat().st_size
+        found = os.stat(path, follow_symlinks=False)
+        if not stat.S_ISREG(found.st_mode):
+            raise CheckpointError(f"{path} is {file_kind(found.st_mode)}, not a regular file: not a checkpoint file ampddp wrote")
+        size = found.st_size
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing ({expected.size} bytes listed in {Path(path).parent.name}/COMPLETE)") from None
     except OSError as error:
@@ -170,7 +184,7 @@ def read_manifest(folder: Path) -> Manifest:
 def _marker_content(folder: Path, marker: Path) -> Any:
     """The marker's JSON, read no further than ``MAX_MANIFEST_BYTES``."""
     try:
-        with open(marker, "rb") as handle:
+        with open_checkpoint_file(marker) as handle:
             data = handle.read(MAX_MANIFEST_BYTES + 1)
         if len(data) > MAX_MANIFEST_BYTES:
             limit = MAX_MANIFEST_BYTES // 2**20
@@ -217,17 +231,22 @@ def verify_folder(folder: Path, manifest: Manifest, sized_only: Callable[[str], 
     return VERIFIED if manifest.verifiable else UNVERIFIED
 
 
-def complete_folders(root: Path) -> list[tuple[int, Path]]:
-    """Every ``step-<N>`` folder under ``root`` with a ``COMPLETE`` marker, as (step, folder), oldest first."""
+def step_folders_in(root: Path) -> list[Path]:
+    """Every ``step-<N>`` folder directly under ``root`` (a run's ``checkpoints/``), oldest first; a
+    link there is no checkpoint of this run and is passed over, and ``root`` itself a link is refused
+    (ConfigError): pruning through it would remove folders outside the run dir."""
     root = Path(root)
+    if root.is_symlink():
+        raise link_refused(root)
     if not root.is_dir():
         return []
-    found = []
-    for folder in root.iterdir():
-        step = step_of(folder)
-        if step is not None and (folder / keys.COMPLETE_FILE).is_file():
-            found.append((step, folder))
-    return sorted(found)
+    found = [folder for folder in root.iterdir() if step_of(folder) is not None and not folder.is_symlink() and folder.is_dir()]
+    return sorted(found, key=lambda folder: step_of(folder) or 0)
+
+
+def complete_folders(root: Path) -> list[tuple[int, Path]]:
+    """Every ``step-<N>`` folder under ``root`` with a ``COMPLETE`` marker, as (step, folder), oldest first."""
+    return [(step_of(folder) or 0, folder) for folder in step_folders_in(root) if (folder / keys.COMPLETE_FILE).is_file()]
 
 
 def config_digest(config: dict[str, Any]) -> str:

@@ -159,13 +159,18 @@ def check_shared_entries(shared: Any, where: str) -> None:
 
 
 def initial_weights(path: str | Path) -> dict[str, Any]:
-    """Model weights from an ampddp checkpoint file, an apex-era ``{"model", "optimizer", "amp"}`` dict,
-    or a plain ``torch.save(model.state_dict())`` file — for starting a new run from them."""
-    state = load_safely(Path(path))
-    if state.get(keys.SHARDS) is not None:  # a sharded checkpoint's shared file: its shards hold the weights
-        from ampddp.checkpoint.store import CheckpointStore, find_checkpoint
+    """Model weights from an ampddp checkpoint (a file, a step folder, or a run dir: its newest
+    checkpoint that verifies, read while that run may still be writing and pruning them), an
+    apex-era ``{"model", "optimizer", "amp"}`` dict, or a plain ``torch.save(model.state_dict())``
+    file — for starting a new run from them."""
+    from ampddp.checkpoint.store import CheckpointStore, read_newest
 
-        state = CheckpointStore.load_whole(find_checkpoint(path))
+    if Path(path).is_dir():
+        state = read_newest(path, lambda ref: CheckpointStore.load_whole(ref, ref.manifest()))
+    else:
+        state = load_safely(Path(path))
+    if state.get(keys.SHARDS) is not None:  # a sharded checkpoint's shared file: its shards hold the weights
+        state = read_newest(path, lambda ref: CheckpointStore.load_whole(ref, ref.manifest()))
     if keys.MODEL in state and isinstance(state[keys.MODEL], dict):
         return state[keys.MODEL]
     if state and all(isinstance(v, torch.Tensor) for v in state.values()):

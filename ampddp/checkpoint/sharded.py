@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import pickle
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -31,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from ampddp.checkpoint import keys
-from ampddp.checkpoint.manifest import FileDigest, Manifest, hash_open_file, read_manifest, verify_file
+from ampddp.checkpoint.manifest import FileDigest, Manifest, hash_open_file, open_checkpoint_file, read_manifest, verify_file
 from ampddp.distributed.data import gather_objects
 from ampddp.distributed.env import DistEnv
 from ampddp.distributed.full_state import plain_tensor
@@ -131,16 +132,33 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 class _SafeReader(FileSystemReader):
     """DCP's file reader, with the metadata read by the restricted unpickler and allowed to point
-    only at the shard files the manifest lists (``listed``)."""
+    only at the shard files the manifest lists (``listed``: name -> size), its chunks checked to fit
+    them; a failure while reading names the shard file it was reading."""
 
-    def __init__(self, path: Path, listed: frozenset[str]) -> None:
+    def __init__(self, path: Path, listed: Mapping[str, int]) -> None:
         super().__init__(path)
-        self.listed = listed
+        self.listed = dict(listed)
+        self.reading: str | None = None
+        opened = self.fs.create_stream
+
+        def recording(where: Any, mode: str) -> Any:
+            self.reading = str(where)
+            return opened(where, mode)
+
+        self.fs.create_stream = recording
+
+    def read_data(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().read_data(*args, **kwargs)
+        except Exception as error:  # torch.load's or the stream's, about bytes of one shard file
+            reason = "its bytes are not a tensor as DCP writes one (corrupted)" if isinstance(error, pickle.UnpicklingError) else None
+            raise CheckpointError(f"{self.reading or self.path}: cannot read a chunk: {reason or _first_line(error)}") from None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         path = Path(self.path) / METADATA_FILE
         try:
-            data = path.read_bytes()
+            with open_checkpoint_file(path) as handle:
+                data = handle.read(self.listed.get(METADATA_FILE, 0) + 1)
         except OSError as error:
             raise CheckpointError(f"{path}: cannot read ({error.strerror or error})") from None
         try:
@@ -153,7 +171,8 @@ class _SafeReader(FileSystemReader):
             raise CheckpointError(f"{path}: not a sharded checkpoint's metadata (found a {type(metadata).__name__})")
         from torch.distributed.checkpoint.metadata import StorageMeta
 
-        _check_storage(metadata, path, self.listed)
+        _check_storage(metadata, path, frozenset(self.listed))
+        _check_chunks(metadata, path, self.listed)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -177,6 +196,57 @@ def _check_storage(metadata: Any, path: Path, listed: frozenset[str]) -> None:
         if not plain or getattr(info, "transform_descriptors", None):
             where = getattr(info, "relative_path", info)
             raise CheckpointError(f"{path}: points at {str(where)[:120]!r}, not a shard file of this checkpoint; refused unread")
+
+
+def _check_chunks(metadata: Any, path: Path, sizes: Mapping[str, int]) -> None:
+    """Before anything is allocated: each tensor's chunks lie inside its shape and cover it exactly
+    once, and each chunk's bytes are declared inside a listed shard file (``sizes``: name -> bytes)
+    with room for its elements. A planted metadata file declaring a 4 GiB tensor over a few MB of
+    shards, or a truncated shard re-hashed into its manifest, is refused here in one line."""
+    located = {(index.fqn, tuple(index.offset or ())): info for index, info in (metadata.storage_data or {}).items()}
+    for name, entry in metadata.state_dict_metadata.items():
+        shape = tuple(entry.size)
+        boxes = []
+        for chunk in entry.chunks:
+            offsets, lengths = tuple(chunk.offsets), tuple(chunk.sizes)
+            inside = len(offsets) == len(lengths) == len(shape)
+            if not inside or any(o < 0 or n < 0 or o + n > size for o, n, size in zip(offsets, lengths, shape)):
+                raise CheckpointError(f"{path}: a chunk of {name[:120]} at {list(offsets)} of size {list(lengths)} lies outside its "
+                                      f"shape {list(shape)}; refused unread")  # fmt: skip
+            _check_chunk_bytes(path, name, located.get((name, offsets)), math.prod(lengths) * entry.properties.dtype.itemsize, sizes)
+            boxes.append((offsets, lengths))
+        if sum(math.prod(lengths) for _, lengths in boxes) != math.prod(shape) or _overlap(boxes):
+            raise CheckpointError(f"{path}: the chunks of {name[:120]} do not cover its shape {list(shape)} exactly once; refused unread")
+
+
+def _check_chunk_bytes(path: Path, name: str, info: Any, needed: int, sizes: Mapping[str, int]) -> None:
+    if info is None:
+        raise CheckpointError(f"{path}: a chunk of {name[:120]} has no bytes stored for it; refused unread")
+    held = sizes.get(info.relative_path, 0)
+    if info.length < needed or info.offset + info.length > held:
+        raise CheckpointError(
+            f"{path}: a chunk of {name[:120]} needs {needed} bytes, declared as {info.length} bytes at offset {info.offset} of "
+            f"{info.relative_path}, which holds {held}; refused unread (a truncated shard, or metadata not written with it)"
+        )
+
+
+def _overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
+    """Whether two of the boxes (offsets, sizes) share an element: a sweep along the first dimension
+    (shards of FSDP2 never meet there, so each box is compared with its neighbours only)."""
+    solid = sorted((box for box in boxes if box[1] and all(box[1])), key=lambda box: box[0][0])
+    for index, (offsets, lengths) in enumerate(solid):
+        for other, other_lengths in solid[index + 1 :]:
+            if other[0] >= offsets[0] + lengths[0]:
+                break
+            if all(a < b + m and b < a + n for a, n, b, m in zip(offsets, lengths, other, other_lengths)):
+                return True
+    return False
+
+
+def _first_line(error: BaseException) -> str:
+    """``Type: the first line of the message``, cut to 200 characters: what a reader needs of a failure."""
+    text = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+    return f"{type(error).__name__}: {text}"[:200] if text else type(error).__name__
 
 
 def shard_files(folder: Path, manifest: Manifest) -> list[str]:
@@ -291,7 +361,7 @@ def _reader(folder: Path, manifest: Manifest, record: Mapping[str, Mapping[str, 
     error in its own) and agreeing with ``record`` tensor by tensor before anything is allocated."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = _SafeReader(folder, frozenset(shard_files(folder, manifest)))
+    reader = _SafeReader(folder, {name: manifest.digests[name].size for name in shard_files(folder, manifest)})
     saved = reader.read_metadata().state_dict_metadata
     for name, entry in record.items():
         found = saved.get(name)
@@ -329,8 +399,22 @@ def _load(reader: _SafeReader, tensors: dict[str, torch.Tensor], folder: Path, n
         with _one_process_quietly(no_dist):
             dcp.load(tensors, storage_reader=reader, no_dist=no_dist)
     except (Exception, CheckpointException) as error:  # DCP wraps the readers' failures in its own (a BaseException)
-        reason = " ".join(str(error).split())[:300]
-        raise CheckpointError(f"{folder}: cannot read the sharded checkpoint ({reason})") from None
+        cause = _underlying(error)
+        if isinstance(cause, CheckpointError):  # ours: it names the shard file and what is wrong
+            raise CheckpointError(str(cause)) from None
+        raise CheckpointError(f"{folder}: cannot read the sharded checkpoint ({_first_line(cause)})") from None
+
+
+def _underlying(error: BaseException) -> BaseException:
+    """The first failure a DCP ``CheckpointException`` wraps (per rank: the exception and its
+    traceback), or ``error`` itself."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, Mapping) and failures:
+        first = next(iter(failures.values()))
+        first = first[0] if isinstance(first, tuple) and first else first
+        if isinstance(first, BaseException):
+            return first
+    return error
 
 
 def read_into_live(

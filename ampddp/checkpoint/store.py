@@ -12,25 +12,26 @@ and left on disk until a newer good one exists.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-import os
-import shutil
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ampddp.checkpoint import keys
 from ampddp.checkpoint.files import fsync_directory, load_safely, save_atomic, write_bytes_atomic
-from ampddp.checkpoint.manifest import CHECKSUM, Manifest, complete_folders, read_manifest, step_of, verify_folder
+from ampddp.checkpoint.manifest import CHECKSUM, Manifest, complete_folders, read_manifest, step_folders_in, step_of, verify_folder
 from ampddp.distributed.data import broadcast_from_main, gather_objects, sum_across_ranks
 from ampddp.distributed.env import DistEnv
 from ampddp.errors import CheckpointError, CheckpointWriteError, ConfigError, RunIOError
+from ampddp.rundir.beneath import checked_folder, remove_beneath, rename_beneath
 from ampddp.rundir.run_dir import RunDir
 
 logger = logging.getLogger("ampddp.checkpoint")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -149,17 +150,17 @@ class CheckpointStore:
             return False
         return True
 
-    @staticmethod
-    def _write_parts(ref: CheckpointRef, shared: dict[str, Any], rank_state: dict[str, Any], env: DistEnv,
+    def _write_parts(self, ref: CheckpointRef, shared: dict[str, Any], rank_state: dict[str, Any], env: DistEnv,
                      shards: dict[str, Any] | None) -> dict[str, dict[str, Any]]:  # fmt: skip
         names = {}
+        root = self.run_dir.path
         if shards is not None:  # first: collective, and DCP raises a failure on every rank
             from ampddp.checkpoint.sharded import write_shards
 
             names.update(write_shards(ref.path, shards, env))
-        names[keys.RANK_FILE.format(rank=env.rank)] = save_atomic({**rank_state, keys.RANK: env.rank}, ref.rank_file(env.rank))
+        names[keys.RANK_FILE.format(rank=env.rank)] = save_atomic({**rank_state, keys.RANK: env.rank}, ref.rank_file(env.rank), root)
         if env.is_main:
-            names[keys.SHARED_FILE] = save_atomic(shared, ref.shared_file)
+            names[keys.SHARED_FILE] = save_atomic(shared, ref.shared_file, root)
         return {name: digest.to_json() for name, digest in names.items()}
 
     def _run_everywhere(self, phase: Any, folder: Path, env: DistEnv) -> None:
@@ -171,8 +172,8 @@ class CheckpointStore:
         failed = int(sum_across_ranks(float(error is not None)).item())
         if failed:
             if env.is_main:
-                shutil.rmtree(folder, ignore_errors=True)
-            if isinstance(error, (CheckpointError, RunIOError)):
+                self._remove(folder)
+            if isinstance(error, (CheckpointError, RunIOError, ConfigError)):
                 raise error
             reason = f": {error}" if error is not None else ""
             raise CheckpointWriteError(f"{folder}: checkpoint not written: {failed} rank(s) failed to write their part{reason}") from error
@@ -182,19 +183,23 @@ class CheckpointStore:
         marker["files"] = dict(sorted(files.items()))  # every rank's digests of what it wrote
         if run is not None:
             marker["run"] = run
-        write_bytes_atomic(folder / keys.COMPLETE_FILE, json.dumps(marker, indent=1).encode())
+        write_bytes_atomic(folder / keys.COMPLETE_FILE, json.dumps(marker, indent=1).encode(), self.run_dir.path)
         self._prune(keep=folder)
 
     def _prepare_folder(self, folder: Path) -> None:
+        """An empty step folder, reached (and made) without following a link in the run dir."""
         self.run_dir.check()  # moved or removed mid-run: stop, never recreate it
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            if folder.exists():
-                shutil.rmtree(folder)
-            folder.mkdir()
+            remove_beneath(self.run_dir.path, folder)
+            checked_folder(self.run_dir.path, folder)
         except OSError as error:
             raise CheckpointWriteError(f"{folder}: cannot create checkpoint folder ({error.strerror or error})") from error
         fsync_directory(self.root)
+
+    def _remove(self, folder: Path) -> None:
+        """Remove a step folder of this run (a link there is removed, never followed); best effort."""
+        with contextlib.suppress(OSError):
+            remove_beneath(self.run_dir.path, folder)
 
     def _prune(self, keep: Path) -> None:
         """Drop half-written folders, and complete ones beyond ``keep_last`` older than ``keep``.
@@ -205,7 +210,7 @@ class CheckpointStore:
         """
         for folder in [*self._beyond_retention(keep), *self._half_written()]:
             if folder != keep:
-                shutil.rmtree(folder, ignore_errors=True)
+                self._remove(folder)
 
     def _beyond_retention(self, keep: Path) -> list[Path]:
         """Complete folders up to ``keep`` past the newest ``keep_last`` whole ones (none without keep_last)."""
@@ -219,26 +224,24 @@ class CheckpointStore:
 
     def _half_written(self) -> list[Path]:
         """Step folders without the completion marker: saves that were interrupted."""
-        return [folder for folder in self.root.iterdir() if step_of(folder) is not None and not (folder / keys.COMPLETE_FILE).is_file()]
+        return [folder for folder in step_folders_in(self.root) if not (folder / keys.COMPLETE_FILE).is_file()]
 
     def move_aside(self, folders: list[Path]) -> list[Path]:
         """Move step folders into ``<run_dir>/abandoned/`` (never deleted); returns their new paths."""
         target_root = self.run_dir.abandoned
         moved = []
         try:
-            target_root.mkdir(exist_ok=True)
+            checked_folder(self.run_dir.path, target_root)
             for folder in folders:
                 target = target_root / folder.name
                 suffix = 1
-                while target.exists():
+                while target.exists() or target.is_symlink():
                     suffix += 1
                     target = target_root / f"{folder.name}.{suffix}"
-                os.replace(folder, target)
+                rename_beneath(self.run_dir.path, folder, target)
                 moved.append(target)
         except OSError as error:
             raise CheckpointWriteError(f"{target_root}: cannot move checkpoints aside ({error.strerror or error})") from error
-        fsync_directory(target_root)
-        fsync_directory(self.root)
         return moved
 
     def newest_verified(self, shards_sized_only: bool = False, passed_over: Collection[str] = ()) -> tuple[CheckpointRef | None, list[str]]:
@@ -300,9 +303,7 @@ class CheckpointStore:
 
     def step_folders(self) -> list[Path]:
         """Every step folder, complete or not, oldest first."""
-        if not self.root.is_dir():
-            return []
-        return sorted((f for f in self.root.iterdir() if f.is_dir() and step_of(f) is not None), key=lambda f: step_of(f) or 0)
+        return step_folders_in(self.root)
 
 
 def plan_resume(store: CheckpointStore | None, resume: str | Path, passed_over: Collection[str] = ()) -> dict[str, Any]:
@@ -416,6 +417,40 @@ def find_checkpoint(location: str | Path) -> CheckpointRef:
             f"{location}: no complete checkpoint found (expected {keys.CHECKPOINTS_DIR}/step-*/ with a {keys.COMPLETE_FILE} marker)"
         )
     return ref
+
+
+READ_ATTEMPTS = 100
+"""The most checkpoints ``read_newest`` tries before it gives up: a run that removes every one it is
+shown faster than it can be read is not one to read from."""
+
+
+def read_newest(location: str | Path, read: Callable[[CheckpointRef], T]) -> T:
+    """``read`` of the checkpoint ``location`` names: a step folder (that one), or a run dir (its newest
+    checkpoint that verifies). The run may be writing and pruning checkpoints at that moment: one
+    removed while it is read is passed over for the newest one then; one that does not verify for the
+    next older, with a warning saying why."""
+    ref = find_checkpoint(location)  # a missing path or no complete checkpoint: its own one line
+    if resume_source(location).step is not None:
+        return read(ref)
+    store = CheckpointStore(resume_source(location).path, keep_last=None)
+    passed: set[Path] = set()
+    skipped: list[str] = []
+    for _ in range(READ_ATTEMPTS):
+        try:
+            result = read(ref)
+        except (CheckpointError, OSError) as error:
+            passed.add(ref.path)
+            if ref.path.is_dir():  # still there: it does not verify (removed ones are no news)
+                skipped.append(f"checkpoint step {ref.step} does not verify, passed over: {error}")
+            newer_first = [found for found in reversed(store.complete()) if found.path not in passed]
+            if not newer_first:
+                raise CheckpointError(f"{location}: no complete checkpoint that verifies ({skipped[0] if skipped else error})") from None
+            ref = newer_first[0]
+            continue
+        for line in skipped:
+            logger.warning(line)
+        return result
+    raise CheckpointError(f"{location}: {READ_ATTEMPTS} checkpoints were removed or failed while being read; try again")
 
 
 def resume_candidates(run_dir: str | Path | None, resume: str | Path) -> list[CheckpointRef]:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ampddp.distributed.env import DistEnv
-from ampddp.errors import ConfigError
+from ampddp.errors import ConfigError, RunIOError
 from ampddp.observe.loggers import MetricLogger, logger_named
 from ampddp.observe.loggers.base import numbers
 from ampddp.observe.metrics_file import read_metrics
@@ -307,10 +307,21 @@ class RunObserver:
         if self._bar is not None:
             self._bar.close()
         if self._metrics is not None:
-            self._metrics.close()
+            metrics, self._metrics = self._metrics, None
+            self._close_metrics(metrics, failed)
         started, self._started_loggers = self._started_loggers, []
         for sink in started:  # every logger gets its close, whichever fails; a tracker never fails a finished run
             _close_quietly(sink, failed)
+
+    def _close_metrics(self, metrics: Any, failed: bool) -> None:
+        """Close metrics.jsonl. Every record was flushed as written, so only one whose write already
+        failed (a full disk) is still buffered: after a failure it is dropped (the resume cuts the torn
+        tail), otherwise it is this close's RunIOError."""
+        try:
+            metrics.close()  # the file is closed even when the flush in it fails
+        except OSError as error:
+            if not failed:
+                raise RunIOError(f"{self.place.metrics}: cannot write ({error.strerror or error})") from error
 
     def close_unchanged(self, progress: dict[str, Any] | None = None) -> dict[str, Any]:
         """Close without writing anything; returns the summary the finished run wrote: what a re-run

@@ -21,6 +21,7 @@ import yaml
 
 from ampddp.config import IMPORT_PATH_FORM, KEY_ALIASES, SECTIONS, Bounds, RunConfig, is_import_path
 from ampddp.errors import ConfigError, choice_error, closest, spelled
+from ampddp.rundir.files import read_regular_file
 from ampddp.rundir.paths import expand_path
 
 # PyYAML implements YAML 1.1, whose float pattern wants a dot and a signed exponent: `1e-3` and `1E6`
@@ -32,8 +33,39 @@ _FLOAT = re.compile(
 )
 
 
+MAX_RECIPE_BYTES = 1024 * 1024
+"""The largest recipe read (the bundled ones are under 2 KiB): a bigger file is refused unread."""
+MAX_DEPTH = 32
+"""The deepest nesting of lists and mappings a recipe or an override may have."""
+MAX_NODES = 100_000
+"""The most values a recipe may stand for once every alias is expanded (a "billion laughs" of
+nested aliases is a few hundred bytes that expand beyond any memory)."""
+
+
+class _TooBig(Exception):
+    """A recipe past one of the bounds above, refused as it is composed."""
+
+
 class _RecipeLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` with Python's float notations (``1e-3``, ``1E6``, ``.5``, ``-2.5e-4``)."""
+    """``yaml.SafeLoader`` with Python's float notations (``1e-3``, ``1E6``, ``.5``, ``-2.5e-4``)
+    that refuses nesting deeper than ``MAX_DEPTH`` as it composes (PyYAML's composer recurses, so a
+    value nested 20 000 deep would end in a RecursionError)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self._depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                mark = self.peek_event().start_mark
+                raise _TooBig(
+                    f"line {mark.line + 1}: nested more than {MAX_DEPTH} levels deep; a recipe's values are at most {MAX_DEPTH} deep"
+                )
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
 
 _RecipeLoader.yaml_implicit_resolvers = {
@@ -66,13 +98,40 @@ def _refuse_duplicates(node: yaml.Node, where: str = "") -> None:
             _refuse_duplicates(item, where)
 
 
+def _expanded_size(node: yaml.Node, sizes: dict[int, int]) -> int:
+    """How many values ``node`` stands for with its aliases expanded, each shared node counted once
+    per use but measured once (linear in the composed document, however far it would expand)."""
+    known = sizes.get(id(node))
+    if known is not None:
+        return known
+    children: list[yaml.Node] = []
+    if isinstance(node, yaml.SequenceNode):
+        children = node.value
+    elif isinstance(node, yaml.MappingNode):
+        children = [part for pair in node.value for part in pair]
+    size = 1
+    for child in children:
+        size += _expanded_size(child, sizes)
+        if size > MAX_NODES:
+            raise _TooBig(
+                f"line {node.start_mark.line + 1}: stands for more than {MAX_NODES} values once its aliases are expanded; "
+                "a recipe is at most that large (nested aliases that multiply are refused unexpanded)"
+            )
+    sizes[id(node)] = size
+    return size
+
+
 def parse_yaml(text: str) -> Any:
-    """One YAML document with Python float notations; raises yaml.YAMLError or _DuplicateKey."""
+    """One YAML document with Python float notations; raises yaml.YAMLError, _DuplicateKey or
+    _TooBig (more than ``MAX_RECIPE_BYTES``, ``MAX_DEPTH`` or ``MAX_NODES``)."""
+    if len(text) > MAX_RECIPE_BYTES:
+        raise _TooBig(f"{len(text)} characters; a recipe or an override is at most {MAX_RECIPE_BYTES} bytes")
     loader = _RecipeLoader(text)
     try:
         node = loader.get_single_node()
         if node is None:
             return None
+        _expanded_size(node, {})
         _refuse_duplicates(node)
         return loader.construct_document(node)
     finally:
@@ -225,8 +284,8 @@ def parse_overrides(overrides: list[str]) -> dict[str, dict[str, Any]]:
             value = parse_yaml(raw) if raw.strip() else None
         except yaml.YAMLError:
             value = raw
-        except _DuplicateKey as error:
-            raise ConfigError(f"override {item!r}: {error}") from None
+        except (_DuplicateKey, _TooBig) as error:
+            raise ConfigError(f"override {item[:80]!r}: {error}") from None
         nested.setdefault(section, {})[name] = value
     return nested
 
@@ -238,7 +297,7 @@ def read_recipe(path: str | Path) -> dict[str, Any]:
         raw = parse_yaml(_recipe_text(path))
     except yaml.YAMLError as error:
         raise ConfigError(f"{path}: not valid YAML ({_yaml_problem(error)})") from None
-    except _DuplicateKey as error:
+    except (_DuplicateKey, _TooBig) as error:
         raise ConfigError(f"{path}: {error}") from None
     if raw is None:
         return {}
@@ -250,10 +309,10 @@ def read_recipe(path: str | Path) -> dict[str, Any]:
 
 
 def _recipe_text(path: Path) -> str:
-    if not path.is_file():
-        raise ConfigError(f"{path}: no such recipe file")
     try:
-        data = path.read_bytes()
+        data = read_regular_file(path, MAX_RECIPE_BYTES, "a recipe")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such recipe file") from None
     except OSError as error:
         raise ConfigError(f"{path}: cannot read the recipe ({error.strerror or error})") from None
     try:

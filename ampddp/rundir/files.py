@@ -1,26 +1,28 @@
 """The files a run writes in its run dir besides checkpoints: their names, how they are written, and
 reading the summary back.
 
-Nothing is written through a symbolic link found in a run dir: a link planted where the lock, the
-metrics, the summary or a plot belongs could make the run overwrite or append to any file its user
-can write. Appended files are opened with ``O_NOFOLLOW``; whole files are written to a fresh
-temporary name (``O_EXCL``) and renamed over the old one, which replaces a link rather than following
-it. Torch-free: a start of a finished run reads the summary before torch is imported.
+Nothing is written through a symbolic link found in a run dir, at the file or at any folder above
+it (see ``ampddp.rundir.beneath``): a link planted where the lock, the metrics, the summary, a plot
+or a logger's folder belongs could make the run overwrite or append to any file its user can write.
+Appended files are opened with ``O_NOFOLLOW``; whole files are written to a fresh temporary name
+(``O_EXCL``) and renamed over the old one, which replaces a link rather than following it. Special
+files (FIFOs, devices) are refused before any read or write. Torch-free: a start of a finished run
+reads the summary before torch is imported.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
 import os
-import secrets
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
 from ampddp.errors import ConfigError, RunIOError
+from ampddp.rundir.beneath import not_regular, open_beneath, read_beneath, replace_beneath
 
 logger = logging.getLogger("ampddp.observe")
 
@@ -29,10 +31,21 @@ SUMMARY_FILE = "summary.json"
 PLOT_FILES = ("loss.png", "eval_accuracy.png", "loss_scale.png")
 
 
+MAX_SUMMARY_BYTES = 16 * 1024 * 1024
+"""The largest summary.json read (ampddp writes under 1 KiB)."""
+
+
 def read_summary(run_dir: str | Path) -> dict[str, Any]:
-    """The summary a run wrote (empty when there is none or it does not parse)."""
+    """The summary a run wrote (empty when there is none, it does not parse, or a link stands there,
+    which the next write replaces); a special or oversized file there is refused (ConfigError)
+    before any read."""
+    path = Path(run_dir) / SUMMARY_FILE
+    if path.is_symlink():
+        return {}
     try:
-        summary = json.loads((Path(run_dir) / SUMMARY_FILE).read_text(encoding="utf-8"))
+        summary = json.loads(read_beneath(Path(run_dir), path, MAX_SUMMARY_BYTES, "a run's summary").decode("utf-8"))
+    except ConfigError:
+        raise
     except (OSError, ValueError):
         return {}
     return summary if isinstance(summary, dict) else {}
@@ -72,50 +85,39 @@ class RunDirIdentity:
             )
 
 
-def open_no_follow(path: Path, flags: int) -> int:
-    """``os.open(path, flags)`` that refuses, in one line, a symbolic link at ``path``."""
-    try:
-        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    except OSError as error:
-        if error.errno == errno.ELOOP:
-            raise ConfigError(
-                f"{path} is a symbolic link; ampddp does not write through links in a run dir (it could write outside it): "
-                "remove the link, or use another trainer.run_dir"
-            ) from None
-        raise
+def open_no_follow(path: Path, flags: int, root: Path | None = None) -> int:
+    """``os.open(path, flags)`` of a regular file, refusing in one line a symbolic link at ``path`` or
+    at any folder between ``root`` (default: ``path``'s own folder) and it, and a special file."""
+    return open_beneath(Path(root or Path(path).parent), Path(path), flags)
 
 
-def open_for_append(path: Path) -> TextIO:
-    """``path`` opened for appending text (created if missing), refusing a symbolic link."""
-    return os.fdopen(open_no_follow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a", encoding="utf-8")
+def read_regular_file(path: Path, limit: int, what: str) -> bytes:
+    """The bytes of the file a user named (a link is followed: the user chose it), at most ``limit``:
+    a special file is refused before any read (a FIFO would block), a bigger file unread (ConfigError
+    naming ``what`` it should be and the bound)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as handle:
+        found = os.fstat(fd)
+        if not stat.S_ISREG(found.st_mode):
+            raise not_regular(Path(path), found.st_mode)
+        os.set_blocking(fd, True)
+        data = handle.read(limit + 1) if found.st_size <= limit else b""
+    if found.st_size > limit or len(data) > limit:
+        raise ConfigError(f"{path}: {max(found.st_size, len(data))} bytes; {what} is at most {limit} bytes here (refused unread)")
+    return data
 
 
-def create_temporary(path: Path) -> tuple[int, Path]:
-    """A new file beside ``path`` under a fresh random name, opened for writing: created with
-    ``O_EXCL`` (a link planted there is never followed) and the usual mode (0o666 less the umask,
-    as ``open`` gives, unlike ``tempfile``'s 0o600)."""
-    path = Path(path)
-    while True:
-        temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(6)}")
-        try:
-            return os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666), temporary
-        except FileExistsError:
-            continue
+def open_for_append(path: Path, root: Path | None = None) -> TextIO:
+    """``path`` opened for appending text (created if missing), refusing a link (see ``open_no_follow``)."""
+    return os.fdopen(open_no_follow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, root), "a", encoding="utf-8")
 
 
-def replace_file(path: Path, data: bytes) -> None:
+def replace_file(path: Path, data: bytes, root: Path | None = None) -> None:
     """Write ``data`` as ``path`` whole: a fresh temporary file in the same folder, fsynced, renamed
-    over ``path`` (a link there is replaced, never followed; a crash leaves the old file)."""
-    fd, temporary = create_temporary(path)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
+    over ``path`` (a link there is replaced, never followed; a crash leaves the old file); no link
+    followed between ``root`` (default: ``path``'s folder) and it."""
+    path = Path(path)
+    replace_beneath(Path(root or path.parent), path, lambda handle: handle.write(data))
 
 
 @contextlib.contextmanager
@@ -127,11 +129,11 @@ def run_file_errors(path: Path) -> Iterator[None]:
         raise RunIOError(f"{path}: cannot write ({error.strerror or error})") from error
 
 
-def drop_torn_tail(path: Path) -> None:
+def drop_torn_tail(path: Path, root: Path | None = None) -> None:
     """Cut an append-only log back to its last whole line: a record torn by a crash or a full disk
     is dropped (with a warning) before new records follow it, as a database treats a torn log tail."""
     try:
-        fd = open_no_follow(path, os.O_RDWR)
+        fd = open_no_follow(path, os.O_RDWR, root)
     except FileNotFoundError:
         return
     with os.fdopen(fd, "r+b") as handle:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ampddp.cli import EXIT_USAGE, main
-from ampddp.rundir.files import METRICS_FILE, PLOT_FILES, SUMMARY_FILE, create_temporary, replace_file
+from ampddp.rundir.files import METRICS_FILE, PLOT_FILES, SUMMARY_FILE, replace_file
 from ampddp.rundir.lock import LOCK_FILE
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,6 +58,3 @@ def test_whole_files_get_the_usual_mode_and_leave_no_temporary_behind(tmp_path):
     replace_file(target, b"{}")
     assert target.read_bytes() == b"{}" and [p.name for p in tmp_path.iterdir()] == ["summary.json"]
     assert stat.S_IMODE(target.stat().st_mode) == 0o666 & ~umask  # as open() gives, not tempfile's 0o600
-    fd, temporary = create_temporary(target)
-    os.close(fd)
-    assert temporary.parent == tmp_path and temporary.name.startswith(".summary.json.tmp-")

@@ -164,3 +164,67 @@ def test_shards_the_manifest_does_not_list_are_never_read(tmp_path, caplog):
     trainer = make_trainer(run_dir, "O2", max_steps=3, layout="sharded", checkpoint_every=1)
     trainer.fit()
     assert "checkpoint step 2 does not verify" in caplog.text and trainer.progress.global_step == 3
+
+
+def _grown_everywhere(step: Path, tmp_path: Path, name: str, rows: int) -> None:
+    """The attack of a 4 GiB tensor over a few KB of shards: ``name``'s first dimension declared as
+    ``rows`` in the metadata, its one chunk and the shared file's record alike, every file re-hashed."""
+    metadata = pickle.loads((step / ".metadata").read_bytes())  # this test's own file: trusted here
+    entry = metadata.state_dict_metadata[name]
+    entry.size = torch.Size([rows, *entry.size[1:]])
+    entry.chunks[0].sizes = torch.Size([rows, *entry.chunks[0].sizes[1:]])
+    old = next(index for index in metadata.storage_data if index.fqn == name)
+    metadata.storage_data = {**{index: info for index, info in metadata.storage_data.items() if index != old},
+                             type(old)(name, entry.chunks[0].offsets): metadata.storage_data[old]}  # fmt: skip
+    _replace_listed(step, ".metadata", pickle.dumps(metadata))
+    shared = torch.load(step / "shared.pt", weights_only=True)
+    shared["shards"][name]["shape"] = list(entry.size)
+    torch.save(shared, tmp_path / "shared.pt")
+    _replace_listed(step, "shared.pt", (tmp_path / "shared.pt").read_bytes())
+
+
+def test_metadata_declaring_more_than_its_shards_hold_is_refused_before_any_allocation(tmp_path, monkeypatch, capsys):
+    step = sharded_run(tmp_path / "run", steps=2)
+    _grown_everywhere(step, tmp_path, "model/0.weight", 2**25)  # 2**25 x 16 float32: 2 GiB declared
+    monkeypatch.setattr("ampddp.checkpoint.sharded._allocated", lambda *args: pytest.fail("allocated before the chunks were checked"))
+    with pytest.raises(CheckpointError, match=r"a chunk of model/0\.weight needs 2147483648 bytes, declared as \d+ bytes at offset \d+ of "
+                                              r"__0_0\.distcp, which holds \d+; refused unread"):  # fmt: skip
+        summarize(step)
+    assert main(["export", str(step), "--to", str(tmp_path / "m.safetensors")]) == EXIT_USAGE
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1 and not (tmp_path / "m.safetensors").exists()
+
+
+def test_chunks_that_leave_part_of_a_tensor_uncovered_or_cover_it_twice_are_refused(tmp_path):
+    step = sharded_run(tmp_path / "run", steps=2)
+    metadata = pickle.loads((step / ".metadata").read_bytes())
+    chunk = metadata.state_dict_metadata["model/0.weight"].chunks[0]
+    chunk.sizes = torch.Size([chunk.sizes[0] - 1, *chunk.sizes[1:]])  # the last row read from nowhere
+    _replace_listed(step, ".metadata", pickle.dumps(metadata))
+    with pytest.raises(CheckpointError, match=r"the chunks of model/0\.weight do not cover its shape \[32, 16\] exactly once"):
+        summarize(step)
+    chunk.sizes = torch.Size([40, *chunk.sizes[1:]])
+    _replace_listed(step, ".metadata", pickle.dumps(metadata))
+    with pytest.raises(CheckpointError, match=r"a chunk of model/0\.weight at \[0, 0\] of size \[40, 16\] lies outside its shape"):
+        summarize(step)
+
+
+def test_a_truncated_shard_hashed_into_its_manifest_is_named_with_what_is_wrong(tmp_path, capsys):
+    step = sharded_run(tmp_path / "run", steps=2)
+    shard = step / "__0_0.distcp"
+    _replace_listed(step, shard.name, shard.read_bytes()[: shard.stat().st_size // 2])
+    assert main(["inspect", str(step)]) == EXIT_USAGE
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and f"of {shard.name}, which holds" in said[0] and "truncated shard" in said[0], said
+
+
+def test_a_shard_that_fails_to_read_is_named_with_the_first_cause(tmp_path, capsys):
+    step = sharded_run(tmp_path / "run", steps=2)
+    metadata = pickle.loads((step / ".metadata").read_bytes())
+    info = next(info for index, info in metadata.storage_data.items() if index.fqn == "model/0.weight")
+    data = bytearray((step / info.relative_path).read_bytes())
+    data[info.offset : info.offset + 64] = b"\0" * 64  # the chunk's own header gone, the file's size kept
+    _replace_listed(step, info.relative_path, bytes(data))
+    assert main(["inspect", str(step)]) == EXIT_USAGE
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and said[0].startswith(f"ampddp inspect: error: {step / info.relative_path}: "), said
+    assert "Traceback" not in said[0] and "CheckpointException" not in said[0]

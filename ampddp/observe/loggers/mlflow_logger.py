@@ -9,9 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from ampddp.observe.loggers.base import MetricLogger, import_extra
+from ampddp.rundir.beneath import refuse_links
 
 logger = logging.getLogger("ampddp.observe.loggers")
 
+DATABASE_FILE = "mlflow.db"
 MAX_PARAM_LENGTH = 6000
 """MLflow refuses longer parameter values; a longer setting is logged cut to this length."""
 
@@ -53,7 +55,7 @@ class MlflowLogger(MetricLogger):
         from mlflow.entities import Metric, Param
         from mlflow.tracking import MlflowClient
 
-        uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{run_dir.resolve() / 'mlflow.db'}"
+        uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or self._local_store(run_dir)
         self._client, self._metric = MlflowClient(tracking_uri=uri), Metric
         if run_id is not None and self._continue(run_id, uri):
             return run_id
@@ -64,6 +66,12 @@ class MlflowLogger(MetricLogger):
         for first in range(0, len(params), 100):  # MLflow takes at most 100 parameters per batch
             self._client.log_batch(self._run_id, params=params[first : first + 100])
         return self._run_id
+
+    @staticmethod
+    def _local_store(run_dir: Path) -> str:
+        """``sqlite:///<run_dir>/mlflow.db``, refused (ConfigError) when a link or a special file stands
+        there: SQLite opens the path it is given and would write the database wherever a link points."""
+        return f"sqlite:///{refuse_links(run_dir, run_dir / DATABASE_FILE).resolve()}"
 
     def _continue(self, run_id: str, uri: str) -> bool:
         """Continue run ``run_id``; False (with a warning: a fresh run follows) when this store has no such run."""

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ampddp.observe.loggers.base import MetricLogger, import_extra
+from ampddp.rundir.beneath import checked_folder
 
 
 class TensorBoardLogger(MetricLogger):
@@ -22,7 +23,8 @@ class TensorBoardLogger(MetricLogger):
         import_extra(self)
         from torch.utils.tensorboard import SummaryWriter
 
-        self._writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=step + 1 if step > 0 else None)
+        folder = checked_folder(run_dir, run_dir / "tensorboard")  # no link on the way: the events stay in the run dir
+        self._writer = SummaryWriter(str(folder), purge_step=step + 1 if step > 0 else None)
         return None
 
     def log(self, kind: str, values: Mapping[str, float], step: int) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 from ampddp.errors import ConfigError
 from ampddp.observe.loggers.base import MetricLogger, import_extra
+from ampddp.rundir.beneath import checked_folder
 
 WANDB_MODES = ("online", "offline", "disabled")
 
@@ -35,13 +36,19 @@ class WandbLogger(MetricLogger):
         wandb = import_extra(self)
         settings = wandb.Settings(silent=True, console="off")
         self._run = wandb.init(
-            project=self.project or "ampddp", entity=self.entity, name=self.run_name or run_dir.name, dir=str(run_dir),
+            project=self.project or "ampddp", entity=self.entity, name=self.run_name or run_dir.name, dir=str(self._folder(run_dir)),
             mode=self.mode, id=run_id, resume="allow" if run_id else None, config=dict(config or {}),
             settings=settings, reinit="create_new",
         )  # fmt: skip
         self._run.define_metric("step")
         self._run.define_metric("*", step_metric="step")
         return str(self._run.id)
+
+    @staticmethod
+    def _folder(run_dir: Path) -> Path:
+        """The run dir W&B is given: it writes ``wandb/`` there, so that folder must be no link (ConfigError)."""
+        checked_folder(run_dir, run_dir / "wandb")
+        return run_dir
 
     def log(self, kind: str, values: Mapping[str, float], step: int) -> None:
         self._run.log({"step": step, **{f"{kind}/{key}": value for key, value in values.items()}})
