@@ -1,5 +1,6 @@
 """A symbolic link or a FIFO planted at any path a run writes, at a file or at a folder above it, never
-makes a resume, ``inspect`` or ``export`` write outside the run dir, and never blocks one.
+makes a start of the finished run, a resume, ``inspect`` or ``export`` write outside the run dir, and
+never blocks one.
 
 The paths come from a real run with every file logger, not from a list kept by hand: a run is made
 once, every path it left (its loggers' own folders as wholes: what TensorBoard and W&B keep inside
@@ -106,6 +107,7 @@ def problems_with(template: Path, case: Path, relative: str, kind: str, capsys: 
     what = f"{relative} as a {kind}"
     found = []
     commands = [
+        ["train", *RUN, f"trainer.run_dir={run_dir}", "trainer.max_steps=2"],  # the finished run started again: it reads only
         ["train", *RUN, f"trainer.run_dir={run_dir}", "trainer.max_steps=4"],
         ["inspect", str(run_dir)],
         ["export", str(run_dir), "--to", str(case / "model.safetensors"), "--force"],

@@ -11,7 +11,7 @@ import torch
 from resume_helpers import NoisyDigits, make_model
 
 from ampddp import CheckpointSettings, Reporting, Trainer
-from ampddp.observe.loggers import CsvLogger, MetricLogger
+from ampddp.observe.loggers import CsvLogger, MetricLogger, MlflowLogger, TensorBoardLogger, WandbLogger
 from ampddp.observe.observer import TrackedRuns
 
 
@@ -60,6 +60,28 @@ def test_a_logger_folder_planted_as_a_file_drops_that_logger_and_leaves_the_file
     assert len(said) == 1 and said[0].endswith("; the run goes on without it"), said  # one warning, at start or first write
     assert (run_dir / "csv").read_text() == "mine"
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 2
+
+
+@pytest.mark.parametrize("name", ["wandb", "tensorboard", "mlflow"])
+def test_a_tracker_folder_or_store_planted_as_a_link_drops_that_tracker_and_writes_nothing_through_it(tmp_path, caplog, name):
+    pytest.importorskip(name)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    target = outside / "target"
+    if name == "mlflow":
+        target.write_bytes(b"mine")
+    else:
+        target.mkdir()
+    (run_dir / ("mlflow.db" if name == "mlflow" else name)).symlink_to(target)
+    tracker = {"wandb": lambda: WandbLogger(mode="offline"), "tensorboard": TensorBoardLogger, "mlflow": MlflowLogger}[name]()
+    with caplog.at_level(logging.WARNING, logger="ampddp"):
+        fit_with(run_dir, tracker)
+    said = [record.getMessage() for record in caplog.records if record.getMessage().startswith(f"logger {name} ")]
+    assert len(said) == 1 and "is a symbolic link" in said[0] and said[0].endswith("; the run goes on without it"), said
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 2
+    assert list(target.iterdir()) == [] if target.is_dir() else target.read_bytes() == b"mine", "written through the link"
 
 
 @pytest.mark.parametrize(

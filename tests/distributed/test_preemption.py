@@ -12,8 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
-from resume_helpers import make_trainer
+from resume_helpers import NoisyDigits, make_trainer
 
+from ampddp import Parallel
 from ampddp.checkpoint.inspect import summarize
 from ampddp.distributed import free_port
 from ampddp.errors import CheckpointError
@@ -158,3 +159,31 @@ def test_metrics_history_drops_steps_a_resume_went_back_over(tmp_path):
     history = read_metrics(tmp_path)
     expected = [("start", 0), ("start", 0), ("train", 1), ("train", 2), ("start", 2), ("train", 3), ("train", 4), ("train", 5)]
     assert [(r["kind"], r["step"]) for r in history] == expected
+
+
+def eval_signal_worker(env, run_dir: str, strategy: str) -> dict:
+    """Rank 0 alone receives SIGTERM at the first batch of the first evaluation; both ranks count the
+    evaluation batches they went through."""
+    batches = []
+
+    def metrics(outputs, batch):
+        batches.append(1)
+        if env.rank == 0 and len(batches) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return {"accuracy": (outputs.argmax(1) == batch[1]).sum()}
+
+    trainer = make_trainer(Path(run_dir), "O0", max_steps=6, env=env, eval_set=NoisyDigits(80), metrics=metrics, eval_every=2,
+                           stop_signals=("SIGTERM",), parallel=Parallel(strategy=strategy))  # fmt: skip
+    result = trainer.fit()
+    return {"preempted": result["summary"]["preempted"], "step": result["progress"]["global_step"], "batches": len(batches)}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_a_signal_on_one_rank_during_an_evaluation_stops_every_rank_at_the_same_batch(tmp_path, strategy):
+    from ampddp.distributed import launch_local
+
+    results = launch_local(eval_signal_worker, 2, (str(tmp_path / "run"), strategy), device="cpu", timeout_s=60, job_timeout_s=240)
+    assert [r["preempted"] for r in results] == ["SIGTERM", "a stop signal on another rank"]
+    assert [r["step"] for r in results] == [2, 2] and summarize(tmp_path / "run")["step"] == 2
+    assert [r["batches"] for r in results] == [1, 1], "the ranks left the evaluation at different batches"

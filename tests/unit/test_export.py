@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -62,6 +63,20 @@ def test_a_directory_is_no_output_file_even_forced(run_dir, tmp_path, capsys):
     assert main(["export", str(run_dir), "--to", str(folder), "--force"]) == EXIT_USAGE
     assert f"--to {folder} is a directory; name a file to write" in capsys.readouterr().err
     assert [path.name for path in folder.iterdir()] == ["kept"]
+
+
+def test_a_link_or_fifo_at_the_output_is_replaced_forced_never_written_through(run_dir, tmp_path, capsys):
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep me")
+    (tmp_path / "linked.safetensors").symlink_to(outside)
+    os.mkfifo(tmp_path / "fifo.safetensors")
+    for name in ("linked.safetensors", "fifo.safetensors"):
+        out = tmp_path / name
+        assert main(["export", str(run_dir), "--to", str(out)]) == EXIT_USAGE
+        assert "exists; choose another name or pass --force" in capsys.readouterr().err
+        assert main(["export", str(run_dir), "--to", str(out), "--force"]) == 0  # no read or write of a FIFO: no hang
+        assert out.is_file() and not out.is_symlink() and load_file(out).keys() == final_state(run_dir)["model"].keys()
+    assert outside.read_text() == "keep me"
 
 
 def test_bad_outputs_and_a_damaged_checkpoint_are_refused_writing_nothing(run_dir, tmp_path, capsys):
