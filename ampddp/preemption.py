@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -55,6 +56,32 @@ def stopped_at_once(sig: signal.Signals, why: str) -> StopRequested:
     """The exception a signal ``sig`` raises to end the command now; ``why``: what is kept."""
     kind = Interrupted if sig == signal.SIGINT else StopRequested
     return kind(f"stopped by {sig.name} {why}")
+
+
+def _importing(frame: FrameType | None) -> bool:
+    """Whether ``frame`` runs inside an import (an import system frame on its stack)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def raise_when_safe(error: StopRequested, frame: FrameType | None) -> None:
+    """Raise ``error`` from a signal handler that interrupted ``frame``: at once, or, inside an import,
+    at the first call after it. An exception in the middle of an extension module's import can abort
+    the interpreter (torch's does: SIGABRT, a C++ stack dump) instead of ending it in one line; the
+    imports of a start take seconds, so the stop still comes within seconds."""
+    if not _importing(frame):
+        raise error
+    previous = sys.gettrace()
+
+    def after_the_import(called: FrameType, event: str, arg: Any) -> None:
+        if event == "call" and not _importing(called):
+            sys.settrace(previous)
+            raise error
+
+    sys.settrace(after_the_import)
 
 
 SAME_PRESS_S = 1.0
@@ -114,7 +141,7 @@ class EarlySignals:
         self._previous: dict[signal.Signals, Any] = {}
 
     def _stop(self, signum: int, frame: FrameType | None) -> None:
-        raise stopped_at_once(signal.Signals(signum), BEFORE_TRAINING)
+        raise_when_safe(stopped_at_once(signal.Signals(signum), BEFORE_TRAINING), frame)
 
     def __enter__(self) -> EarlySignals:
         if _in_main_thread():
@@ -170,13 +197,15 @@ class StopSignals:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         sig = signal.Signals(signum)
         if not self._training:
-            raise stopped_at_once(sig, BEFORE_TRAINING)
+            raise_when_safe(stopped_at_once(sig, BEFORE_TRAINING), frame)
+            return
         if self.received is None:
             self.received, self._first_at = sig.name, time.monotonic()
             if sig == signal.SIGINT:
                 logger.warning("SIGINT: stopping after this step with a checkpoint; press Ctrl-C again to stop at once without it")
         elif sig == signal.SIGINT and time.monotonic() - self._first_at >= SAME_PRESS_S:
-            raise stopped_at_once(sig, "again: stopped at once; the newest complete checkpoint is kept, the same command resumes from it")
+            again = "again: stopped at once; the newest complete checkpoint is kept, the same command resumes from it"
+            raise_when_safe(stopped_at_once(sig, again), frame)
 
     def __enter__(self) -> StopSignals:
         if not _in_main_thread():

@@ -141,6 +141,32 @@ def test_a_signal_while_the_recipe_is_read_ends_the_command_even_one_the_recipe_
     assert not run_dir.exists()
 
 
+SIGNAL_WHILE_IMPORTING_TORCH = """
+import importlib.abc, os, signal, sys
+class SignalOnImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch.nn.modules.linear":  # deep inside torch's own import, below its C extension's start-up
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return None
+sys.meta_path.insert(0, SignalOnImport())
+from ampddp.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_signal_inside_torchs_import_ends_the_command_in_one_line_once_the_import_is_done(tmp_path):
+    """An exception raised inside an extension module's import can abort the interpreter (SIGABRT and
+    a C++ stack dump): the stop waits for the import to finish."""
+    command = train_command(tmp_path / "run", *STEPS)
+    command = [command[0], "-c", SIGNAL_WHILE_IMPORTING_TORCH, *command[3:]]
+    process = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert process.returncode == EXIT_PREEMPTED, process.stderr[-3000:]
+    assert process.stderr.strip().splitlines()[-1].startswith("ampddp train: stopped by SIGTERM before training began")
+    assert "Traceback" not in process.stderr
+
+
 def test_the_run_takes_the_early_catcher_over_and_gives_every_signal_back_after():
     """In-process: early, a signal ends the command (StopRequested, Interrupted for Ctrl-C, itself a
     KeyboardInterrupt); the run's StopSignals takes over the ones it names and, before training, ends
