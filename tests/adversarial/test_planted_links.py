@@ -58,3 +58,26 @@ def test_whole_files_get_the_usual_mode_and_leave_no_temporary_behind(tmp_path):
     replace_file(target, b"{}")
     assert target.read_bytes() == b"{}" and [p.name for p in tmp_path.iterdir()] == ["summary.json"]
     assert stat.S_IMODE(target.stat().st_mode) == 0o666 & ~umask  # as open() gives, not tempfile's 0o600
+
+
+def test_a_linked_abandoned_folder_never_receives_the_checkpoints_a_resume_sets_aside(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    common = [*SHORT, "trainer.max_steps=4", "checkpoint.every_steps=2", "checkpoint.keep_last=2", "optimizer.scheduler=none"]
+    assert main(["train", str(REPO / "recipes" / "quickstart.yaml"), f"trainer.run_dir={run_dir}", *common]) == 0
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (run_dir / "abandoned").symlink_to(outside)
+    step_2 = sorted((run_dir / "checkpoints").iterdir())[0]
+    command = [
+        "train",
+        str(REPO / "recipes" / "quickstart.yaml"),
+        f"trainer.run_dir={run_dir}",
+        *common,
+        f"checkpoint.resume_from={step_2}",
+    ]
+    capsys.readouterr()
+    assert main(command) == EXIT_USAGE
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and f"{run_dir / 'abandoned'} is a symbolic link" in error[0], error
+    assert list(outside.iterdir()) == []
+    assert len(list((run_dir / "checkpoints").glob("*/COMPLETE"))) == 2
