@@ -168,9 +168,10 @@ class StopSignals:
 
     Until ``begin_training`` a signal ends the process at once (``StopRequested``: there is nothing
     new to save, and a set-up that builds a large model or reads a large data set would otherwise
-    outlast a scheduler's grace period); from then on it sets ``received``, and the training loop
-    checkpoints after the step and stops. A second SIGINT (``SAME_PRESS_S`` or more later) does not wait: it raises ``Interrupted``
-    at once (a save it interrupts is abandoned atomically, the newest complete checkpoint stays).
+    outlast a scheduler's grace period); from then on it sets ``received`` (and counts ``requests``),
+    and the training loop checkpoints after the step and stops. A second Ctrl-C (``SAME_PRESS_S`` or
+    more after the first) does not wait: it raises ``Interrupted`` at once (a save it interrupts is
+    abandoned atomically, the newest complete checkpoint stays).
 
     With ``early``, it takes those signals over from an ``EarlySignals``. It unblocks them too:
     ``launch_local`` starts its workers with the forwarded signals blocked, so that one forwarded
@@ -183,29 +184,34 @@ class StopSignals:
         self._previous: dict[signal.Signals, Any] = {}
         self._mask: set[signal.Signals] | None = None
         self._training = False
-        self._first_at = 0.0
+        self._pressed_at: float | None = None
         self.received: str | None = None
+        """The first stop signal since training began (its name)."""
+        self.requests = 0
+        """Stop signals received since training began (a Ctrl-C delivered twice counts once)."""
 
     def begin_training(self) -> None:
         """From now on a signal asks for a checkpoint-and-stop after the current step."""
         self._training = True
-
-    def asked(self) -> bool:
-        """Whether a stop signal arrived (training stops after the step it is in)."""
-        return self.received is not None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         sig = signal.Signals(signum)
         if not self._training:
             raise_when_safe(stopped_at_once(sig, BEFORE_TRAINING), frame)
             return
+        if sig == signal.SIGINT:
+            now = time.monotonic()
+            if self._pressed_at is not None and now - self._pressed_at < SAME_PRESS_S:
+                return  # the same press, delivered twice
+            if self._pressed_at is not None:
+                again = "again: stopped at once; the newest complete checkpoint is kept, the same command resumes from it"
+                raise_when_safe(stopped_at_once(sig, again), frame)
+                return
+            self._pressed_at = now
+            logger.warning("SIGINT: stopping after this step with a checkpoint; press Ctrl-C again to stop at once without it")
+        self.requests += 1
         if self.received is None:
-            self.received, self._first_at = sig.name, time.monotonic()
-            if sig == signal.SIGINT:
-                logger.warning("SIGINT: stopping after this step with a checkpoint; press Ctrl-C again to stop at once without it")
-        elif sig == signal.SIGINT and time.monotonic() - self._first_at >= SAME_PRESS_S:
-            again = "again: stopped at once; the newest complete checkpoint is kept, the same command resumes from it"
-            raise_when_safe(stopped_at_once(sig, again), frame)
+            self.received = sig.name
 
     def __enter__(self) -> StopSignals:
         if not _in_main_thread():

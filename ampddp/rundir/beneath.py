@@ -204,11 +204,11 @@ def refuse_links(root: Path, path: Path) -> Path:
     file (ConfigError naming it): for a library that opens the file by its path. A missing ``path``
     passes (the library creates it)."""
     path = Path(path)
-    with folder_descriptor(root, path.parent) as folder:
-        try:
+    try:
+        with folder_descriptor(root, path.parent) as folder:
             found = os.stat(path.name, dir_fd=folder, follow_symlinks=False).st_mode
-        except FileNotFoundError:
-            return path
+    except FileNotFoundError:  # nothing there yet, nor a link to follow
+        return path
     if stat.S_ISLNK(found):
         raise link_refused(path)
     if not stat.S_ISREG(found):

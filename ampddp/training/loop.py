@@ -178,8 +178,12 @@ class TrainingLoop:
         if self.evaluator is None:
             raise ConfigError("evaluate() needs an eval_set")
         stop = self._stop
+        asked = None
+        if stop is not None:  # the final evaluation stops for a signal during it; one before it let the run end evaluated
+            before = stop.requests if self._finished() else 0
+            asked = lambda: stop.requests > before  # noqa: E731 - read at every batch
         try:
-            self.last_eval = self.evaluator.evaluate(self.run.model, self.engine.forward_context, None if stop is None else stop.asked)
+            self.last_eval = self.evaluator.evaluate(self.run.model, self.engine.forward_context, asked)
         except EvaluationStopped:
             self._stop_evaluating(stop)
             return
