@@ -95,7 +95,7 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ampddp.recipe.reading import describe_keys
+    from ampddp.recipe.key_docs import describe_keys
 
     parser = argparse.ArgumentParser(prog="ampddp", description="Mixed-precision training with apex-style opt levels on native PyTorch.")
     parser.add_argument("--version", action="version", version=f"ampddp {_version()}")
@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
         "train",
         help="train from a recipe",
         description="Train from a YAML recipe; dotted key=value arguments override it. Runs unchanged under torchrun.",
-        epilog="keys (defaults):\n" + describe_keys(),
+        epilog="keys = default {valid values}, and what each does (ampddp train --help SECTION: one section):\n" + describe_keys(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("recipe", help="recipe YAML file (see recipes/)")
@@ -172,6 +172,21 @@ def _run(args: argparse.Namespace, early: EarlySignals) -> int:
         return EXIT_PEER_FAILURE
 
 
+def _asks_for_a_section(argv: list[str] | None) -> bool:
+    """``ampddp train --help SECTION`` (argparse's --help takes no value)."""
+    from ampddp.config import SECTIONS
+
+    words = sys.argv[1:] if argv is None else argv
+    return len(words) == 3 and words[0] == "train" and words[1] in ("-h", "--help") and words[2] in SECTIONS
+
+
+def _section_help(section: str) -> int:
+    from ampddp.recipe.key_docs import describe_keys
+
+    print(f"{section} keys = default {{valid values}}, and what each does:\n{describe_keys(section)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; its exit status: 0, EXIT_USAGE, EXIT_NONFINITE, EXIT_PEER_FAILURE, EXIT_IO,
     EXIT_PREEMPTED, EXIT_INTERRUPTED or EXIT_BROKEN_PIPE.
@@ -183,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     with EarlySignals() as early:
         command = "ampddp"
         try:
+            if _asks_for_a_section(argv):
+                return _section_help((sys.argv[1:] if argv is None else argv)[2])
             args = build_parser().parse_args(argv)
             command = f"ampddp {args.command}"
             code = _run(args, early)

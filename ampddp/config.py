@@ -93,23 +93,36 @@ class PrecisionConfig:
     impl: str = field(default="builtin", metadata=_choices(*IMPLS))
     """builtin (ampddp on native torch) or apex (delegate to an installed apex.amp, O-levels only)."""
     cast_model_type: str | None = None
+    """apex override: the dtype the model's params are cast to (float16, bfloat16, float32); null: the mode's."""
     patch_torch_functions: bool | None = None
+    """apex override: cast ops per apex's lists (the O1/O4 mechanism); only O1/O4 take true; null: the mode's."""
     keep_batchnorm_fp32: bool | str | None = None
+    """apex override: BatchNorm params and stats in fp32 over low-precision params (O2/O5 default true); null: the mode's."""
     fp32_islands: bool | None = None
     """With distributed.strategy fsdp2, O2/O5: run apex's fp32-list ops (softmax, norms, losses) in fp32
     over the low-precision params (null: on); false: apex's pure O2/O5. Refused elsewhere."""
     master_weights: bool | None = None
+    """apex override: fp32 master weights the optimizer steps, copied to the low-precision params; null: the mode's."""
     loss_scale: float | str | None = field(default=None, metadata=_above(0))
     """A fixed scale, or "dynamic"; None keeps the mode's default."""
     cast_model_outputs: str | None = None
+    """apex override: cast the model's floating outputs to this dtype (e.g. float32); null: left as computed."""
     min_loss_scale: float | None = field(default=None, metadata=_above(0))
+    """The dynamic loss scale never backs off below this; null: no floor."""
     max_loss_scale: float | None = field(default=None, metadata=_above(0))
+    """The dynamic loss scale never grows above this (apex: 2**24); null: the mode's."""
     init_loss_scale: float | None = field(default=None, metadata=_above(0))
+    """The dynamic loss scale to start from (apex: 2**16); null: the mode's."""
     growth_factor: float | None = field(default=None, metadata=_above(1))
+    """Multiplies the loss scale after growth_interval steps without overflow (2); null: the mode's."""
     backoff_factor: float | None = field(default=None, metadata=_between(0, 1, low_open=True, high_open=True))
+    """Multiplies the loss scale at an overflow (0.5); null: the mode's."""
     growth_interval: int | None = field(default=None, metadata=_at_least(1))
+    """Steps without overflow before the loss scale grows (apex: 2000); null: the mode's."""
     hysteresis: int | None = field(default=None, metadata=_at_least(1))
+    """Overflows tolerated (steps skipped) before the loss scale backs off (1); null: the mode's."""
     verbosity: int | None = field(default=None, metadata=_at_least(0))
+    """apex's verbosity: 0 silences the loss-scale messages; null: 1."""
     fp8_recipe: str | None = field(default=None, metadata=_choices(*FP8_RECIPES))
     """O6: fp8 scaling of the eligible linear layers: rowwise (default), tensorwise, rowwise_with_gw_hp."""
     fp8_filter: list[str] | None = None
@@ -120,7 +133,9 @@ class PrecisionConfig:
     float_functions: list[str] = field(default_factory=list)
     """Dotted names run in fp32 under O1/O4, e.g. torch.nn.functional.softplus (register_float_function)."""
     half_functions: list[str] = field(default_factory=list)
+    """Dotted names run in the low-precision dtype under O1/O4 (register_half_function)."""
     promote_functions: list[str] = field(default_factory=list)
+    """Dotted names run in the widest dtype of their inputs under O1/O4 (register_promote_function)."""
 
 
 @dataclass
@@ -129,6 +144,7 @@ class ModelConfig:
     """A built-in (mlp, small_cnn), any torchvision classification model (resnet18, ...), or a user's
     function as package.module:function, called with num_classes= and model.kwargs, returning an nn.Module."""
     num_classes: int = field(default=10, metadata=_at_least(1))
+    """Classes the model predicts (the data set's labels must lie in 0..num_classes-1); the vocabulary for a GPT."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for a model named as package.module:function."""
 
@@ -145,7 +161,9 @@ class DataConfig:
     ``~`` and ``$VARS`` are expanded when the data is read, not in the config a checkpoint keeps: a
     requeued job whose $SLURM_TMPDIR moved resumes as the same run."""
     image_size: int = field(default=32, metadata=_at_least(1))
+    """Side in pixels of the images the built-in data sets give the model."""
     channels: int = field(default=3, metadata=_at_least(1))
+    """Image channels of the built-in data sets."""
     batch_size: int = field(default=64, metadata=_at_least(1))
     """Per process."""
     augment: bool = True
@@ -185,6 +203,7 @@ class OptimizerConfig:
     name: str = "sgd"
     """sgd, adam, adamw, lamb (ampddp.apex.optimizers.FusedLAMB) or any torch.optim class by name (RMSprop, torch.optim.NAdam)."""
     lr: float = field(default=0.1, metadata=_at_least(0))
+    """The peak learning rate (after warmup, before the schedule decays it)."""
     momentum: float = field(default=0.9, metadata=_between(0, 1, high_open=True))
     """sgd only (others: optimizer.kwargs)."""
     weight_decay: float = field(default=5e-4, metadata=_at_least(0))
@@ -200,6 +219,7 @@ class OptimizerConfig:
     step_size: int = field(default=30, metadata=_at_least(1))
     """step scheduler: epochs between decays."""
     gamma: float = field(default=0.1, metadata=_above(0))
+    """step scheduler: the factor the LR is multiplied by at each decay."""
     warmup_steps: int = field(default=0, metadata=_at_least(0))
     """Optimizer steps of linear warmup from warmup_start_factor x lr up to lr; the schedule then runs over the remaining steps."""
     warmup_start_factor: float = field(default=0.1, metadata=_between(0, 1, low_open=True))
@@ -209,14 +229,21 @@ class OptimizerConfig:
 @dataclass
 class TrainerConfig:
     max_epochs: int = field(default=10, metadata=_at_least(1))
+    """Passes over the training set; the run ends at whichever of max_epochs and max_steps comes first."""
     max_steps: int | None = field(default=None, metadata=_at_least(1))
+    """Optimizer steps to train (skipped ones included); null: max_epochs alone ends the run."""
     seed: int = field(default=0, metadata=_between(0, 2**32 - 1))
+    """Seeds the model's initialisation, the data order and augmentation, and dropout: the same seed, the same run."""
     run_dir: str = field(default="runs/default", metadata=PATH_SETTING)
+    """Where the run writes everything: checkpoints, metrics.jsonl, summary.json, plots, loggers' files."""
     grad_accum_steps: int = field(default=1, metadata=_at_least(1))
+    """Micro-batches whose gradients add up to one optimizer step (effective batch: batch_size x this x processes)."""
     clip_grad_norm: float | None = field(default=None, metadata=_above(0))
+    """Clip the global gradient norm to this (of the unscaled fp32 gradients); null: no clipping."""
     eval_every_steps: int | None = field(default=None, metadata=_at_least(1))
     """Also evaluate every K optimizer steps (always at each epoch's end)."""
     log_every_steps: int = field(default=10, metadata=_at_least(1))
+    """A record (metrics.jsonl, loggers, a progress line) every K optimizer steps, and at every skipped step."""
     progress: str = field(default="auto", metadata=_choices("auto", "bar", "lines", "off"))
     """auto: a bar on a terminal, periodic lines otherwise."""
     tensorboard: bool = False
@@ -244,7 +271,9 @@ class TrainerConfig:
 @dataclass
 class CheckpointConfig:
     every_steps: int | None = field(default=None, metadata=_at_least(1))
+    """Also checkpoint every K optimizer steps (always at the end and when a stop signal arrives); null: only then."""
     keep_last: int | None = field(default=3, metadata=_at_least(1))
+    """Complete checkpoints kept (older ones are removed once a newer one verifies); null: all."""
     resume: str = field(default="auto", metadata=_choices("auto", "never"))
     """auto: continue from the latest complete checkpoint in trainer.run_dir."""
     resume_from: str | None = field(default=None, metadata=PATH_SETTING)
@@ -261,6 +290,7 @@ class CheckpointConfig:
 @dataclass
 class DistributedConfig:
     strategy: str = field(default="ddp", metadata=_choices(*STRATEGIES))
+    """How several processes train: ddp (torch DDP), apex-ddp, fsdp2 (sharded params, grads and optimizer state), dp, none."""
     sync_bn: str = field(default="off", metadata=_choices(*SYNC_BN_CHOICES))
     """off, or BatchNorm synchronised across ranks: auto (torch's on CUDA, portable elsewhere), torch, apex, portable."""
     nproc_per_node: int = field(default=1, metadata=_at_least(1))
@@ -268,7 +298,9 @@ class DistributedConfig:
     backend: str = field(default="auto", metadata=_choices("auto", "nccl", "gloo", "cpu:gloo,cuda:nccl"))
     """auto (nccl on GPUs, gloo on CPU; on GPUs with fsdp_cpu_offload both: cpu:gloo,cuda:nccl), nccl, gloo, or both."""
     device: str = field(default="auto", metadata=_choices("auto", "cuda", "cpu"))
+    """auto: CUDA when present, else the CPU."""
     timeout_s: float = field(default=600.0, metadata=_above(0))
+    """Seconds a collective waits for the other ranks before the run stops with a peer failure."""
     find_unused_parameters: bool = False
     """torch DDP: find parameters that got no gradient each step (models with unused branches; slower)."""
     static_graph: bool = False
@@ -301,12 +333,15 @@ class ObserveConfig:
     plots: bool = True
     """loss.png, eval_<metric>.png and loss_scale.png in the run dir at the end (needs matplotlib)."""
     wandb_project: str = "ampddp"
+    """The W&B project the run logs to."""
     wandb_entity: str | None = None
+    """The W&B entity (user or team); null: W&B's default."""
     wandb_mode: str | None = field(default=None, metadata=_choices("online", "offline", "disabled"))
     """null: W&B's own choice (WANDB_MODE, else online); offline writes <run_dir>/wandb for `wandb sync`."""
     mlflow_tracking_uri: str | None = None
     """An MLflow server or store; null: MLFLOW_TRACKING_URI, else sqlite:///<run_dir>/mlflow.db."""
     mlflow_experiment: str = "ampddp"
+    """The MLflow experiment the run logs to (created when missing)."""
 
 
 @dataclass

@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from ampddp.config import IMPORT_PATH_FORM, KEY_ALIASES, SECTIONS, Bounds, RunConfig, is_import_path
-from ampddp.errors import ConfigError, choice_error, closest, spelled
+from ampddp.errors import ConfigError, choice_error, closest
 from ampddp.rundir.files import read_regular_file
 from ampddp.rundir.paths import expand_path
 
@@ -349,18 +349,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         return lambda key: "" if path is None or (section, key) in overridden else f"{path}: "
 
     return RunConfig(**{section: _build(section, SECTIONS[section], values, origin(section)) for section, values in raw.items()})
-
-
-def describe_keys() -> str:
-    """Every key with its default, for ``ampddp train --help``."""
-    lines = []
-    for section, cls in SECTIONS.items():
-        for f in dataclasses.fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-            choices = f.metadata.get("choices")
-            hint = f" {{{', '.join(map(spelled, choices))}}}" if choices else ""
-            lines.append(f"  {section}.{f.name} = {default!r}{hint}")
-    return "\n".join(lines)
 
 
 def check_config(config: RunConfig) -> None:

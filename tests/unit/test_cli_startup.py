@@ -14,7 +14,7 @@ def test_help_version_and_the_recipe_schema_do_not_import_torch():
     probe = (
         "import sys, contextlib, io\n"
         "from ampddp.cli import build_parser\n"
-        "from ampddp.recipe.reading import describe_keys\n"
+        "from ampddp.recipe.key_docs import describe_keys\n"
         "build_parser(); describe_keys()\n"
         "with contextlib.redirect_stdout(io.StringIO()):\n"
         "    try:\n"
