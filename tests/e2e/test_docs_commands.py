@@ -25,14 +25,20 @@ PIP_EDITABLE = re.compile(r'^pip install -e "\.(?:\[([\w,-]+)\])?"$')
 
 
 def runnable_blocks() -> list[tuple[str, str]]:
+    """(where, block) of every block marked runnable; a Python block's text starts with PYTHON."""
     blocks = []
     for page in PAGES:
         lines = page.read_text(encoding="utf-8").splitlines()
         for index, line in enumerate(lines):
             if line.strip() == RUNNABLE:
                 end = next(i for i in range(index + 2, len(lines)) if FENCE.match(lines[i]))
-                blocks.append((f"{page.name}:{index + 1}", "\n".join(lines[index + 2 : end])))
+                text = "\n".join(lines[index + 2 : end])
+                blocks.append((f"{page.name}:{index + 1}", PYTHON + text if lines[index + 1].strip() == "```python" else text))
     return blocks
+
+
+PYTHON = "#!python\n"
+"""The mark runnable_blocks puts before a Python block: it runs as a script, not as commands."""
 
 
 def extras() -> set[str]:
@@ -50,6 +56,11 @@ def test_a_runnable_block_runs_as_written(where, block, tmp_path):
         (tmp_path / name).symlink_to(ROOT / name)
     bin_dir = Path(sys.executable).parent
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "PYTHONPATH": str(ROOT)}
+    if block.startswith(PYTHON):  # a script, as a user would save and run it
+        (tmp_path / "script.py").write_text(block.removeprefix(PYTHON))
+        done = subprocess.run([sys.executable, "script.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=840)
+        assert done.returncode == 0, f"{where}: the script exited {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+        return
     for line in block.splitlines():
         for command in (part.strip() for part in line.split("&&")):
             if not command or command.startswith("#"):
