@@ -1,5 +1,5 @@
-"""``ampddp`` command line: ``ampddp train RECIPE [key=value ...]``, ``ampddp inspect PATH [--json]`` and
-``ampddp export PATH --to FILE.safetensors``.
+"""``ampddp`` command line: ``ampddp train RECIPE [key=value ...]``, ``ampddp inspect PATH [--json]``,
+``ampddp export PATH --to FILE.safetensors`` and ``ampddp plot RUN_DIR [RUN_DIR ...]``.
 
 Only light modules are imported at the top: ``main`` catches the stop signals before torch loads, and
 ``--help`` / ``--version`` answer without importing torch at all (the choices they list live in
@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from ampddp.choices import EXPORT_DTYPE_NAMES
 from ampddp.errors import (
@@ -55,6 +56,31 @@ def _export(args: argparse.Namespace, early: EarlySignals) -> int:
     from ampddp.checkpoint.export import export_weights, format_export
 
     print(format_export(export_weights(args.path, args.to, dtype=args.dtype, force=args.force)))
+    return 0
+
+
+def _plot(args: argparse.Namespace, early: EarlySignals) -> int:
+    early.release()
+    import importlib.util
+
+    from ampddp.observe.plots import plot_comparison, plot_metrics
+    from ampddp.rundir.files import METRICS_FILE
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError("ampddp plot needs matplotlib: pip install 'ampddp[plots]'")
+    for run_dir in args.run_dirs:
+        if not (Path(run_dir) / METRICS_FILE).is_file():
+            raise ConfigError(f"{run_dir}: no {METRICS_FILE} here; name the run dir of an ampddp run (trainer.run_dir)")
+    if len(args.run_dirs) == 1 and args.to is None:
+        written = plot_metrics(args.run_dirs[0])
+    else:
+        out = Path(args.to or "comparison.png")
+        if out.suffix != ".png" or out.is_dir():
+            raise ConfigError(f"--to {out}: name the output file *.png")
+        if (out.exists() or out.is_symlink()) and not args.force:
+            raise ConfigError(f"--to {out} exists; choose another name or pass --force to replace it")
+        written = [plot_comparison(args.run_dirs, out)]
+    print("\n".join(f"wrote {path}" for path in written if path is not None))
     return 0
 
 
@@ -130,6 +156,16 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--dtype", default="saved", choices=EXPORT_DTYPE_NAMES, help="floating tensors as saved (default) or cast")
     export.add_argument("--force", action="store_true", help="replace FILE if it exists")
     export.set_defaults(handler=_export)
+    plot = commands.add_parser(
+        "plot",
+        help="plot runs from their metrics.jsonl",
+        description="One run dir: (re)write its plots and report.png there. Several (or --to): their curves overlaid on one "
+        "page (loss, evaluation metrics, learning rate, loss scale), e.g. the same recipe in two precision modes.",
+    )
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run dirs of ampddp runs (trainer.run_dir)")
+    plot.add_argument("--to", metavar="FILE.png", help="the comparison page to write (default: comparison.png here)")
+    plot.add_argument("--force", action="store_true", help="replace FILE if it exists")
+    plot.set_defaults(handler=_plot)
     return parser
 
 

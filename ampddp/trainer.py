@@ -9,7 +9,6 @@ checkpointer, the evaluator, the batch adapter and the callbacks — and hands t
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -24,6 +23,7 @@ from ampddp.distributed.env import DistEnv, detect_env, seed_everything
 from ampddp.distributed.parallel import Parallel
 from ampddp.errors import ConfigError
 from ampddp.observe.observer import LOGGERS_NEED_A_RUN_DIR, Reporting, RunObserver
+from ampddp.observe.run_plan import RunPlan
 from ampddp.precision.choice import Precision
 from ampddp.precision.engine import PrecisionEngine
 from ampddp.preemption import DEFAULT_STOP_SIGNALS, StopSignals, parse_signals
@@ -157,20 +157,20 @@ class Trainer(TrainingLoop):
                                       layout=run.strategy.checkpoint_layout if checkpoints.layout == "auto" else checkpoints.layout),
             loss_fn=loss_fn, batches=batches, loading=data,
             evaluator=evaluator,
-            callbacks=Callbacks([*self._observer(report, place, checkpoints, env, loop, len(train_set), state), *hooks]),
+            callbacks=Callbacks([*self._observer(report, place, checkpoints, env, loop, len(train_set),
+                                                 None if eval_set is None else len(eval_set), state), *hooks]),
             stop_signals=stop_signals, device=device,
         )  # fmt: skip
         seed_everything(env.rank_seed(loop.seed))  # the one seeding point of the training streams, per rank
 
     def _observer(self, report: Reporting | None, place: RunDir | None, checkpoints: CheckpointSettings, env: DistEnv,
-                  loop: LoopSettings, samples: int, state: TrainingState) -> list[Callback]:  # fmt: skip
+                  loop: LoopSettings, samples: int, eval_samples: int | None, state: TrainingState) -> list[Callback]:  # fmt: skip
         """What the run reports (see ``Reporting``), as a callback: none when ``report`` is None."""
         if report is None:
             return []
-        epoch_steps = max(1, math.ceil(samples / (loop.batch_size * env.world_size * loop.grad_accum_steps)))
+        plan = RunPlan(samples, eval_samples, loop.batch_size, env.world_size, loop.grad_accum_steps, loop.max_epochs, loop.max_steps)
         observer = RunObserver(
-            place, env, progress=report.progress, loggers=report.loggers, plots=report.plots,
-            total_steps=loop.max_steps or loop.max_epochs * epoch_steps, config=checkpoints.config,
+            place, env, progress=report.progress, loggers=report.loggers, plots=report.plots, plan=plan, config=checkpoints.config,
             tracked_runs=state.tracked_runs, scales_loss=state.engine.scales_loss, fp8_layers=state.engine.fp8_plan(),
             precision=state.engine.mode,
         )  # fmt: skip

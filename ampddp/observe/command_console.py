@@ -12,11 +12,13 @@ OWN_LOGGERS = "ampddp"
 
 
 class OwnNotesOnly(logging.Filter):
-    """Passes every record of ampddp's loggers, and other loggers' records from WARNING up."""
+    """Passes every record of ampddp's loggers, and other loggers' records from WARNING up but their
+    deprecation notices (torch's ``register_constant() ... deprecated``: for the library's authors,
+    not for a user training a model)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         own = record.name == OWN_LOGGERS or record.name.startswith(f"{OWN_LOGGERS}.")
-        return own or record.levelno >= logging.WARNING
+        return own or (record.levelno >= logging.WARNING and "deprecat" not in record.getMessage().lower())
 
 
 def set_up_command_console(verbose: bool) -> None:

@@ -20,6 +20,7 @@ from ampddp.observe.loggers import MetricLogger, logger_named
 from ampddp.observe.loggers.base import numbers
 from ampddp.observe.metrics_file import read_metrics
 from ampddp.observe.plots import plot_metrics
+from ampddp.observe.run_plan import RunPlan
 from ampddp.rundir.files import (
     METRICS_FILE,
     drop_torn_tail,
@@ -87,6 +88,8 @@ class TrackedRuns:
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 """The form of a tracked-run id a checkpoint may hand a tracker (W&B's and MLflow's ids are of it)."""
 
+LOGGER_PLACES = {"csv": "csv/", "tensorboard": "tensorboard/", "wandb": "W&B (wandb/ when offline)", "mlflow": "MLflow"}
+"""Where each logger's records go, for the run's first line."""
 FILE_ONLY_RECORDS = ("start", "fp8_layers")
 """Records metrics.jsonl keeps that are no time series for the loggers: where a run starts, and what
 O6's set-up made of each linear layer."""
@@ -103,7 +106,7 @@ class RunObserver:
     """
 
     def __init__(self, run_dir: RunDir | str | Path | None, env: DistEnv, *, progress: str = "auto", loggers: Sequence[MetricLogger] = (),
-                 total_steps: int | None = None, config: Mapping[str, Any] | None = None,
+                 plan: RunPlan | None = None, config: Mapping[str, Any] | None = None,
                  tracked_runs: TrackedRuns | None = None, scales_loss: bool = True, plots: bool = True,
                  fp8_layers: Sequence[Mapping[str, Any]] = (), precision: str | None = None) -> None:  # fmt: skip
         self.place = None if run_dir is None else RunDir.of(run_dir)
@@ -123,7 +126,8 @@ class RunObserver:
         self._bar = None
         self._lines = progress == "lines" or (progress == "auto" and not sys.stderr.isatty())
         self._metrics: Any = None
-        self._total_steps = total_steps
+        self._plan = plan
+        self._total_steps = plan.total_steps if plan is not None else None
         self._config = config
         self._scales_loss = scales_loss
         self._plots = plots
@@ -198,7 +202,8 @@ class RunObserver:
         token_rate = {"tokens_per_s": tokens / elapsed} if tokens else {}
         record = {"kind": "train", **record, "samples_per_s": rate, **token_rate, "world_size": self.env.world_size}
         self._write(record)
-        parts = [f"loss {record['loss']:.4f}", f"lr {record['lr']:.3g}"]
+        loss = record["loss"] if record.get("loss_mean") is None else record["loss_mean"]  # the window's mean: less noise
+        parts = [f"loss {loss:.4f}", f"lr {record['lr']:.3g}"]
         if self._scales_loss:
             parts += [f"scale {record['loss_scale']:g}", f"skipped {record['skipped_steps']}"]
         parts.append(f"{rate:.0f} samples/s")
@@ -227,6 +232,7 @@ class RunObserver:
         self._last_time, self._last_samples = time.perf_counter(), samples_seen
         self._rate_steps = (self._last_time, step)
         if self.active:
+            self._say_where_it_goes()
             self._write({"kind": "start", "step": step, "epoch": epoch, **({"precision": self.precision} if self.precision else {})})
             if self.fp8_layers:
                 in_fp8 = sum(bool(layer["fp8"]) for layer in self.fp8_layers)
@@ -234,6 +240,15 @@ class RunObserver:
             self._start_loggers(step)
         if self._wants_bar and self._bar is None:
             self._open_bar(step)
+
+    def _say_where_it_goes(self) -> None:
+        """The run's first lines: where it writes and what it will hold, and the data it trains on."""
+        if self.run_dir is not None:
+            plots = ", plots (loss.png, eval_*.png, report.png)" if self._plots else ""
+            trackers = "".join(f", {LOGGER_PLACES.get(sink.name, sink.name)}" for sink in self._loggers)
+            logger.info("run dir %s: checkpoints/, metrics.jsonl, summary.json%s%s", self.run_dir, plots, trackers)
+        if self._plan is not None:
+            logger.info(self._plan.describe())
 
     def _open_bar(self, step: int) -> None:
         """The progress bar, from the step the run starts at; log lines print above it (not onto it)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Any
@@ -20,6 +21,7 @@ from ampddp.precision.engine import PrecisionEngine, check_loss, check_models_an
 from ampddp.precision.policy import DYNAMIC, parse_setting
 from ampddp.precision.state import PrecisionState, ScalerState
 
+logger = logging.getLogger("ampddp.precision")
 NATIVE_SETTINGS = ("loss_scale", "init_loss_scale", "growth_factor", "backoff_factor", "growth_interval", "enabled")
 
 
@@ -69,7 +71,17 @@ class NativeAmpEngine(PrecisionEngine):
         if self.scaler.is_enabled():
             self._buffer_guard = BufferGuard(models)
             self._handles = self._buffer_guard.install(models)
+        logger.info("precision %s", self.summary())
         return models, optimizers
+
+    def summary(self) -> str:
+        """One line saying what the mode does, as the opt levels' set-up says it."""
+        if not self.enabled:
+            return f"{self.mode} disabled: fp32 throughout"
+        scaling = (f"dynamic loss scale from {self._scaler_args['init_scale']:g}" if self._scaler_args["enabled"]
+                   else "no loss scaling")  # fmt: skip
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{self.mode}: torch.autocast {dtype} on {', '.join(self._device_types)} (torch's op lists), fp32 weights, {scaling}"
 
     def teardown(self) -> None:
         for handle in self._handles:

@@ -28,7 +28,8 @@ logger = logging.getLogger("ampddp.observe")
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
-PLOT_FILES = ("loss.png", "eval_accuracy.png", "loss_scale.png")
+PLOT_FILES = ("loss.png", "eval_accuracy.png", "lr.png", "loss_scale.png", "report.png")
+"""The plots of a run (loss_scale.png only where the scale moved; eval_<metric>.png per evaluation metric)."""
 
 
 MAX_SUMMARY_BYTES = 16 * 1024 * 1024

@@ -42,6 +42,15 @@ class DeviceSettings:
         """``model`` in the chosen memory format (in place: the parameters stay the same objects)."""
         return model.to(memory_format=torch.channels_last) if self.channels_last else model
 
+    def describe(self, device: torch.device) -> str:
+        """The device and the settings that apply to it (cuDNN and TF32 on CUDA only)."""
+        layout = ", channels_last" if self.channels_last else ""
+        if device.type != "cuda":
+            return f"{device.type}: {torch.get_num_threads()} thread(s){layout}"
+        tf32 = "torch's default" if self.allow_tf32 is None else ("on" if self.allow_tf32 else "off")
+        benchmark = "on" if self.cudnn_benchmark else "off"
+        return f"{device} ({torch.cuda.get_device_name(device)}){layout}, cudnn_benchmark {benchmark}, TF32 {tf32}"
+
     @contextmanager
     def backend_flags(self, device: torch.device) -> Iterator[None]:
         """cuDNN benchmark and TF32 as asked, for the duration of training; logs them with the device."""
@@ -50,11 +59,7 @@ class DeviceSettings:
         precision = _tf32_settings() if self.allow_tf32 is not None else None
         if precision is not None:
             _set_tf32(self.allow_tf32)
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-        logger.info(
-            "device %s (%s): channels_last %s, cudnn_benchmark %s, allow_tf32 %s",
-            device, name, self.channels_last, self.cudnn_benchmark, self.allow_tf32,
-        )  # fmt: skip
+        logger.info("device %s", self.describe(device))
         try:
             yield
         finally:

@@ -32,6 +32,7 @@ from ampddp.training.device import DeviceSettings
 from ampddp.training.evaluator import EvaluationStopped, Evaluator
 from ampddp.training.last_batch import check_single_sample_batch, epochs_to_finish
 from ampddp.training.loading import DataLoading, InputTimer, LoaderSettings, name_batch_rows
+from ampddp.training.log_window import LogWindow
 from ampddp.training.nonfinite import NonFiniteGuard, blame_inputs, non_finite_rows
 from ampddp.training.settings import LoopSettings
 
@@ -53,7 +54,8 @@ class TrainingLoop:
         self.checkpointer, self.loss_fn, self.batches, self.evaluator = checkpointer, loss_fn, batches, evaluator
         self.loading = loading or DataLoading(LoaderSettings(), run.env.device, settings.seed, run.env.rank_seed(settings.seed))
         self.input_timer = InputTimer()
-        self._tokens_since_log = 0
+        self.log_window = LogWindow()
+        self._first_step_logged = False
         self.device = device or DeviceSettings()
         self.callbacks = callbacks or Callbacks()
         self.stop_signals = stop_signals
@@ -217,11 +219,12 @@ class TrainingLoop:
         """One optimizer step over ``window`` (batches ``first``... of this pass); returns True when
         every rank should stop (a signal)."""
         total, tokens = self._global_counts(window)
-        self._tokens_since_log += int(tokens)
         loss_sum = self._forward_backward(window, first, total)
         loss_value, stop_agreed = self._agree(loss_sum, total, stop)
+        self.log_window.add(loss_value, tokens)
         self.guard.check(loss_value, self.progress.global_step + 1, lambda: self._diagnose(window, first))
-        logging_step = (self.progress.global_step + 1) % self.settings.log_every == 0
+        logging_step = (self.progress.global_step + 1) % self.settings.log_every == 0 or not self._first_step_logged
+        self._first_step_logged = True  # the first step this process trains is recorded: progress shows at once
         grad_norm, stepped = self._apply(logging_step)
         if not stepped and math.isfinite(loss_value):
             logger.warning("step %d skipped: %s", self.progress.global_step + 1, self._diagnose(window, first))
@@ -294,13 +297,8 @@ class TrainingLoop:
             "skipped": not stepped, "skipped_steps": progress.skipped_steps,
             "grad_norm": None if grad_norm is None or not stepped else float(grad_norm),
             "data_wait_s": self.input_timer.take(progress.global_step),
-            **({"tokens": self._take_tokens()} if self._tokens_since_log else {}),
+            **self.log_window.take(),  # loss_mean over the steps since the last record; tokens (-> tokens/s)
         }  # fmt: skip
-
-    def _take_tokens(self) -> int:
-        """Tokens trained on since the last record (the observer turns them into tokens/s)."""
-        tokens, self._tokens_since_log = self._tokens_since_log, 0
-        return tokens
 
     def _after_step(self, ends_epoch: bool) -> None:
         """Epoch end and evaluation, then the checkpoint: the last step is evaluated before it is

@@ -61,3 +61,39 @@ def test_a_run_that_raises_tells_its_loggers_and_leaves_no_progress_bar_or_log_r
         trainer.fit()
     assert sink.closed == [True]
     assert logging.getLogger().handlers == handlers
+
+
+@pytest.mark.timeout(300)
+def test_the_first_lines_say_where_the_run_writes_its_precision_device_and_data_and_step_1_shows_at_once_in_a_log(tmp_path):
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "ampddp", "train", str(QUICKSTART), f"trainer.run_dir={tmp_path / 'run'}", "trainer.max_steps=3",
+               "trainer.log_every_steps=20", "data.batch_size=8", "data.eval_fraction=0.05", "model.name=mlp",
+               "precision.mode=native-bf16"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240)  # piped, as into a log file or CI
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = (done.stderr + done.stdout).splitlines()
+    first = "\n".join(lines[:6])
+    assert f"run dir {tmp_path / 'run'}: checkpoints/, metrics.jsonl, summary.json, plots" in first, first
+    assert "precision native-bf16: torch.autocast bfloat16 on cpu (torch's op lists), fp32 weights, no loss scaling" in first, first
+    assert "data: 1707 training samples, 90 held out; 8 a step (batch 8), 214 steps an epoch; ends at step 3 (3 steps)" in first, first
+    assert any(line.startswith("device cpu: ") and "cudnn" not in line and "tf32" not in line.lower() for line in lines[:6]), first
+    assert any(line.startswith("step 1 epoch ") for line in lines), "no progress line at the first step of a piped run"
+
+
+def test_each_record_carries_the_mean_loss_of_the_steps_since_the_one_before(tmp_path):
+    from ampddp.observe import read_metrics
+
+    def losses(run_dir, log_every):
+        Trainer(make_model(), lambda p: torch.optim.SGD(p, lr=0.05), NoisyDigits(64), precision="O0", batch_size=8, max_steps=6,
+                log_every=log_every, seed=3, run_dir=run_dir, report=Reporting(progress="off", plots=False)).fit()  # fmt: skip
+        return {r["step"]: r for r in read_metrics(run_dir) if r["kind"] == "train"}
+
+    every = losses(tmp_path / "every", 1)
+    assert all(record["loss_mean"] == record["loss"] for record in every.values())
+    windows = losses(tmp_path / "windows", 3)
+    assert sorted(windows) == [1, 3, 6]  # the first step this run trains, then every 3rd
+    for step, previous in ((1, 0), (3, 1), (6, 3)):
+        expected = sum(every[s]["loss"] for s in range(previous + 1, step + 1)) / (step - previous)
+        assert windows[step]["loss_mean"] == pytest.approx(expected, rel=1e-12) and windows[step]["loss"] == every[step]["loss"]

@@ -44,3 +44,15 @@ def test_notes_of_a_refused_build_are_dropped(printed):
         raise ConfigError("trainer.run_dir=/x is held by another run")
     logging.getLogger("ampddp").info("next")
     assert printed.getvalue() == "next\n"
+
+
+def test_the_command_console_keeps_other_libraries_notes_and_deprecations_off_and_their_warnings_on():
+    from ampddp.observe.command_console import OwnNotesOnly
+
+    def passes(name: str, level: int, message: str) -> bool:
+        return OwnNotesOnly().filter(logging.LogRecord(name, level, __file__, 1, message, None, None))
+
+    assert passes("ampddp.trainer", logging.INFO, "step 1") and passes("ampddp.observe", logging.DEBUG, "x")
+    assert not passes("mlflow.store.db.utils", logging.INFO, "Creating initial MLflow database tables...")
+    assert not passes("torch.utils._pytree", logging.WARNING, "Calling register_constant() on Enum subclasses is deprecated")
+    assert passes("torch.distributed", logging.WARNING, "a rank is slow")

@@ -11,7 +11,7 @@ from pathlib import Path
 import matplotlib
 
 from ampddp.cli import main
-from ampddp.observe.plots import PLOTS_SKIPPED, plot_metrics
+from ampddp.observe.plots import PLOTS_SKIPPED, RunHistory, plot_metrics
 from ampddp.rundir.files import METRICS_FILE, PLOT_FILES, SUMMARY_FILE
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -30,7 +30,7 @@ def test_plots_are_written_and_the_matplotlib_backend_is_left_alone(tmp_path):
         assert matplotlib.get_backend() == "svg"
     finally:
         matplotlib.use(previous)
-    assert [path.name for path in paths] == ["loss.png", "eval_accuracy.png", "loss_scale.png"]
+    assert [path.name for path in paths] == ["loss.png", "eval_accuracy.png", "loss_scale.png", "report.png"]
     assert all(path.read_bytes().startswith(PNG_MAGIC) for path in paths)
 
 
@@ -52,5 +52,37 @@ def test_without_matplotlib_a_run_skips_the_plots_with_one_message_and_still_wri
 def test_a_loss_scale_that_never_changed_gets_no_plot(tmp_path):
     lines = [{"kind": "train", "step": step, "loss": 1 / step, "loss_scale": 1.0, "skipped": False} for step in range(1, 6)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    assert [path.name for path in plot_metrics(tmp_path)] == ["loss.png"]
+    assert [path.name for path in plot_metrics(tmp_path)] == ["loss.png", "report.png"]
     assert not (tmp_path / "loss_scale.png").exists()
+
+
+def test_the_panels_label_their_axes_and_draw_the_window_means_beside_the_evaluation_loss(tmp_path):
+    lines = [{"kind": "start", "step": 0, "epoch": 0, "precision": "O2"}]
+    lines += [
+        {"kind": "train", "step": s, "loss": 9.0, "loss_mean": 1 / s, "lr": 0.1, "loss_scale": 1.0, "skipped": False} for s in (1, 5, 10)
+    ]
+    lines += [{"kind": "eval", "step": 10, "loss": 0.3, "accuracy": 0.9, "samples": 4}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    history = RunHistory.of(tmp_path)
+    assert history.label == f"{tmp_path.name} (O2)"
+    loss, accuracy, lr = history.panels(own_labels=True)
+    assert (loss.file, loss.ylabel, [curve.values for curve in loss.curves]) == ("loss.png", "loss", [[1.0, 0.2, 0.1], [0.3]])
+    assert (accuracy.file, accuracy.ylabel, accuracy.curves[0].values) == ("eval_accuracy.png", "accuracy", [0.9])
+    assert (lr.file, lr.ylabel) == ("lr.png", "learning rate")
+
+
+def test_ampddp_plot_overlays_runs_on_one_page_and_keeps_an_existing_file(tmp_path, capsys):
+    for name, loss in (("o2", 1.0), ("bf16", 2.0)):
+        (tmp_path / name).mkdir()
+        records = [{"kind": "train", "step": s, "loss": loss / s, "lr": 0.1} for s in (1, 2)]
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "both.png"
+    assert main(["plot", str(tmp_path / "o2"), str(tmp_path / "bf16"), "--to", str(out)]) == 0
+    assert out.read_bytes().startswith(PNG_MAGIC) and f"wrote {out}" in capsys.readouterr().out
+    out.write_bytes(b"mine")
+    assert main(["plot", str(tmp_path / "o2"), str(tmp_path / "bf16"), "--to", str(out)]) == 2
+    assert "exists; choose another name or pass --force" in capsys.readouterr().err and out.read_bytes() == b"mine"
+    assert main(["plot", str(tmp_path / "o2"), str(tmp_path)]) == 2
+    assert f"{tmp_path}: no metrics.jsonl here" in capsys.readouterr().err
+    assert main(["plot", str(tmp_path / "o2")]) == 0
+    assert (tmp_path / "o2" / "report.png").read_bytes().startswith(PNG_MAGIC)
