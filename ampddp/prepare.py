@@ -33,6 +33,7 @@ from ampddp.errors import ConfigError
 from ampddp.precision.auto import auto_choice
 from ampddp.precision.choice import Precision
 from ampddp.precision.engine import PrecisionEngine
+from ampddp.precision.hardware import cuda_build_bytes, cuda_build_note, nvidia_gpu_present
 from ampddp.precision.speed_warning import warn_if_slower_than_fp32
 
 logger = logging.getLogger("ampddp.precision")
@@ -118,6 +119,10 @@ def prepare(
     broadcast_from_main(model, env)
     wrapped, module, optimizer = parallel.set_up(model, make_optimizer, env, engine)
     warn_if_slower_than_fp32(engine.mode, engine.compute_dtype, env.device, [module])
+    if env.device.type == "cpu" and env.is_main:
+        note = cuda_build_note(torch.version.cuda, nvidia_gpu_present(), cuda_build_bytes() if torch.version.cuda else 0)
+        if note is not None:  # a note among the run's first lines, not a warning: the run itself is fine
+            logger.info(note)
     return Prepared(wrapped, module, optimizer, engine, parallel.plan.grad_sync(wrapped), env, parallel.plan)
 
 

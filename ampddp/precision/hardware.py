@@ -10,6 +10,7 @@ capability 8.0, fp8 before 8.9) is refused where a run's precision is chosen: :f
 
 from __future__ import annotations
 
+import functools
 import platform
 from pathlib import Path
 
@@ -103,3 +104,41 @@ def slower_than_fp32(device: torch.device, compute_dtype: torch.dtype | None, ha
     if compute_dtype == torch.float16 and has_convolutions:
         return "fp16 convolution backward is about 60x slower than fp32 on CPU in current PyTorch"
     return None
+
+
+CPU_WHEEL_INDEX = "https://download.pytorch.org/whl/cpu"
+CUDA_ONLY_DISTRIBUTIONS = ("nvidia-", "triton", "cuda-")
+"""Distributions a CUDA build of torch pulls in that a CPU-only one does not (names, or their prefixes)."""
+
+
+def nvidia_gpu_present() -> bool:
+    """Whether this machine has an NVIDIA GPU (its driver's device nodes), whether or not torch can use it."""
+    return any(Path(node).exists() for node in ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia"))
+
+
+@functools.cache
+def cuda_build_bytes() -> int:
+    """Bytes on disk of the CUDA build's own parts: the CUDA-only distributions and torch's CUDA libraries."""
+    import importlib.metadata
+
+    total = 0
+    for dist in importlib.metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower()
+        if name.startswith(CUDA_ONLY_DISTRIBUTIONS):
+            total += sum(entry.size or 0 for entry in dist.files or [])
+    libraries = Path(torch.__file__).parent / "lib"
+    if libraries.is_dir():
+        total += sum(path.stat().st_size for path in libraries.iterdir() if "cuda" in path.name.lower())
+    return total
+
+
+def cuda_build_note(cuda_version: str | None, gpu_present: bool, cuda_bytes: int) -> str | None:
+    """The line a run on a CPU-only machine with a CUDA build of torch says once: what the CUDA parts
+    take on disk and how to install the CPU-only wheel instead (None otherwise)."""
+    if cuda_version is None or gpu_present:
+        return None
+    return (
+        f"torch {torch.__version__} is a CUDA {cuda_version} build and this machine has no NVIDIA GPU: its CUDA parts take "
+        f"{cuda_bytes / 2**30:.1f} GB here, which the CPU-only wheel leaves out (pip install torch torchvision --index-url "
+        f"{CPU_WHEEL_INDEX})"
+    )

@@ -60,3 +60,27 @@ def test_a_run_set_up_in_a_slow_mode_warns_once_naming_the_faster_choice(monkeyp
     assert len(lines) == (1 if warned else 0)
     if warned:
         assert lines[0].startswith(f"precision {mode} on cpu is slower than fp32 here") and "O0 (fp32)" in lines[0]
+
+
+def test_a_cuda_build_on_a_machine_without_an_nvidia_gpu_is_noted_with_the_disk_it_takes():
+    from ampddp.precision.hardware import CPU_WHEEL_INDEX, cuda_build_note
+
+    note = cuda_build_note("13.0", gpu_present=False, cuda_bytes=int(4.5 * 2**30))
+    assert "is a CUDA 13.0 build and this machine has no NVIDIA GPU: its CUDA parts take 4.5 GB here" in note
+    assert f"pip install torch torchvision --index-url {CPU_WHEEL_INDEX}" in note
+    assert cuda_build_note(None, gpu_present=False, cuda_bytes=0) is None  # a CPU build
+    assert cuda_build_note("13.0", gpu_present=True, cuda_bytes=1) is None  # a GPU machine (whatever torch sees of it)
+
+
+@pytest.mark.skipif(torch.version.cuda is None, reason="this torch is a CPU build: nothing to note")
+def test_prepare_on_this_cpu_only_machine_says_the_note_once(caplog):
+    from ampddp import prepare
+    from ampddp.distributed.env import detect_env
+    from ampddp.precision.hardware import nvidia_gpu_present
+
+    if nvidia_gpu_present():
+        pytest.skip("this machine has an NVIDIA GPU")
+    with caplog.at_level(logging.INFO, logger="ampddp"):
+        prepare(torch.nn.Linear(4, 2), lambda p: torch.optim.SGD(p, lr=0.1), detect_env({}, device="cpu"), precision="O0")
+    notes = [r.getMessage() for r in caplog.records if "CUDA" in r.getMessage() and "CPU-only wheel" in r.getMessage()]
+    assert len(notes) == 1 and f"torch {torch.__version__} is a CUDA {torch.version.cuda} build" in notes[0], notes
