@@ -17,14 +17,14 @@ ENV PIP_NO_CACHE_DIR=1 \
 
 WORKDIR /opt/ampddp
 COPY setup.py pyproject.toml README.md ./
-COPY ampddp ./ampddp
+COPY src ./src
 COPY recipes ./recipes
 COPY examples ./examples
 
 # Install ampddp without replacing the image's CUDA build of torch/torchvision: its other
 # requirements (setup.py install_requires) by hand, plus matplotlib, the plots extra.
 RUN python -m pip install --no-deps -e . \
-    && python -m pip install "numpy>=1.22" "PyYAML>=6" "tqdm>=4" "scikit-learn>=1.3" "xxhash>=3.0" "matplotlib>=3.7"
+    && python -m pip install "numpy>=1.22" "PyYAML>=6" "tqdm>=4" "scikit-learn>=1.3" "xxhash>=3.0" "safetensors>=0.4" "matplotlib>=3.7"
 
 # apex from its last tag that still has apex.amp and apex.parallel (removed upstream in 25.05+).
 RUN if [ "$WITH_APEX" = "1" ]; then \

@@ -36,7 +36,10 @@ setup(
     description="apex-style AMP opt levels (O0-O5, fp8 O6) and native torch.amp on PyTorch, with DDP, SyncBN and safe checkpoints",
     long_description=Path("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
-    packages=find_packages(include=["ampddp", "ampddp.*"]),
+    # src/ layout: a checkout (a folder named ampddp, like the package) beside the working directory can
+    # never be imported in place of the installed package (it would be an empty namespace package).
+    packages=find_packages(where="src", include=["ampddp", "ampddp.*"]),
+    package_dir={"": "src"},
     # The apex distribution record the runner's shim folder holds (found as installed only under the runner).
     package_data={"ampddp.apex._shim": ["apex-0.1.dist-info/*"]},
     python_requires=">=3.10",

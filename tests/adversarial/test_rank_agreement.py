@@ -34,7 +34,7 @@ def torchrun(tmp_path: Path, lrs: tuple[float, float]) -> subprocess.CompletedPr
     run_dir = tmp_path / "run"
     script.write_text(WRAPPER.format(lrs=lrs, recipe=str(REPO / "recipes" / "quickstart.yaml"), run_dir=run_dir))
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()), str(script)]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
     return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
 
 

@@ -20,7 +20,7 @@ def run_pattern(tmp_path, pattern, *extra, nproc=1, name="out"):
     out.mkdir(exist_ok=True)
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc > 1 else []
     args = [sys.executable, *launcher, "-m", "ampddp.apex", str(JOB), pattern, "--out", str(out), *extra]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     done = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-4000:]

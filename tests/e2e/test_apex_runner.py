@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def run(args, cwd, timeout=240, env=None):
-    merged = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
+    merged = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1", **(env or {})}
     merged.pop("WORLD_SIZE", None)
     return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=merged)
 
@@ -116,7 +116,7 @@ def test_a_script_launched_on_several_processes_that_never_joins_them_is_warned_
         "    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
         "    model, optimizer = amp.initialize(model, optimizer, opt_level='O1', verbosity=0)\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1", "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), LOCAL_WORLD_SIZE="2")
     done = subprocess.run(
         [sys.executable, "-m", "ampddp.apex", str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env

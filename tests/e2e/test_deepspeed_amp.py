@@ -29,7 +29,7 @@ def run_job(tmp_path, level, name):
     out.mkdir()
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     args = [sys.executable, *launcher, "-m", "ampddp.apex", str(JOB), level, "--out", str(out)]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     env.pop("WORLD_SIZE", None)
     return subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=400, env=env), out
 

@@ -55,7 +55,7 @@ def test_a_runnable_block_runs_as_written(where, block, tmp_path):
     for name in ("recipes", "examples"):
         (tmp_path / name).symlink_to(ROOT / name)
     bin_dir = Path(sys.executable).parent
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "PYTHONPATH": str(ROOT / "src")}
     if block.startswith(PYTHON):  # a script, as a user would save and run it
         (tmp_path / "script.py").write_text(block.removeprefix(PYTHON))
         done = subprocess.run([sys.executable, "script.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=840)

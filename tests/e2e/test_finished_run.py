@@ -54,7 +54,7 @@ def test_a_finished_run_answers_without_torch_what_the_full_start_reports(finish
         f"code = main(['train', {RECIPE!r}, 'trainer.run_dir={run_dir}', *{SHORT!r}])\n"
         "print(json.dumps({'code': code, 'torch': 'torch' in sys.modules}))\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         env.pop(name, None)
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)

@@ -31,7 +31,7 @@ def run_job(tmp_path, name, opt_level, *extra, nproc=1, env=None):
     out.mkdir(exist_ok=True)
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc > 1 else []
     args = [sys.executable, *launcher, "-m", "ampddp.apex", str(JOB), "--opt-level", opt_level, "--out", str(out), *extra]
-    merged = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
+    merged = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1", **(env or {})}
     merged.pop("WORLD_SIZE", None)
     done = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=400, env=merged)
     assert done.returncode == 0, done.stderr[-4000:]

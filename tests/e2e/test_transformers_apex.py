@@ -27,7 +27,7 @@ def train(tmp_path, name, *args, nproc=1):
     out.mkdir(exist_ok=True)
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc > 1 else []
     command = [sys.executable, *launcher, "-m", "ampddp.apex", str(JOB), *args, "--out", str(out)]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     env.pop("WORLD_SIZE", None)
     done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=400, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -35,7 +35,7 @@ def train(tmp_path, name, *args, nproc=1):
 
 
 def test_without_the_runner_the_trainer_refuses_the_apex_backend(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     code = "from transformers import TrainingArguments; TrainingArguments('o', fp16=True, half_precision_backend='apex', use_cpu=True)"
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=200, env=env)
     assert done.returncode != 0 and "APEX is not installed" in done.stderr

@@ -43,3 +43,26 @@ def test_the_light_choices_match_the_engines_and_wrappers():
     assert tuple(NATIVE_MODES) == choices.NATIVE_MODE_NAMES
     assert tuple(MODES) == choices.PRECISION_MODES
     assert all(spec.policy is None or spec.policy.opt_level == name for name, spec in MODES.items())
+
+
+def test_a_checkout_beside_the_working_directory_never_hides_the_installed_package(tmp_path):
+    """A clone is a folder named ampddp; with the package at its top level, Python started next to it
+    imported the clone as an empty namespace package ahead of an editable install's finder. Under
+    src/ the install puts src/ on the path, where the real package wins."""
+    import importlib.metadata
+    import json
+    import os
+
+    records = [dist.read_text("direct_url.json") for dist in importlib.metadata.distributions(name="ampddp")]
+    if not any(record and json.loads(record).get("dir_info", {}).get("editable") for record in records):
+        import pytest
+
+        pytest.skip("ampddp is not installed editable here (pip install -e .): the case is an editable install beside its clone")
+    clone = tmp_path / "ampddp"
+    (clone / "recipes").mkdir(parents=True)
+    (clone / "setup.py").write_text("")
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    probe = "import ampddp; from ampddp import Trainer, prepare; print(ampddp.__file__)"
+    done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith(os.path.join("src", "ampddp", "__init__.py"))

@@ -18,7 +18,7 @@ from ampddp.errors import CheckpointError
 from ampddp.precision import STATE_VERSION, PrecisionState, ScalerState
 from ampddp.precision.state import convert
 
-PACKAGE = Path(__file__).resolve().parents[2] / "ampddp"
+PACKAGE = Path(__file__).resolve().parents[2] / "src" / "ampddp"
 
 
 def trained(mode, steps=3, overflow_at=1, **overrides):

@@ -54,7 +54,7 @@ def test_the_command_line_refuses_an_older_torch_in_one_line_before_writing_anyt
         "from ampddp.cli import main\n"
         f"sys.exit(main(['train', {str(REPO / 'recipes' / 'quickstart.yaml')!r}, 'trainer.run_dir={run_dir}']))\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=150, env=env, cwd=tmp_path)
     assert done.returncode == 2, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.strip()]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import io
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,11 +79,16 @@ class RunHistory:
             panels.append(Panel(f"eval_{key}.png", f"held-out {key}", key, [_curve(name("evaluation"), evals, key)]))
         panels.append(Panel("lr.png", "learning rate", "learning rate", [_curve(name("lr"), train, "lr")]))
         if len({r.get("loss_scale") for r in train}) > 1 or any(r.get("skipped") for r in train):
-            scale = _curve(name("loss scale"), train, "loss_scale")
-            skipped = [r for r in train if r.get("skipped")]
-            marks = Curve(name("skipped step"), [r["step"] for r in skipped], [r["loss_scale"] for r in skipped])
-            panels.append(Panel("loss_scale.png", "loss scale", "loss scale (log2)", [scale, marks], log2=_all_positive(scale)))
+            panels.append(_loss_scale_panel(train, name))
         return [panel for panel in panels if any(curve.steps for curve in panel.curves)]
+
+
+def _loss_scale_panel(train: list[dict[str, Any]], name: Callable[[str], str]) -> Panel:
+    """The loss scale on a log2 axis (where it stayed positive), its skipped steps marked."""
+    scale = _curve(name("loss scale"), train, "loss_scale")
+    skipped = [r for r in train if r.get("skipped") and isinstance(r.get("loss_scale"), (int, float))]
+    marks = Curve(name("skipped step"), [r["step"] for r in skipped], [r["loss_scale"] for r in skipped])
+    return Panel("loss_scale.png", "loss scale", "loss scale (log2)", [scale, marks], log2=_all_positive(scale))
 
 
 def _curve(label: str, records: list[dict[str, Any]], key: str, fallback: str | None = None) -> Curve:
