@@ -27,3 +27,12 @@ def blobs(samples: int = 96, features: int = 8, classes: int = 3, with_eval: boo
 
 def not_a_pair() -> TensorDataset:
     return TensorDataset(torch.zeros(4, 2))
+
+
+def chatty_blobs() -> tuple[TensorDataset, TensorDataset | None]:
+    """``blobs``, built the way many libraries are: logging an INFO note and a deprecation notice."""
+    import logging
+
+    logging.getLogger("somelib").info("somelib: loaded 96 blobs from the cache")
+    logging.getLogger("somelib").warning("somelib: calling load() without a version is deprecated")
+    return blobs()

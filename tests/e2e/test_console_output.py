@@ -97,3 +97,25 @@ def test_each_record_carries_the_mean_loss_of_the_steps_since_the_one_before(tmp
     for step, previous in ((1, 0), (3, 1), (6, 3)):
         expected = sum(every[s]["loss"] for s in range(previous + 1, step + 1)) / (step - previous)
         assert windows[step]["loss_mean"] == pytest.approx(expected, rel=1e-12) and windows[step]["loss"] == every[step]["loss"]
+
+
+@pytest.mark.timeout(300)
+def test_other_libraries_notes_stay_off_the_console_and_go_to_the_runs_log_file(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    repo = QUICKSTART.parents[1]
+    command = [sys.executable, "-m", "ampddp", "train", str(QUICKSTART), f"trainer.run_dir={tmp_path / 'run'}", "trainer.max_steps=2",
+               "data.name=user_parts:chatty_blobs", "model.name=user_parts:build", "model.num_classes=3",
+               "model.kwargs={in_features: 8, hidden: 8}", "data.batch_size=8", "precision.mode=O0"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo / "src"), str(repo / "tests")])}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "somelib" not in done.stderr + done.stdout
+    log = (tmp_path / "run" / "ampddp.log").read_text()
+    assert "INFO somelib: somelib: loaded 96 blobs from the cache" in log and "WARNING somelib: somelib: calling load()" in log
+    assert "INFO ampddp.precision: precision O0: fp32 throughout" in log and "ampddp.observe: run dir " in log
+    verbose = subprocess.run([*command[:6], f"trainer.run_dir={tmp_path / 'verbose'}", *command[7:], "--verbose"],
+                             capture_output=True, text=True, timeout=240, env=env)  # fmt: skip
+    assert verbose.returncode == 0 and "somelib: loaded 96 blobs" in verbose.stderr, verbose.stderr[-3000:]

@@ -19,6 +19,7 @@ from ampddp.distributed.launch import launch_local
 from ampddp.distributed.watch import PeerWatch
 from ampddp.errors import ConfigError
 from ampddp.observe.console import notes_held_until_done, rank_console
+from ampddp.observe.run_log import RunLog
 from ampddp.preemption import EarlySignals, StopSignals
 from ampddp.recipe.build import build_run
 from ampddp.recipe.checks import check_recipe
@@ -39,12 +40,14 @@ def train(config: RunConfig, env: DistEnv, early: EarlySignals | None = None, *,
     it closes; None: it is not claimed here (a spawning parent holds it). What the build says is
     printed once the run dir is claimed: a run refused on the way says only its error.
     """
-    with StopSignals(config.trainer.stop_signals, early=early) as stop, rank_console(env):
+    with StopSignals(config.trainer.stop_signals, early=early) as stop, rank_console(env), ExitStack() as logged:
         place = RunDir(config.trainer.run_dir, "trainer.run_dir")  # one value: the run writes, probes and locks it
         with notes_held_until_done():
+            log = logged.enter_context(RunLog(env))  # inside: it keeps every record as it comes, the held notes too
             trainer = build_run(config, env, stop, place)
             if claim is not None:
                 claim.enter_context(claimed_run_dir(place, env))
+            log.open(place)
         with PeerWatch(env) as watch, watch.guard():
             return trainer.fit()["summary"]
 
