@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="summarise a checkpoint",
         description="Print mode, progress, loss scales, world size, parameters and a SHA-256 of the model tensors.",
     )
-    inspect.add_argument("path", help="a checkpoint folder (or a file in it), or a run dir for its latest complete checkpoint")
+    inspect.add_argument("path", help="a checkpoint folder (or a file in it), or a run dir for its newest checkpoint that verifies")
     inspect.add_argument("--json", action="store_true", help="print JSON (with model_sha256) instead of text")
     inspect.set_defaults(handler=_inspect)
     export = commands.add_parser(
@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write the model weights of a verified checkpoint (whole tensors, from any strategy and world size) "
         "to a safetensors file whose metadata holds the precision mode and policy, the step and the versions.",
     )
-    export.add_argument("path", help="a checkpoint folder (or a file in it), or a run dir for its latest complete checkpoint")
+    export.add_argument("path", help="a checkpoint folder (or a file in it), or a run dir for its newest checkpoint that verifies")
     export.add_argument("--to", required=True, metavar="FILE.safetensors", help="the file to write (atomically)")
     export.add_argument("--dtype", default="saved", choices=EXPORT_DTYPE_NAMES, help="floating tensors as saved (default) or cast")
     export.add_argument("--force", action="store_true", help="replace FILE if it exists")
