@@ -71,7 +71,15 @@ def test_backend_flags_hold_while_training_and_are_restored_after(caplog):
     seen_off = FlagsSeen()
     train(DeviceSettings(allow_tf32=False), callbacks=[seen_off])
     assert all(during == (False, "ieee", "ieee") for during in seen_off.flags) and flags() == before
-    assert "device cpu (cpu): channels_last False, cudnn_benchmark True, allow_tf32 True" in caplog.text
+    said = [record.getMessage() for record in caplog.records if record.getMessage().startswith("device ")]
+    assert said and said[0].startswith("device cpu: ") and "cudnn" not in said[0], said  # CUDA's settings only on CUDA
+
+
+def test_the_device_line_names_the_gpu_and_its_settings(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    line = DeviceSettings(cudnn_benchmark=True, channels_last=True).describe(torch.device("cuda:0"))
+    assert line == "cuda:0 (NVIDIA H100 80GB HBM3), channels_last, cudnn_benchmark on, TF32 torch's default"
+    assert DeviceSettings(allow_tf32=False).describe(torch.device("cuda:1")).endswith("cudnn_benchmark off, TF32 off")
 
 
 def test_allow_tf32_null_keeps_torch_defaults():
