@@ -9,6 +9,7 @@ checkpoint to resume from is checked against are the ones that train. Nothing is
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -38,6 +39,7 @@ from ampddp.recipe.factories import (
 )
 from ampddp.rundir.run_dir import RunDir
 from ampddp.trainer import Trainer
+from ampddp.training.callbacks import Callback
 from ampddp.training.settings import LoopSettings
 from ampddp.zoo.data import find_classes
 
@@ -45,10 +47,11 @@ DATASET_CLASSES = {"digits": 10, "cifar10": 10}
 
 
 def build_run(config: RunConfig, env: DistEnv, stop_signals: tuple[str, ...] | StopSignals = DEFAULT_STOP_SIGNALS,
-              run_dir: RunDir | None = None) -> Trainer:  # fmt: skip
+              run_dir: RunDir | None = None, callbacks: Sequence[Callback] = ()) -> Trainer:  # fmt: skip
     """The run ``config`` describes on ``env``, built and checked, ready to ``fit``; the checkpoint it
     resumes from (if any) read and checked against it, nothing changed or written yet. ``run_dir``:
-    trainer.run_dir as the value the caller probes and locks (made here when None)."""
+    trainer.run_dir as the value the caller probes and locks (made here when None); ``callbacks``:
+    the caller's, after the run's own reporting."""
     data, trainer_cfg = config.data, config.trainer
     train_set, eval_set = build_datasets_from(config, augment=data.augment)
     model = checked_model(config)
@@ -66,7 +69,7 @@ def build_run(config: RunConfig, env: DistEnv, stop_signals: tuple[str, ...] | S
         loading=loader_settings(config), device=device_settings(config), make_scheduler=scheduler_factory(config, epoch_steps),
         run_dir=run_dir or RunDir(config.trainer.run_dir, "trainer.run_dir"), report=reporting_from(config),
         checkpoints=dataclasses.replace(checkpoint_settings(config), run_dir=None, init_from=None),
-        stop_signals=stop_signals, loop=loop,
+        stop_signals=stop_signals, loop=loop, callbacks=callbacks,
     )  # fmt: skip
     _plan_resume(config, trainer)
     return trainer

@@ -19,6 +19,7 @@ from ampddp.distributed.launch import launch_local
 from ampddp.distributed.watch import PeerWatch
 from ampddp.errors import ConfigError
 from ampddp.observe.console import notes_held_until_done, rank_console
+from ampddp.observe.progress import Progress
 from ampddp.observe.run_log import RunLog
 from ampddp.preemption import EarlySignals, StopSignals
 from ampddp.recipe.build import build_run
@@ -26,6 +27,7 @@ from ampddp.recipe.checks import check_recipe
 from ampddp.recipe.factories import process_group_backend
 from ampddp.recipe.rank_agreement import check_ranks_agree
 from ampddp.rundir.run_dir import RunDir
+from ampddp.training.callbacks import Callback
 
 __all__ = ["check_recipe", "launch", "train"]
 
@@ -44,12 +46,22 @@ def train(config: RunConfig, env: DistEnv, early: EarlySignals | None = None, *,
         place = RunDir(config.trainer.run_dir, "trainer.run_dir")  # one value: the run writes, probes and locks it
         with notes_held_until_done():
             log = logged.enter_context(RunLog(env))  # inside: it keeps every record as it comes, the held notes too
-            trainer = build_run(config, env, stop, place)
+            trainer = build_run(config, env, stop, place, callbacks=[LogOpensWithTraining(log, place)])
             if claim is not None:
                 claim.enter_context(claimed_run_dir(place, env))
-            log.open(place)
         with PeerWatch(env) as watch, watch.guard():
             return trainer.fit()["summary"]
+
+
+class LogOpensWithTraining(Callback):
+    """The run's log file opens when training starts (or resumes), with the run's first record: a
+    finished run started again changes nothing in its run dir, its log included."""
+
+    def __init__(self, log: RunLog, place: RunDir) -> None:
+        self.log, self.place = log, place
+
+    def on_start(self, progress: Progress) -> None:
+        self.log.open(self.place)
 
 
 def _spawned(env: DistEnv, config: RunConfig) -> dict[str, Any]:
