@@ -26,6 +26,7 @@ from torch.utils.data import Subset
 from ampddp import Parallel, Precision
 from ampddp.checkpoint.store import CheckpointStore
 from ampddp.distributed import FSDPOptions, launch_local
+from ampddp.distributed.env import init_one_rank_group
 from ampddp.prepare import prepare
 from ampddp.trainer import Trainer
 from ampddp.training import CheckpointSettings
@@ -360,12 +361,14 @@ def gpt_trainer(run_dir, strategy: str, max_steps: int, env, batch_size: int = 4
 
 
 def fit_worker(env, run_dir: str, strategy: str, steps: int, batch_size: int = 4, layout: str = "auto") -> dict[str, float]:
+    if strategy == "fsdp2" and env.world_size == 1:
+        init_one_rank_group(env)  # FSDP2 on one process: a mesh of one rank (the worker's exit ends it)
     return gpt_trainer(Path(run_dir), strategy, steps, env, batch_size, layout=layout).fit()["eval"]
 
 
 RESHARD_GAP = 0.1
 """How far each weight tensor of an O5 GPT that resumed across world sizes and strategies (2 -> 1 under
-DDP -> 2 -> 4 -> 2 ranks, 16 steps, AdamW) may stray from the same training on 2 ranks throughout, as a
+DDP -> 2 -> 1 under FSDP2 -> 4 -> 2 ranks, 16 steps, AdamW) may stray from the same training on 2 ranks throughout, as a
 share of the tensor's largest magnitude (measured: 0.034 at most, the attention biases; bf16 compute
 turns reduction-order rounding into different roundings of every later step)."""
 
@@ -393,12 +396,15 @@ def test_a_sharded_run_resumes_on_other_world_sizes_and_strategies(tmp_path):
         assert final_state(run_dir)["progress"]["global_step"] == 10 and single["loss"] < 5.0
         launch_local(fit_worker, 2, (str(run_dir), "fsdp2", 12, 4, layout), device="cpu", timeout_s=300)
         assert final_state(run_dir)["progress"]["global_step"] == 12
+        # FSDP2 on one process (a mesh of one rank): the same strategy resumes the 2-rank checkpoint.
+        alone = launch_local(fit_worker, 1, (str(run_dir), "fsdp2", 13, 8, layout), device="cpu", timeout_s=300)[0]
+        assert final_state(run_dir)["progress"]["global_step"] == 13 and alone["loss"] < 5.0
     across, same = tmp_path / "sharded", tmp_path / "same"
     # On 4 ranks (batch 2 each: the same global batch), each rank's shard cut from what was saved.
     launch_local(fit_worker, 4, (str(across), "fsdp2", 14, 2, "sharded"), device="cpu", timeout_s=300)
     assert final_state(across)["progress"]["global_step"] == 14
     # And back from 4 ranks to 2. The same 16 steps on 2 ranks throughout (a straight run: resuming on the
-    # same world size is bit-exact) differ from this one (2, 1, 2, 4, 2 ranks) only by the reduction order
+    # same world size is bit-exact) differ from this one (2, 1, 2, 1, 4, 2 ranks) only by the reduction order
     # of gradients and statistics: the stated tolerance.
     launch_local(fit_worker, 2, (str(across), "fsdp2", 16, 4, "sharded"), device="cpu", timeout_s=300)
     launch_local(fit_worker, 2, (str(same), "fsdp2", 16, 4, "sharded"), device="cpu", timeout_s=300)

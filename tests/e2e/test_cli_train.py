@@ -183,3 +183,22 @@ def test_the_same_command_under_torchrun(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert check_run_dir(tmp_path)["world_size"] == 2
     assert result.stdout.count('"final_eval_accuracy"') == 1, "one summary per run, printed by rank 0"
+
+
+@pytest.mark.timeout(600)
+def test_a_two_rank_fsdp2_run_resumes_on_one_process_with_the_same_strategy(tmp_path):
+    """FSDP2 on one process is a mesh of one rank (ampddp train makes its process group): the same
+    command, with nproc_per_node=1 and the same global batch, continues the 2-rank sharded checkpoint."""
+    common = [sys.executable, "-m", "ampddp", "train", str(ROOT / "recipes" / "gpt-fsdp2.yaml"), f"trainer.run_dir={tmp_path}",
+              "trainer.log_every_steps=1", "trainer.progress=lines", "optimizer.scheduler=none", "optimizer.warmup_steps=0",
+              "checkpoint.every_steps=2", "data.kwargs={sequence_length: 32, eval_fraction: 0.002}"]  # fmt: skip
+    two = subprocess.run([*common, "trainer.max_steps=2", "distributed.nproc_per_node=2", "data.batch_size=8"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = subprocess.run([*common, "trainer.max_steps=4", "distributed.nproc_per_node=1", "data.batch_size=16"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "FSDP2 over 1 rank(s)" in one.stderr and f"resumed from {tmp_path / 'checkpoints' / 'step-000000002'} at step 2" in one.stderr
+    assert [r["step"] for r in read_metrics(tmp_path) if r["kind"] == "train"] == [1, 2, 3, 4]
+    latest = CheckpointStore(tmp_path).latest()
+    assert latest.step == 4 and json.loads((latest.path / "COMPLETE").read_text())["world_size"] == 1

@@ -271,6 +271,15 @@ def init_distributed(env: DistEnv) -> DistEnv:
     return env
 
 
+def init_one_rank_group(env: DistEnv, backend: str = "auto") -> None:
+    """A process group of this one process (on an in-memory store, no port): what FSDP2's device mesh is
+    built over when a run has one process. The caller ends it (``shutdown_distributed``)."""
+    if env.distributed or dist.is_initialized():
+        return
+    dist.init_process_group(backend=_resolve_backend(backend, env.device), store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=env.timeout_s))  # fmt: skip
+
+
 def setup_distributed(**kwargs) -> DistEnv:
     """``detect_env`` + ``init_distributed``: the one call a training script makes."""
     return init_distributed(detect_env(**kwargs))

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ampddp.distributed.env import DistEnv
@@ -144,7 +145,7 @@ def shard_model(model: nn.Module, env: DistEnv, options: FSDPOptions, param_dtyp
         MainBuffers().install(model)
     names = ", ".join(sorted({type(block).__name__ for block in blocks})) or "none found: the model is one unit"
     kept = f", {len(norms)} BatchNorm layer(s) in their stored dtype" if norms else ""
-    logger.info("FSDP2 over %d ranks: %d block(s) (%s)%s, then the root", env.world_size, len(blocks), names, kept)
+    logger.info("FSDP2 over %d rank(s): %d block(s) (%s)%s, then the root", env.world_size, len(blocks), names, kept)
     return model
 
 
@@ -154,10 +155,11 @@ def _refuse_unshardable(model: nn.Module, env: DistEnv) -> None:
             f"strategy fsdp2 got a model already wrapped in {type(model).__name__}: pass the bare model; FSDP2 replaces "
             "DDP and cannot shard inside nn.DataParallel"
         )
-    if not env.distributed:
+    if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError(
-            "distributed strategy fsdp2 shards over processes and this run has one: launch 2 or more (nproc_per_node, "
-            "torchrun), or use strategy ddp or none (a checkpoint of an fsdp2 run resumes under either)"
+            "distributed strategy fsdp2 builds its device mesh over a process group, and this process has none: on one "
+            "process, make a group of it first (torch.distributed.init_process_group('gloo', store=torch.distributed.HashStore(), "
+            "rank=0, world_size=1); ampddp train does this itself), launch 2 or more processes, or use strategy ddp or none"
         )
 
 
@@ -173,7 +175,6 @@ def _device_mesh(env: DistEnv) -> Any:
 def _offload_policy(options: FSDPOptions, env: DistEnv) -> Any:
     """Where the shards live between uses: host memory with ``cpu_offload`` (which needs a host backend
     beside NCCL for the collectives on them), else the device."""
-    import torch.distributed as dist
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
     if not options.cpu_offload:
@@ -207,7 +208,6 @@ def _own_dtype_norms(model: nn.Module, param_dtype: torch.dtype | None) -> list[
 @torch.no_grad()
 def broadcast_buffers(module: nn.Module) -> None:
     """Every rank takes rank 0's buffers (one broadcast per dtype)."""
-    import torch.distributed as dist
 
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for buffer in module.buffers():

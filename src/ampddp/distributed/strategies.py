@@ -43,7 +43,9 @@ class Strategy:
     name: ClassVar[str]
     shards_params: ClassVar[bool] = False
     """Whether the params are sharded over the ranks (the engine then maps its mode onto the sharding)."""
-    min_processes: ClassVar[int] = 1
+    needs_process_group: ClassVar[bool] = False
+    """Whether a process group must exist even on one process (FSDP2's device mesh is built over one):
+    ``ampddp train`` then makes a group of its one rank for the run."""
     checkpoint_layout: ClassVar[str] = "whole"
     """What ``checkpoint.layout: auto`` writes under this strategy."""
     collective_forward: ClassVar[bool] = False
@@ -54,14 +56,6 @@ class Strategy:
         (``distributed.`` for a recipe)."""
         ddp.check_strategy(self.name, where)
         fsdp.check_strategy(self.name, f"{where}fsdp_" if where else "")
-
-    def processes_refusal(self, processes: int) -> str | None:
-        """Why ``processes`` processes cannot run this strategy, or None."""
-        if processes >= self.min_processes:
-            return None
-        return (f"distributed.strategy={self.name} needs {self.min_processes} or more processes and this run has {processes}: "
-                "set distributed.nproc_per_node (or launch with torchrun), or use strategy ddp or none "
-                "(a checkpoint of any strategy resumes under the others)")  # fmt: skip
 
     def engine_for(self, precision: Precision) -> PrecisionEngine:
         """A fresh engine running ``precision`` (resolved) under this strategy."""
@@ -146,7 +140,7 @@ class FSDP2(Strategy):
 
     name = "fsdp2"
     shards_params = True
-    min_processes = 2
+    needs_process_group = True
     checkpoint_layout = "sharded"
     collective_forward = True
 
@@ -156,13 +150,6 @@ class FSDP2(Strategy):
             raise ConfigError(
                 f"wrap_options {sorted(wrap_options)} do not apply to strategy fsdp2; its settings are Parallel(fsdp=FSDPOptions(...))"
             )
-
-    def processes_refusal(self, processes: int) -> str | None:
-        if processes >= self.min_processes:
-            return None
-        return (f"distributed.strategy={self.name} shards over processes and this run has one: set distributed.nproc_per_node "
-                f">= {self.min_processes} (or launch with torchrun), or use strategy ddp or none (a checkpoint of an fsdp2 run "
-                "resumes under either)")  # fmt: skip
 
     def engine_for(self, precision: Precision) -> PrecisionEngine:
         return precision.build_sharded_engine()

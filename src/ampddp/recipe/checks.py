@@ -138,7 +138,7 @@ def check_recipe(config: RunConfig) -> None:
     loader_settings(config)
     device_settings(config)
     _check_schedule(config)
-    parallel = parallel_from(config)
+    parallel_from(config)  # the strategy and its settings, checked
     dist_cfg = config.distributed
     env = detect_env(device=dist_cfg.device, backend=process_group_backend(config), timeout_s=dist_cfg.timeout_s)
     resume = config.checkpoint.resume_from or config.checkpoint.resume
@@ -148,7 +148,3 @@ def check_recipe(config: RunConfig) -> None:
     model_compiler(config)
     reporting_from(config)
     _check_resume_from(config)
-    launched = dist_cfg.nproc_per_node if env.launcher == "none" and dist_cfg.nproc_per_node > 1 else env.world_size
-    refusal = parallel.plan.processes_refusal(launched)
-    if refusal is not None:
-        raise ConfigError(refusal)

@@ -14,8 +14,9 @@ from typing import Any
 
 from ampddp.config import RunConfig
 from ampddp.distributed.data import gather_objects
-from ampddp.distributed.env import DistEnv, detect_env, setup_distributed, shutdown_distributed
+from ampddp.distributed.env import DistEnv, detect_env, init_one_rank_group, setup_distributed, shutdown_distributed
 from ampddp.distributed.launch import launch_local
+from ampddp.distributed.strategies import strategy_named
 from ampddp.distributed.watch import PeerWatch
 from ampddp.errors import ConfigError
 from ampddp.observe.console import notes_held_until_done, rank_console
@@ -100,6 +101,8 @@ def _joined(config: RunConfig) -> Iterator[DistEnv]:
     dist_cfg = config.distributed
     env = setup_distributed(device=dist_cfg.device, backend=process_group_backend(config), timeout_s=dist_cfg.timeout_s)
     try:
+        if strategy_named(dist_cfg.strategy).needs_process_group:
+            init_one_rank_group(env, process_group_backend(config))  # FSDP2 on one process: a mesh of one rank
         check_ranks_agree(config, env)
         yield env
     finally:
