@@ -99,7 +99,7 @@ class PrecisionConfig:
     keep_batchnorm_fp32: bool | str | None = None
     """apex override: BatchNorm params and stats in fp32 over low-precision params (O2/O5 default true); null: the mode's."""
     fp32_islands: bool | None = None
-    """With distributed.strategy fsdp2, O2/O5: run apex's fp32-list ops (softmax, norms, losses) in fp32
+    """With distributed.strategy fsdp2 or hsdp, O2/O5: run apex's fp32-list ops (softmax, norms, losses) in fp32
     over the low-precision params (null: on); false: apex's pure O2/O5. Refused elsewhere."""
     master_weights: bool | None = None
     """apex override: fp32 master weights the optimizer steps, copied to the low-precision params; null: the mode's."""
@@ -290,7 +290,8 @@ class CheckpointConfig:
 @dataclass
 class DistributedConfig:
     strategy: str = field(default="ddp", metadata=_choices(*STRATEGIES))
-    """How several processes train: ddp (torch DDP), apex-ddp, fsdp2 (sharded params, grads and optimizer state), dp, none."""
+    """How several processes train: ddp (torch DDP), apex-ddp, fsdp2 (sharded params, grads and optimizer state), hsdp
+    (fsdp2 sharded within each node, replicated across nodes), dp, none."""
     sync_bn: str = field(default="off", metadata=_choices(*SYNC_BN_CHOICES))
     """off, or BatchNorm synchronised across ranks: auto (torch's on CUDA, portable elsewhere), torch, apex, portable."""
     nproc_per_node: int = field(default=1, metadata=_at_least(1))
@@ -321,6 +322,9 @@ class DistributedConfig:
     """fsdp2: recompute each block's activations in the backward instead of keeping them (less memory, ~1/3 more compute)."""
     fsdp_cpu_offload: bool = False
     """fsdp2: keep the sharded params, their gradients and the optimizer state in CPU memory; the optimizer steps there."""
+    fsdp_shard_size: int | None = field(default=None, metadata=_at_least(1))
+    """hsdp: the ranks each replica of the model is sharded over (null: a node's, LOCAL_WORLD_SIZE); the
+    world size must be a multiple of it. All-gathers stay inside a group; gradients are all-reduced across them."""
 
 
 @dataclass

@@ -348,12 +348,13 @@ def test_the_o2_scaler_skips_on_every_rank_when_one_shard_overflows():
         assert result["groups"] == {"torch.float32"}
 
 
-def gpt_trainer(run_dir, strategy: str, max_steps: int, env, batch_size: int = 4, mode: str | Precision = "O5", layout: str = "auto",
-                checkpoint_every: int | None = None, compile: ModelCompiler | None = None) -> Trainer:  # fmt: skip
+def gpt_trainer(run_dir, strategy: str | Parallel, max_steps: int, env, batch_size: int = 4, mode: str | Precision = "O5",
+                layout: str = "auto", checkpoint_every: int | None = None, compile: ModelCompiler | None = None) -> Trainer:  # fmt: skip
     train, held_out = python_docs(sequence_length=16, eval_fraction=0.05)
     return Trainer(
         tiny_gpt(), lambda params: torch.optim.AdamW(params, lr=3e-3), Subset(train, range(256)),
-        eval_set=Subset(held_out, range(13)), precision=mode, parallel=Parallel(strategy), batch_size=batch_size,
+        eval_set=Subset(held_out, range(13)), precision=mode, batch_size=batch_size,
+        parallel=strategy if isinstance(strategy, Parallel) else Parallel(strategy),
         grad_accum_steps=2, clip_grad_norm=1.0, max_epochs=100, max_steps=max_steps, seed=5, env=env,
         checkpoints=CheckpointSettings(run_dir, keep_last=2 if checkpoint_every else None, layout=layout), report=None,
         eval_every=3, checkpoint_every=checkpoint_every, compile=compile,
@@ -478,3 +479,30 @@ def test_sigkill_during_sharded_saves_leaves_the_previous_checkpoint_whole(tmp_p
     assert killed_at == sorted(set(killed_at)) and killed_at[0] > 1, killed_at  # each kill came while steps were being saved
     launch_local(fit_worker, 2, (str(run), "fsdp2", killed_at[-1] + 1), device="cpu", timeout_s=300)
     assert final_state(run)["progress"]["global_step"] == killed_at[-1] + 1
+
+
+HSDP = Parallel("hsdp", fsdp=FSDPOptions(shard_size=2))
+"""4 ranks as 2 simulated nodes of 2: each pair holds one sharded replica."""
+
+
+def hsdp_worker(env, run_dir: str) -> dict[str, object]:
+    losses = {strategy: train_losses(env, "O5", strategy, fsdp=FSDPOptions(shard_size=2) if strategy == "hsdp" else None)
+              for strategy in ("hsdp", "fsdp2")}  # fmt: skip
+    trainer = gpt_trainer(Path(run_dir), HSDP, 4, env)
+    trainer.fit()
+    mesh = trainer.run.module.blocks[0].attention.qkv.weight.device_mesh
+    return {"losses": losses, "mesh": (tuple(mesh.shape), mesh.mesh_dim_names)}
+
+
+@pytest.mark.timeout(600)
+def test_hsdp_trains_as_fsdp2_on_a_two_by_two_mesh_and_its_checkpoints_resume_under_fsdp2_and_ddp(tmp_path):
+    first = launch_local(hsdp_worker, 4, (str(tmp_path),), device="cpu", timeout_s=300, job_timeout_s=560)[0]
+    assert first["mesh"] == ((2, 2), ("replicate", "shard"))
+    hsdp, fsdp2 = first["losses"]["hsdp"], first["losses"]["fsdp2"]
+    gap = largest_gap(fsdp2, hsdp)
+    assert gap <= SAME_MODE["O5"], f"HSDP strays {gap:.3g} from FSDP2 on the same 4 ranks (allowed {SAME_MODE['O5']})"
+    assert hsdp[-1] < hsdp[0] - 0.5
+    assert final_state(tmp_path)["progress"]["global_step"] == 4
+    launch_local(fit_worker, 2, (str(tmp_path), "fsdp2", 6, 8), device="cpu", timeout_s=300)  # the same global batch
+    launch_local(fit_worker, 1, (str(tmp_path), "ddp", 8, 16), device="cpu", timeout_s=300)
+    assert final_state(tmp_path)["progress"]["global_step"] == 8

@@ -46,7 +46,9 @@ def test_other_levels_are_their_single_process_selves_under_fsdp2(level):
 
 
 def test_fp32_islands_is_refused_where_it_decides_nothing():
-    with pytest.raises(ConfigError, match=r"fp32_islands=False applies only under distributed strategy fsdp2.*use O1 \(float16\) or O4"):
+    with pytest.raises(
+        ConfigError, match=r"fp32_islands=False applies only under a sharding strategy, fsdp2 or hsdp.*use O1 \(float16\) or O4"
+    ):
         Precision("O5", fp32_islands=False).build_engine()
     with pytest.raises(ConfigError, match=r"fp32_islands=True applies to O2 and O5 under fsdp2, not to O4"):
         Precision("O4", fp32_islands=True).build_sharded_engine()
@@ -86,8 +88,8 @@ def test_fsdp2_without_a_process_group_or_on_a_wrapped_model_is_refused_naming_w
     with pytest.raises(ConfigError, match=r"fsdp2 builds its device mesh over a process group, and this process has none: on one "
                                           r"process, make a group of it first \(torch.distributed.init_process_group"):  # fmt: skip
         shard_model(nn.Linear(2, 2), DistEnv(), FSDPOptions(), None)
-    with pytest.raises(ConfigError, match=r"fsdp2 got a model already wrapped in DataParallel: pass the bare model"):
-        shard_model(nn.DataParallel(nn.Linear(2, 2)), DistEnv(world_size=2), FSDPOptions(), None)
+    with pytest.raises(ConfigError, match=r"fsdp2/hsdp got a model already wrapped in DataParallel: pass the bare model"):
+        shard_model(nn.DataParallel(nn.Linear(2, 2)), DistDistEnv(world_size=2), FSDPOptions(), None)
 
 
 def test_the_recipe_takes_fsdp2_on_one_process_and_refuses_fsdp_keys_without_it(tmp_path):
@@ -95,7 +97,7 @@ def test_the_recipe_takes_fsdp2_on_one_process_and_refuses_fsdp_keys_without_it(
     check_recipe(load_config(RECIPE, [*overrides, "distributed.nproc_per_node=1"]))  # a mesh of one rank (ampddp train makes its group)
     with pytest.raises(ConfigError, match=r"distributed.fsdp_blocks=\('Block',\): FSDP2 settings, but strategy=ddp"):
         check_recipe(load_config(RECIPE, [*overrides, "distributed.strategy=ddp", "distributed.fsdp_blocks=[Block]"]))
-    with pytest.raises(ConfigError, match=r"fp32_islands=False applies only under distributed strategy fsdp2"):
+    with pytest.raises(ConfigError, match=r"fp32_islands=False applies only under a sharding strategy, fsdp2 or hsdp"):
         ddp_islands = ["distributed.strategy=ddp", "precision.mode=O5", "precision.fp32_islands=false"]
         build_run(load_config(RECIPE, [*overrides, *ddp_islands]), DistEnv())
     check_recipe(load_config(RECIPE, overrides))
@@ -183,3 +185,16 @@ def test_cpu_offload_asks_for_a_host_backend_beside_nccl(tmp_path):
     assert process_group_backend(config) == "gloo"
     torchrun = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
     assert detect_env(torchrun, backend=HOST_AND_CUDA, device="cpu").backend == "gloo"  # a CPU run's host half
+
+
+def test_hsdp_settings_name_what_is_wrong():
+    assert FSDPOptions(shard_size=2).replicas(DistEnv(world_size=4, local_world_size=4)) == 2
+    assert FSDPOptions().replicas(DistEnv(world_size=8, local_world_size=4)) == 2  # a node's ranks by default
+    with pytest.raises(ConfigError, match=r"hsdp shards over groups of 3 rank\(s\) \(shard_size\) and the world has 4: choose"):
+        FSDPOptions(shard_size=3).replicas(DistEnv(world_size=4, local_world_size=4))
+    with pytest.raises(ConfigError, match=r"fsdp shard_size=0 is not valid; it must be an integer >= 1 or null"):
+        FSDPOptions(shard_size=0)
+    with pytest.raises(ConfigError, match=r"shard_size=2: the replicas' shard size of strategy hsdp, but strategy=fsdp2"):
+        Parallel("fsdp2", fsdp=FSDPOptions(shard_size=2))
+    with pytest.raises(ConfigError, match=r"FSDP2 settings, but strategy=ddp; unset them or use strategy fsdp2 or hsdp"):
+        Parallel("ddp", fsdp=FSDPOptions(shard_size=2))

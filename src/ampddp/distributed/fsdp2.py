@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ampddp.choices import SHARDING_STRATEGIES
 from ampddp.distributed.env import DistEnv
 from ampddp.errors import ConfigError, closest
 
@@ -42,6 +43,8 @@ class FSDPOptions:
     the sharded params, their gradients and the optimizer state in (pinned) CPU memory, copied to the
     device per block for the forward and backward; the optimizer steps on the CPU (a model whose
     training state does not fit the devices, at the cost of the copies and a CPU optimizer step).
+    ``shard_size`` (HSDP only): the ranks each replica shards over (None: a node's, LOCAL_WORLD_SIZE);
+    the world size must be a multiple of it.
     """
 
     blocks: tuple[str, ...] = ()
@@ -49,6 +52,7 @@ class FSDPOptions:
     reduce_in_fp32: bool = True
     activation_checkpointing: bool = False
     cpu_offload: bool = False
+    shard_size: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.blocks, str) or not all(isinstance(name, str) and name for name in self.blocks):
@@ -57,12 +61,30 @@ class FSDPOptions:
         for name in ("reshard_after_forward", "reduce_in_fp32", "activation_checkpointing", "cpu_offload"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"fsdp {name}={getattr(self, name)!r} is not valid; it must be true or false")
+        if self.shard_size is not None and (
+            isinstance(self.shard_size, bool) or not isinstance(self.shard_size, int) or self.shard_size < 1
+        ):
+            raise ConfigError(f"fsdp shard_size={self.shard_size!r} is not valid; it must be an integer >= 1 or null (a node's ranks)")
 
     def check_strategy(self, strategy: str, where: str = "") -> None:
-        """Refuse these settings unless ``strategy`` is fsdp2; ``where``: their prefix in messages."""
+        """Refuse these settings unless ``strategy`` shards with FSDP2 (shard_size: HSDP only);
+        ``where``: their prefix in messages."""
         changed = [f"{where}{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]
-        if strategy != "fsdp2" and changed:
-            raise ConfigError(f"{', '.join(changed)}: FSDP2 settings, but strategy={strategy}; unset them or use strategy fsdp2")
+        if strategy not in SHARDING_STRATEGIES and changed:
+            raise ConfigError(f"{', '.join(changed)}: FSDP2 settings, but strategy={strategy}; unset them or use strategy fsdp2 or hsdp")
+        if strategy != "hsdp" and self.shard_size is not None:
+            raise ConfigError(f"{where}shard_size={self.shard_size}: the replicas' shard size of strategy hsdp, but strategy={strategy}")
+
+    def replicas(self, env: DistEnv) -> int:
+        """HSDP's replica count on ``env``: the world size over ``shard_size`` (a node's ranks when None)."""
+        size = self.shard_size or env.local_world_size
+        if env.world_size % size:
+            source = "shard_size" if self.shard_size else "a node's ranks: LOCAL_WORLD_SIZE"
+            raise ConfigError(
+                f"strategy hsdp shards over groups of {size} rank(s) ({source}) and the world has {env.world_size}: "
+                "choose a shard_size that divides the world size"
+            )
+        return env.world_size // size
 
 
 def _class_names(kind: type[nn.Module]) -> tuple[str, str]:
@@ -109,8 +131,11 @@ def block_classes(model: nn.Module, names: tuple[str, ...]) -> list[type[nn.Modu
 
 
 def shard_model(model: nn.Module, env: DistEnv, options: FSDPOptions, param_dtype: torch.dtype | None,
-                recompute_context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext) -> nn.Module:  # fmt: skip
-    """``model`` sharded in place over every rank of ``env``: its BatchNorm layers, each block, then the root.
+                recompute_context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+                replicas: int = 1) -> nn.Module:  # fmt: skip
+    """``model`` sharded in place over every rank of ``env`` (``replicas`` > 1: HSDP, sharded within
+    each group of world / replicas ranks and replicated across the groups, on a 2-D mesh): its
+    BatchNorm layers, each block, then the root.
 
     ``param_dtype``: the dtype FSDP2 gives the params to the forward in (None: as stored). A unit's
     params share one dtype, so BatchNorm layers (kept fp32 beside fp16/bf16 weights, as apex's
@@ -124,7 +149,7 @@ def shard_model(model: nn.Module, env: DistEnv, options: FSDPOptions, param_dtyp
 
     _refuse_unshardable(model, env)
     classes = block_classes(model, options.blocks)
-    mesh = _device_mesh(env)
+    mesh = _device_mesh(env, replicas)
     reduce_dtype = torch.float32 if options.reduce_in_fp32 else None
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     as_stored = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype)
@@ -145,14 +170,15 @@ def shard_model(model: nn.Module, env: DistEnv, options: FSDPOptions, param_dtyp
         MainBuffers().install(model)
     names = ", ".join(sorted({type(block).__name__ for block in blocks})) or "none found: the model is one unit"
     kept = f", {len(norms)} BatchNorm layer(s) in their stored dtype" if norms else ""
-    logger.info("FSDP2 over %d rank(s): %d block(s) (%s)%s, then the root", env.world_size, len(blocks), names, kept)
+    over = f"{env.world_size} rank(s)" if replicas == 1 else f"{replicas} replicas of {env.world_size // replicas} rank(s) (HSDP)"
+    logger.info("FSDP2 over %s: %d block(s) (%s)%s, then the root", over, len(blocks), names, kept)
     return model
 
 
 def _refuse_unshardable(model: nn.Module, env: DistEnv) -> None:
     if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
         raise ConfigError(
-            f"strategy fsdp2 got a model already wrapped in {type(model).__name__}: pass the bare model; FSDP2 replaces "
+            f"strategy fsdp2/hsdp got a model already wrapped in {type(model).__name__}: pass the bare model; FSDP2 replaces "
             "DDP and cannot shard inside nn.DataParallel"
         )
     if not (dist.is_available() and dist.is_initialized()):
@@ -163,13 +189,16 @@ def _refuse_unshardable(model: nn.Module, env: DistEnv) -> None:
         )
 
 
-def _device_mesh(env: DistEnv) -> Any:
+def _device_mesh(env: DistEnv, replicas: int = 1) -> Any:
+    """The ranks as FSDP2's mesh: one dimension, or (replicas, shard) for HSDP (a rank's shard group is
+    its node's ranks when the shard size is a node's: the all-gathers stay inside the node)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    shape, names = ((env.world_size,), None) if replicas == 1 else ((replicas, env.world_size // replicas), ("replicate", "shard"))
     try:
-        return init_device_mesh(env.device.type, (env.world_size,))
+        return init_device_mesh(env.device.type, shape, mesh_dim_names=names)
     except (RuntimeError, ValueError) as error:
-        raise ConfigError(f"FSDP2 cannot build a device mesh of {env.world_size} ranks on {env.device.type}: {error}") from error
+        raise ConfigError(f"FSDP2 cannot build a device mesh of shape {shape} on {env.device.type}: {error}") from error
 
 
 def _offload_policy(options: FSDPOptions, env: DistEnv) -> Any:

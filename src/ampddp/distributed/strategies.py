@@ -148,7 +148,8 @@ class FSDP2(Strategy):
         super().check_settings(ddp, fsdp, wrap_options, where)
         if wrap_options:
             raise ConfigError(
-                f"wrap_options {sorted(wrap_options)} do not apply to strategy fsdp2; its settings are Parallel(fsdp=FSDPOptions(...))"
+                f"wrap_options {sorted(wrap_options)} do not apply to strategy {self.name}; "
+                "its settings are Parallel(fsdp=FSDPOptions(...))"
             )
 
     def engine_for(self, precision: Precision) -> PrecisionEngine:
@@ -157,16 +158,32 @@ class FSDP2(Strategy):
     def set_up(self, model: nn.Module, make_optimizer: MakeOptimizer, env: DistEnv, engine: PrecisionEngine,
                ddp: DDPOptions, fsdp: FSDPOptions, wrap_options: Mapping[str, Any]) -> tuple[nn.Module, nn.Module, Optimizer]:  # fmt: skip
         engine.convert_storage(model)
-        model = shard_model(model, env, fsdp, engine.sharded_param_dtype, engine.recompute_context)
+        model = shard_model(model, env, fsdp, engine.sharded_param_dtype, engine.recompute_context, replicas=self.replicas(fsdp, env))
         optimizer = make_optimizer(model.parameters())
         engine.setup([model], [optimizer])
         return model, model, optimizer
+
+    def replicas(self, fsdp: FSDPOptions, env: DistEnv) -> int:
+        """How many sharded replicas of the model the ranks hold: one (every rank holds a shard of it)."""
+        return 1
 
     def grad_sync(self, model: nn.Module) -> GradSync:
         return ShardedGradSync(model)
 
     def compile_units(self, module: nn.Module) -> list[nn.Module]:
         return sharded_blocks(module)
+
+
+class HSDP(FSDP2):
+    """FSDP2 on a 2-D mesh (hybrid sharding): each group of ``shard_size`` ranks (a node's by default)
+    holds one sharded replica, the params all-gathered inside the group only; gradients are
+    reduce-scattered in the group and all-reduced across the replicas. The same precision semantics,
+    loss-scale agreement and checkpoints as FSDP2 (a checkpoint resumes across fsdp2, hsdp and ddp)."""
+
+    name = "hsdp"
+
+    def replicas(self, fsdp: FSDPOptions, env: DistEnv) -> int:
+        return fsdp.replicas(env)
 
 
 class ShardedGradSync(GradSync):
@@ -177,7 +194,7 @@ class ShardedGradSync(GradSync):
 
 
 STRATEGY_TABLE: Mapping[str, Strategy] = MappingProxyType(
-    {strategy.name: strategy for strategy in (TorchDDP(), ApexDDP(), FSDP2(), DataParallel(), Unwrapped())}
+    {strategy.name: strategy for strategy in (TorchDDP(), ApexDDP(), FSDP2(), HSDP(), DataParallel(), Unwrapped())}
 )
 """Each strategy by the name a recipe gives (``choices.STRATEGIES`` lists the same names without torch)."""
 

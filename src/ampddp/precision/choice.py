@@ -107,7 +107,7 @@ class Precision:
         spec = self.spec
         if self.fp32_islands is not None:
             raise ConfigError(
-                f"fp32_islands={self.fp32_islands} applies only under distributed strategy fsdp2 (O2/O5 there); "
+                f"fp32_islands={self.fp32_islands} applies only under a sharding strategy, fsdp2 or hsdp (O2/O5 there); "
                 "without FSDP2, O2/O5 follow apex (model cast, no op lists): for fp32 islands use O1 (float16) or O4 (bfloat16)"
             )
         return spec.build_engine(self.impl, self.registry, **self.overrides)
@@ -117,7 +117,7 @@ class Precision:
         spec = self.spec
         if self.impl != "builtin":
             raise ConfigError(
-                f"precision impl={self.impl} cannot shard: NVIDIA apex's amp predates FSDP2; use impl builtin with strategy fsdp2"
+                f"precision impl={self.impl} cannot shard: NVIDIA apex's amp predates FSDP2; use impl builtin with strategy fsdp2 or hsdp"
             )
         return spec.build_sharded_engine(self.registry, self.fp32_islands, **self.overrides)
 
