@@ -89,7 +89,7 @@ def test_fsdp2_without_a_process_group_or_on_a_wrapped_model_is_refused_naming_w
                                           r"process, make a group of it first \(torch.distributed.init_process_group"):  # fmt: skip
         shard_model(nn.Linear(2, 2), DistEnv(), FSDPOptions(), None)
     with pytest.raises(ConfigError, match=r"fsdp2/hsdp got a model already wrapped in DataParallel: pass the bare model"):
-        shard_model(nn.DataParallel(nn.Linear(2, 2)), DistDistEnv(world_size=2), FSDPOptions(), None)
+        shard_model(nn.DataParallel(nn.Linear(2, 2)), DistEnv(world_size=2), FSDPOptions(), None)
 
 
 def test_the_recipe_takes_fsdp2_on_one_process_and_refuses_fsdp_keys_without_it(tmp_path):
