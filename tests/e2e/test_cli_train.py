@@ -65,7 +65,7 @@ def test_resnet_recipes_differ_only_in_precision():
         (["trainer.max_epoch=3"], "did you mean 'max_epochs'"),
         (["trainr.max_epochs=3"], "unknown section 'trainr' (did you mean 'trainer'?)"),
         (["trainer.max_epochs=three"], "trainer.max_epochs='three' has the wrong type; expected int"),
-        (["distributed.strategy=horovod"], "valid choices: ddp, apex-ddp, fsdp2, dp, none"),
+        (["distributed.strategy=horovod"], "valid choices: ddp, apex-ddp, fsdp2, hsdp, dp, none"),
         (["distributed.sync_bn=yes"], "distributed.sync_bn=True has the wrong type"),
         (["precision.mode=O1", "precision.cast_model_type=fp16"], "cast_model_type=float16 is not valid with opt_level O1"),
         (["precision.mode=native-bf16", "precision.keep_batchnorm_fp32=true"], "precision.keep_batchnorm_fp32 applies to the O0-O6"),

@@ -35,7 +35,7 @@ def test_the_overrides_are_copied_so_the_choice_cannot_change_under_a_run():
 
 
 def test_parallel_is_checked_when_made():
-    with pytest.raises(ConfigError, match=r"strategy=.fsdp. is not valid.*fsdp2.*; valid choices: ddp, apex-ddp, fsdp2, dp, none"):
+    with pytest.raises(ConfigError, match=r"strategy=.fsdp. is not valid.*fsdp2.*; valid choices: ddp, apex-ddp, fsdp2, hsdp, dp, none"):
         Parallel("fsdp")
     with pytest.raises(ConfigError, match=r"sync_bn='on' is not valid"):
         Parallel(sync_bn="on")

@@ -168,11 +168,16 @@ def shard_model(model: nn.Module, env: DistEnv, options: FSDPOptions, param_dtyp
     shard(model, mp_policy=policy, reshard_after_forward=False)
     if any(True for _ in model.buffers()):
         MainBuffers().install(model)
+    _log_units(env, replicas, blocks, norms)
+    return model
+
+
+def _log_units(env: DistEnv, replicas: int, blocks: list[nn.Module], norms: list[nn.Module]) -> None:
+    """One line saying how the model was cut into units and over which ranks."""
     names = ", ".join(sorted({type(block).__name__ for block in blocks})) or "none found: the model is one unit"
     kept = f", {len(norms)} BatchNorm layer(s) in their stored dtype" if norms else ""
     over = f"{env.world_size} rank(s)" if replicas == 1 else f"{replicas} replicas of {env.world_size // replicas} rank(s) (HSDP)"
     logger.info("FSDP2 over %s: %d block(s) (%s)%s, then the root", over, len(blocks), names, kept)
-    return model
 
 
 def _refuse_unshardable(model: nn.Module, env: DistEnv) -> None:
