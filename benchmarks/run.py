@@ -29,6 +29,7 @@ import fp8
 import fused_optimizers
 import input_pipeline
 import memory
+import meta_build
 import modes
 import op_cost
 import optimizer_step
@@ -49,6 +50,7 @@ BENCHMARKS = {
     "checkpoint": checkpoint_io.run,
     "ddp": ddp_scaling.run,
     "sharding": sharding.run,
+    "meta-build": meta_build.run,
     "fp8": fp8.run,
     "compile": compile_modes.run,
     "op-cost": op_cost.run,

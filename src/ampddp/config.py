@@ -325,6 +325,9 @@ class DistributedConfig:
     fsdp_shard_size: int | None = field(default=None, metadata=_at_least(1))
     """hsdp: the ranks each replica of the model is sharded over (null: a node's, LOCAL_WORLD_SIZE); the
     world size must be a multiple of it. All-gathers stay inside a group; gradients are all-reduced across them."""
+    fsdp_build_on_meta: bool = True
+    """fsdp2/hsdp: build the model on the meta device and give each rank only its shards of the weights an eager
+    build makes (no rank holds the whole model); false: build it whole on each rank, then shard it."""
 
 
 @dataclass

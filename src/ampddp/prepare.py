@@ -25,6 +25,7 @@ from torch.optim import Optimizer
 
 from ampddp.choices import AUTO_PRECISION
 from ampddp.distributed.env import DistEnv
+from ampddp.distributed.meta_init import ModelSource
 from ampddp.distributed.model_agreement import check_models_agree
 from ampddp.distributed.parallel import Parallel
 from ampddp.distributed.strategies import Strategy, strategy_named
@@ -92,7 +93,7 @@ def engine_for(precision: Precision, parallel: Parallel) -> PrecisionEngine:
 
 
 def prepare(
-    model: nn.Module,
+    model: ModelSource,
     make_optimizer: Callable[[Iterable[nn.Parameter]], Optimizer],
     env: DistEnv,
     *,
@@ -101,6 +102,9 @@ def prepare(
     **moved: Any,
 ) -> Prepared:
     """Set up ``model`` for training on ``env``; ``make_optimizer(params)`` builds the optimizer.
+
+    ``model``: a module, or a function that builds one (under FSDP2 it then runs on the meta device
+    and each rank materialises only its shards: ``FSDPOptions.build_on_meta``), or a ``ModelBuild``.
 
     ``precision``: a mode's name (its defaults), a :class:`Precision` (mode, impl, the mode's
     settings, registered functions), or a fresh :class:`PrecisionEngine` of the caller's own (used as
@@ -115,9 +119,14 @@ def prepare(
         raise TypeError(f"prepare() got unexpected keyword argument(s) {', '.join(sorted(moved))}")
     parallel = parallel if parallel is not None else Parallel()
     engine = _engine(precision, parallel, env)
-    model = parallel.synchronise_batchnorm(model, env.device).to(env.device)
-    broadcast_from_main(model, env)
-    wrapped, module, optimizer = parallel.set_up(model, make_optimizer, env, engine)
+    built = parallel.build(model)
+    model = parallel.synchronise_batchnorm(built.module, env.device)
+    if built.init is None:
+        model = model.to(env.device)
+        broadcast_from_main(model, env)
+    else:
+        built.init.place_and_agree(model, env)
+    wrapped, module, optimizer = parallel.set_up(model, make_optimizer, env, engine, built.init)
     warn_if_slower_than_fp32(engine.mode, engine.compute_dtype, env.device, [module])
     if env.device.type == "cpu" and env.is_main:
         note = cuda_build_note(torch.version.cuda, nvidia_gpu_present(), cuda_build_bytes() if torch.version.cuda else 0)

@@ -20,6 +20,7 @@ from torch.utils.data import Dataset
 
 from ampddp.distributed.data import ResumableSampler
 from ampddp.distributed.env import DistEnv, detect_env, seed_everything
+from ampddp.distributed.meta_init import ModelSource
 from ampddp.distributed.parallel import Parallel
 from ampddp.errors import ConfigError
 from ampddp.observe.observer import LOGGERS_NEED_A_RUN_DIR, Reporting, RunObserver
@@ -80,7 +81,8 @@ def loop_settings(loop: LoopSettings | None, settings: dict[str, Any]) -> LoopSe
 
 
 class Trainer(TrainingLoop):
-    """Train ``model`` on ``train_set``; evaluate on ``eval_set``.
+    """Train ``model`` on ``train_set``; evaluate on ``eval_set``. ``model``: a module, or a function that
+    builds one (under FSDP2 it runs on the meta device and each rank materialises only its shards).
 
     ``make_optimizer(params)`` and ``make_scheduler(optimizer)`` build the optimizer and LR scheduler
     after the model is prepared. ``loss_fn(outputs, batch)`` and ``metrics(outputs, batch)`` serve
@@ -108,7 +110,7 @@ class Trainer(TrainingLoop):
 
     def __init__(
         self,
-        model: nn.Module,
+        model: ModelSource,
         make_optimizer: Callable[[Iterable[nn.Parameter]], Optimizer],
         train_set: Dataset,
         *,

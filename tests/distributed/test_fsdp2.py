@@ -194,6 +194,48 @@ def test_batchnorm_models_shard_in_every_mode_with_ddps_buffer_semantics():
     assert ranks[0]["fsdp2 O5 named"]["losses"] == ranks[0]["fsdp2 O5"]["losses"]
 
 
+def meta_worker(env) -> dict[str, object]:
+    """Each set-up twice: from a module built whole on each rank, and from the function that builds it
+    (on the meta device, each rank materialising its shards); the weights gathered, the buffers, the
+    random stream after it, and five O5 training steps of each."""
+    results: dict[str, object] = {}
+    cases = [("gpt O0", tiny_gpt, "O0"), ("gpt O3", tiny_gpt, "O3"), ("gpt O5", tiny_gpt, "O5"), ("batchnorm O2", BatchNormNet, "O2")]
+    for name, factory, mode in cases:
+        for build in ("meta", "whole"):
+            model = factory if build == "meta" else factory()
+            run = prepare(model, lambda params: torch.optim.SGD(params, lr=0.1), env, precision=mode, parallel=Parallel("fsdp2"))
+            results[f"{name} {build}"] = {
+                "weights": {n: (p.full_tensor().clone(), p.dtype, p.device.type) for n, p in run.module.named_parameters()},
+                "buffers": {n: b.clone() for n, b in run.module.named_buffers()},
+                "next draw": torch.rand(3),
+            }
+            run.engine.teardown()
+    for build in ("meta", "whole"):
+        run = prepare(tiny_gpt if build == "meta" else tiny_gpt(), lambda params: torch.optim.AdamW(params, lr=3e-3), env,
+                      precision="O5", parallel=Parallel("fsdp2"))  # fmt: skip
+        results[f"losses {build}"] = gpt_steps(run, env, 5)
+        run.engine.teardown()
+    return results
+
+
+def test_a_model_built_on_the_meta_device_gets_the_whole_builds_weights_shard_by_shard():
+    # The whole build is the eager reference: bit for bit the same weights in every stored dtype
+    # (O3's fp16, O2/O5's fp32 shards, BatchNorm units fp32), buffers and random stream, so training
+    # from either is the same training.
+    ranks = launch_local(meta_worker, 2, device="cpu", timeout_s=300)
+    for results in ranks:
+        for name in ("gpt O0", "gpt O3", "gpt O5", "batchnorm O2"):
+            meta, whole = results[f"{name} meta"], results[f"{name} whole"]
+            assert meta["weights"].keys() == whole["weights"].keys()
+            for key, (value, dtype, device) in whole["weights"].items():
+                got, got_dtype, got_device = meta["weights"][key]
+                assert (got_dtype, got_device) == (dtype, device) and torch.equal(got, value), (name, key)
+            assert all(torch.equal(meta["buffers"][key], value) for key, value in whole["buffers"].items()), name
+            assert torch.equal(meta["next draw"], whole["next draw"]), name
+        assert results["losses meta"] == results["losses whole"]
+    assert ranks[0]["losses meta"] == ranks[1]["losses meta"]
+
+
 def recompute_worker(env) -> list[float]:
     """native-bf16 with checkpointed blocks, its forwards run inside the engine's autocast and outside it (as a
     user's own evaluation-style forward with gradients might): each block recomputes as it ran."""
@@ -352,7 +394,7 @@ def gpt_trainer(run_dir, strategy: str | Parallel, max_steps: int, env, batch_si
                 layout: str = "auto", checkpoint_every: int | None = None, compile: ModelCompiler | None = None) -> Trainer:  # fmt: skip
     train, held_out = python_docs(sequence_length=16, eval_fraction=0.05)
     return Trainer(
-        tiny_gpt(), lambda params: torch.optim.AdamW(params, lr=3e-3), Subset(train, range(256)),
+        tiny_gpt, lambda params: torch.optim.AdamW(params, lr=3e-3), Subset(train, range(256)),
         eval_set=Subset(held_out, range(13)), precision=mode, batch_size=batch_size,
         parallel=strategy if isinstance(strategy, Parallel) else Parallel(strategy),
         grad_accum_steps=2, clip_grad_norm=1.0, max_epochs=100, max_steps=max_steps, seed=5, env=env,

@@ -54,6 +54,10 @@ def refused(capsys, run_dir: Path, *args: str, recipe: Path = QUICKSTART) -> str
         (["model.num_classes=5"], "model.num_classes=5 is too small for data.name=digits, which has 10 classes; it must be >= 10"),
         (["data.channels=0"], "data.channels=0 is out of range; it must be an integer >= 1"),
         (["data.image_size=1"], "model.name=small_cnn cannot take data.channels=1 x data.image_size=1 images"),
+        (  # a meta build (FSDP2) checks its forward on a meta copy
+            ["distributed.strategy=fsdp2", "data.image_size=1"],
+            "model.name=small_cnn cannot take data.channels=1 x data.image_size=1 images",
+        ),
         (["data.eval_fraction=1.5"], "data.eval_fraction=1.5 is out of range; it must be a finite number in (0, 1)"),
         (["trainer.seed=-1"], "trainer.seed=-1 is out of range; it must be an integer in [0, 4294967295]"),
         (["trainer.max_steps=0"], "trainer.max_steps=0 is out of range"),

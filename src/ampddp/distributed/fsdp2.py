@@ -44,7 +44,10 @@ class FSDPOptions:
     device per block for the forward and backward; the optimizer steps on the CPU (a model whose
     training state does not fit the devices, at the cost of the copies and a CPU optimizer step).
     ``shard_size`` (HSDP only): the ranks each replica shards over (None: a node's, LOCAL_WORLD_SIZE);
-    the world size must be a multiple of it.
+    the world size must be a multiple of it. ``build_on_meta``: a model given as a function that builds
+    it is built on the meta device and each rank materialises only its shards, with the weights an
+    eager build of the same seed makes (``ampddp.distributed.meta_init``); False: built whole on
+    each rank, then sharded.
     """
 
     blocks: tuple[str, ...] = ()
@@ -53,12 +56,13 @@ class FSDPOptions:
     activation_checkpointing: bool = False
     cpu_offload: bool = False
     shard_size: int | None = None
+    build_on_meta: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.blocks, str) or not all(isinstance(name, str) and name for name in self.blocks):
             raise ConfigError(f"fsdp blocks={self.blocks!r} is not valid; give a list of module class names, e.g. [Block]")
         object.__setattr__(self, "blocks", tuple(self.blocks))
-        for name in ("reshard_after_forward", "reduce_in_fp32", "activation_checkpointing", "cpu_offload"):
+        for name in ("reshard_after_forward", "reduce_in_fp32", "activation_checkpointing", "cpu_offload", "build_on_meta"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"fsdp {name}={getattr(self, name)!r} is not valid; it must be true or false")
         if self.shard_size is not None and (

@@ -20,6 +20,7 @@ from torch.optim import Optimizer
 from ampddp.choices import SYNC_BN_CHOICES
 from ampddp.distributed.env import DistEnv
 from ampddp.distributed.fsdp2 import FSDPOptions
+from ampddp.distributed.meta_init import InitProgram, ModelBuild, ModelSource
 from ampddp.distributed.strategies import MakeOptimizer, Strategy, strategy_named
 from ampddp.distributed.sync_bn import convert_sync_batchnorm
 from ampddp.distributed.wrap import DDPOptions
@@ -70,8 +71,18 @@ class Parallel:
         """Whether the strategy shards the params (FSDP2): the precision set-up then maps onto it."""
         return self.plan.shards_params
 
-    def set_up(self, model: nn.Module, make_optimizer: MakeOptimizer, env: DistEnv,
-               engine: PrecisionEngine) -> tuple[nn.Module, nn.Module, Optimizer]:  # fmt: skip
+    def build(self, model: ModelSource) -> ModelBuild:
+        """A module as it is; a function making one built as the strategy wants (FSDP2: on the meta device)."""
+        if isinstance(model, ModelBuild):
+            return model
+        if isinstance(model, nn.Module):
+            return ModelBuild(model)
+        if not callable(model):
+            raise ConfigError(f"model={type(model).__name__} is not valid; give a torch.nn.Module or a function that builds one")
+        return self.plan.build(model, self.fsdp)
+
+    def set_up(self, model: nn.Module, make_optimizer: MakeOptimizer, env: DistEnv, engine: PrecisionEngine,
+               init: InitProgram | None = None) -> tuple[nn.Module, nn.Module, Optimizer]:  # fmt: skip
         """The placed ``model`` under the strategy with ``engine``: (the model the loop calls, the bare
-        module, its optimizer)."""
-        return self.plan.set_up(model, make_optimizer, env, engine, self.ddp, self.fsdp, self.wrap_options)
+        module, its optimizer); ``init``: a meta build's initialisation, run once the strategy placed it."""
+        return self.plan.set_up(model, make_optimizer, env, engine, self.ddp, self.fsdp, self.wrap_options, init)

@@ -27,6 +27,7 @@ from ampddp.distributed.apex_ddp import DistributedDataParallel as ApexDistribut
 from ampddp.distributed.env import DistEnv
 from ampddp.distributed.fsdp2 import FSDPOptions, gradient_sync_off, shard_model, sharded_blocks
 from ampddp.distributed.installed_apex import installed_apex_parallel
+from ampddp.distributed.meta_init import InitProgram, ModelBuild, build_on_meta, model_from
 from ampddp.distributed.model_agreement import check_models_agree
 from ampddp.distributed.wrap import DDPOptions, GradSync
 from ampddp.errors import ConfigError, choice_error
@@ -61,10 +62,17 @@ class Strategy:
         """A fresh engine running ``precision`` (resolved) under this strategy."""
         return precision.build_engine()
 
+    def build(self, factory: Callable[[], nn.Module], fsdp: FSDPOptions) -> ModelBuild:
+        """The model ``factory`` makes, built as this strategy wants it (whole models: eagerly)."""
+        return ModelBuild(model_from(factory))
+
     def set_up(self, model: nn.Module, make_optimizer: MakeOptimizer, env: DistEnv, engine: PrecisionEngine,
-               ddp: DDPOptions, fsdp: FSDPOptions, wrap_options: Mapping[str, Any]) -> tuple[nn.Module, nn.Module, Optimizer]:  # fmt: skip
+               ddp: DDPOptions, fsdp: FSDPOptions, wrap_options: Mapping[str, Any],
+               init: InitProgram | None = None) -> tuple[nn.Module, nn.Module, Optimizer]:  # fmt: skip
         """The placed ``model`` trained under this strategy: (the model the loop calls, the bare module,
-        its optimizer)."""
+        its optimizer). ``init``: a meta-built model's initialisation (materialised whole here)."""
+        if init is not None:
+            init.materialise(model, env.device)
         optimizer = make_optimizer(model.parameters())
         engine.setup([model], [optimizer])
         return self.wrap(model, env, ddp, dict(wrap_options)), model, optimizer
@@ -155,10 +163,17 @@ class FSDP2(Strategy):
     def engine_for(self, precision: Precision) -> PrecisionEngine:
         return precision.build_sharded_engine()
 
+    def build(self, factory: Callable[[], nn.Module], fsdp: FSDPOptions) -> ModelBuild:
+        """On the meta device (``fsdp.build_on_meta``): each rank materialises only its shards."""
+        return build_on_meta(factory) if fsdp.build_on_meta else super().build(factory, fsdp)
+
     def set_up(self, model: nn.Module, make_optimizer: MakeOptimizer, env: DistEnv, engine: PrecisionEngine,
-               ddp: DDPOptions, fsdp: FSDPOptions, wrap_options: Mapping[str, Any]) -> tuple[nn.Module, nn.Module, Optimizer]:  # fmt: skip
+               ddp: DDPOptions, fsdp: FSDPOptions, wrap_options: Mapping[str, Any],
+               init: InitProgram | None = None) -> tuple[nn.Module, nn.Module, Optimizer]:  # fmt: skip
         engine.convert_storage(model)
         model = shard_model(model, env, fsdp, engine.sharded_param_dtype, engine.recompute_context, replicas=self.replicas(fsdp, env))
+        if init is not None:
+            init.materialise(model, env.device)
         optimizer = make_optimizer(model.parameters())
         engine.setup([model], [optimizer])
         return model, model, optimizer

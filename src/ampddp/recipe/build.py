@@ -8,6 +8,7 @@ checkpoint to resume from is checked against are the ones that train. Nothing is
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,6 +19,8 @@ from torch import nn
 from ampddp.checkpoint.restore import initial_weights, load_model_state
 from ampddp.config import RunConfig, is_import_path
 from ampddp.distributed.env import DistEnv
+from ampddp.distributed.meta_init import ModelBuild
+from ampddp.distributed.parallel import Parallel
 from ampddp.errors import CheckpointError, ConfigError
 from ampddp.preemption import DEFAULT_STOP_SIGNALS, StopSignals
 from ampddp.recipe.factories import (
@@ -54,8 +57,8 @@ def build_run(config: RunConfig, env: DistEnv, stop_signals: tuple[str, ...] | S
     the caller's, after the run's own reporting."""
     data, trainer_cfg = config.data, config.trainer
     train_set, eval_set = build_datasets_from(config, augment=data.augment)
-    model = checked_model(config)
-    _start_from_weights(config, model)
+    parallel = parallel_from(config)
+    model = checked_model(config, parallel)
     epoch_steps = steps_per_epoch(config, len(train_set), env.world_size)
     loop = LoopSettings(
         batch_size=data.batch_size, grad_accum_steps=trainer_cfg.grad_accum_steps, clip_grad_norm=trainer_cfg.clip_grad_norm,
@@ -65,7 +68,7 @@ def build_run(config: RunConfig, env: DistEnv, stop_signals: tuple[str, ...] | S
     )  # fmt: skip
     trainer = Trainer(
         model, optimizer_factory(config), train_set, eval_set=eval_set, env=env,
-        precision=precision_from(config), parallel=parallel_from(config), compile=model_compiler(config),
+        precision=precision_from(config), parallel=parallel, compile=model_compiler(config),
         loading=loader_settings(config), device=device_settings(config), make_scheduler=scheduler_factory(config, epoch_steps),
         run_dir=run_dir or RunDir(config.trainer.run_dir, "trainer.run_dir"), report=reporting_from(config),
         checkpoints=dataclasses.replace(checkpoint_settings(config), run_dir=None, init_from=None),
@@ -75,15 +78,20 @@ def build_run(config: RunConfig, env: DistEnv, stop_signals: tuple[str, ...] | S
     return trainer
 
 
-def checked_model(config: RunConfig) -> nn.Module:
-    """The model, seeded as training seeds it; on a built-in data set, one tiny forward pass first: a
-    size or channel mismatch fails here, not at step 1. On a user's data set the inputs are unknown:
-    it is only built."""
+def checked_model(config: RunConfig, parallel: Parallel) -> ModelBuild:
+    """The model, seeded as training seeds it and built as the strategy builds it (FSDP2: on the meta
+    device, unless checkpoint.init_from's weights are loaded into it whole); on a built-in data set,
+    one tiny forward pass first (on the meta device for a meta build): a size or channel mismatch fails
+    here, not at step 1. On a user's data set the inputs are unknown: it is only built."""
     model_cfg, data = config.model, config.data
     torch.manual_seed(config.trainer.seed)
-    model = build_model_from(config)
+    if config.checkpoint.init_from is None:
+        built = parallel.build(lambda: build_model_from(config))
+    else:
+        built = ModelBuild(build_model_from(config))
+        _start_from_weights(config, built.module)
     if is_import_path(data.name):
-        return model
+        return built
     classes = DATASET_CLASSES.get(data.name)
     if data.name == "imagefolder" and data.root is not None:
         classes = len(find_classes(Path(data_root(config)) / "train"))
@@ -92,22 +100,30 @@ def checked_model(config: RunConfig) -> nn.Module:
             f"model.num_classes={model_cfg.num_classes} is too small for data.name={data.name}, which has {classes} classes; "
             f"it must be >= {classes}"
         )
+    _check_forward(config, built)
+    return built
+
+
+def _check_forward(config: RunConfig, built: ModelBuild) -> None:
+    """One forward of two zero images (a meta build: a meta copy of it, on meta images), its output
+    shape checked against model.num_classes."""
+    model_cfg, data = config.model, config.data
+    probe = built.module if built.init is None else copy.deepcopy(built.module).to("meta")
     shape = (2, data.channels, data.image_size, data.image_size)
     try:
         with torch.no_grad():
-            outputs = model.eval()(torch.zeros(shape))
-    except (RuntimeError, ValueError, TypeError) as error:
+            outputs = probe.eval()(torch.zeros(shape, device="meta" if built.init is not None else "cpu"))
+    except (RuntimeError, ValueError, TypeError, NotImplementedError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         hint = "its forward must take one image batch" if isinstance(error, TypeError) else "try a larger data.image_size"
         raise ConfigError(
             f"model.name={model_cfg.name} cannot take data.channels={data.channels} x data.image_size={data.image_size} images "
             f"({reason[:200]}); {hint}"
         ) from None
-    model.train()
+    built.module.train()
     if not isinstance(outputs, torch.Tensor) or tuple(outputs.shape) != (2, model_cfg.num_classes):
         found = tuple(outputs.shape) if isinstance(outputs, torch.Tensor) else type(outputs).__name__
         raise ConfigError(f"model.name={model_cfg.name} returns outputs of shape {found}, expected (batch, model.num_classes)")
-    return model
 
 
 def _start_from_weights(config: RunConfig, model: nn.Module) -> None:

@@ -348,12 +348,12 @@ def process_group_backend(config: RunConfig) -> str:
 
 def fsdp_options(config: RunConfig) -> FSDPOptions:
     """distributed.fsdp_blocks / fsdp_reshard_after_forward / fsdp_reduce_in_fp32 / fsdp_activation_checkpointing /
-    fsdp_cpu_offload / fsdp_shard_size."""
+    fsdp_cpu_offload / fsdp_shard_size / fsdp_build_on_meta."""
     dist_cfg = config.distributed
     return FSDPOptions(
         blocks=tuple(dist_cfg.fsdp_blocks), reshard_after_forward=dist_cfg.fsdp_reshard_after_forward,
         reduce_in_fp32=dist_cfg.fsdp_reduce_in_fp32, activation_checkpointing=dist_cfg.fsdp_activation_checkpointing,
-        cpu_offload=dist_cfg.fsdp_cpu_offload, shard_size=dist_cfg.fsdp_shard_size,
+        cpu_offload=dist_cfg.fsdp_cpu_offload, shard_size=dist_cfg.fsdp_shard_size, build_on_meta=dist_cfg.fsdp_build_on_meta,
     )  # fmt: skip
 
 

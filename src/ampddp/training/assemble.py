@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -12,6 +13,7 @@ from torch.optim import Optimizer
 
 from ampddp.checkpoint.restore import initial_weights, load_model_state
 from ampddp.distributed.env import DistEnv
+from ampddp.distributed.meta_init import ModelBuild, ModelSource, whole_model
 from ampddp.distributed.parallel import Parallel
 from ampddp.precision.choice import Precision
 from ampddp.precision.engine import PrecisionEngine
@@ -35,14 +37,19 @@ class RunSetup:
     device: DeviceSettings = field(default_factory=DeviceSettings)
     """channels_last (applied to the model here), cuDNN benchmark and TF32 (set while training)."""
 
-    def build(self, model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter]], Optimizer], env: DistEnv,
+    def build(self, model: ModelSource, make_optimizer: Callable[[Iterable[nn.Parameter]], Optimizer], env: DistEnv,
               on_compiled: Callable[[float], None] | None = None) -> Prepared:  # fmt: skip
-        """Load ``init_from``, then ``prepare`` (sync-BN, device, optimizer, precision, DDP), then compile:
-        the set-up (cast, masters, DDP) is what gets compiled."""
+        """Build ``model`` (a module, a function that builds one, or a ``ModelBuild``: FSDP2 builds a
+        function's model on the meta device) and load ``init_from`` into it (then built whole), then
+        ``prepare`` (sync-BN, device, optimizer, precision, DDP), then compile: the set-up (cast, masters,
+        DDP) is what gets compiled."""
         if self.init_from is not None:
-            load_model_state(initial_weights(self.init_from), model, str(self.init_from))
-        model = self.device.convert(model)
-        run = prepare(model, make_optimizer, env, precision=self.precision, parallel=self.parallel)
+            built = ModelBuild(whole_model(model))
+            load_model_state(initial_weights(self.init_from), built.module, str(self.init_from))
+        else:
+            built = self.parallel.build(model)
+        built = dataclasses.replace(built, module=self.device.convert(built.module))
+        run = prepare(built, make_optimizer, env, precision=self.precision, parallel=self.parallel)
         if self.compiler is not None:
             run = self.compiler.compile(run, on_first_step=on_compiled)
         return run
