@@ -147,6 +147,10 @@ class ModelConfig:
     """Classes the model predicts (the data set's labels must lie in 0..num_classes-1); the vocabulary for a GPT."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for a model named as package.module:function."""
+    key_map: dict[str, str | None] = field(default_factory=dict)
+    """Renames for the tensors of safetensors weights given as checkpoint.init_from: {regular expression: new
+    name}, the first pattern matching a whole name wins (its groups as \\1), null drops the tensor;
+    e.g. {'transformer\\.h\\.(\\d+)\\.(.*)': 'blocks.\\1.\\2'}."""
 
 
 @dataclass
@@ -280,7 +284,8 @@ class CheckpointConfig:
     """A checkpoint folder or run dir to resume from instead (overrides resume)."""
     init_from: str | None = field(default=None, metadata=PATH_SETTING)
     """Weights to start from: an ampddp checkpoint (a file, a step folder or a run dir: its newest checkpoint
-    that verifies), an apex-era dict or a plain state dict file."""
+    that verifies), an apex-era dict, a plain state dict file, or safetensors (ampddp export's file, or a folder
+    of them such as Hugging Face's with its index; under fsdp2/hsdp each rank reads only its shards' slices)."""
     allow_changes: bool = False
     """Resume even when the model, data set, split (eval_fraction, seed) or image size changed."""
     layout: str = field(default="auto", metadata=_choices(*CHECKPOINT_LAYOUTS))

@@ -5,6 +5,7 @@ checkpoints that resume bit-exactly and under another strategy and world size.""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import signal
@@ -19,11 +20,13 @@ import torch
 import torch.distributed as dist
 from helpers import HAS_TORCHAO, NO_TORCHAO, O6_SMALL_MODEL
 from resume_helpers import assert_identical, final_state
+from safetensors.torch import save_file
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import Subset
 
 from ampddp import Parallel, Precision
+from ampddp.checkpoint.safetensors_weights import SafetensorsWeights, weights_into
 from ampddp.checkpoint.store import CheckpointStore
 from ampddp.distributed import FSDPOptions, launch_local
 from ampddp.distributed.env import init_one_rank_group
@@ -200,11 +203,14 @@ def meta_worker(env) -> dict[str, object]:
     random stream after it, and five O5 training steps of each."""
     results: dict[str, object] = {}
     cases = [("gpt O0", tiny_gpt, "O0"), ("gpt O3", tiny_gpt, "O3"), ("gpt O5", tiny_gpt, "O5"), ("batchnorm O2", BatchNormNet, "O2")]
+    if HAS_TORCHAO:  # O6 converts its linear layers to fp8 training before sharding: meta weights included
+        cases.append(("gpt O6", tiny_gpt, Precision("O6", overrides=O6_SMALL_MODEL)))
     for name, factory, mode in cases:
         for build in ("meta", "whole"):
             model = factory if build == "meta" else factory()
             run = prepare(model, lambda params: torch.optim.SGD(params, lr=0.1), env, precision=mode, parallel=Parallel("fsdp2"))
             results[f"{name} {build}"] = {
+                "classes": sorted({type(module).__name__ for module in run.module.modules()}),
                 "weights": {n: (p.full_tensor().clone(), p.dtype, p.device.type) for n, p in run.module.named_parameters()},
                 "buffers": {n: b.clone() for n, b in run.module.named_buffers()},
                 "next draw": torch.rand(3),
@@ -224,8 +230,9 @@ def test_a_model_built_on_the_meta_device_gets_the_whole_builds_weights_shard_by
     # from either is the same training.
     ranks = launch_local(meta_worker, 2, device="cpu", timeout_s=300)
     for results in ranks:
-        for name in ("gpt O0", "gpt O3", "gpt O5", "batchnorm O2"):
+        for name in ("gpt O0", "gpt O3", "gpt O5", "batchnorm O2", *(("gpt O6",) if HAS_TORCHAO else ())):
             meta, whole = results[f"{name} meta"], results[f"{name} whole"]
+            assert meta["classes"] == whole["classes"] and ("Float8Linear" in meta["classes"]) == (name == "gpt O6"), name
             assert meta["weights"].keys() == whole["weights"].keys()
             for key, (value, dtype, device) in whole["weights"].items():
                 got, got_dtype, got_device = meta["weights"][key]
@@ -234,6 +241,56 @@ def test_a_model_built_on_the_meta_device_gets_the_whole_builds_weights_shard_by
             assert torch.equal(meta["next draw"], whole["next draw"]), name
         assert results["losses meta"] == results["losses whole"]
     assert ranks[0]["losses meta"] == ranks[1]["losses meta"]
+
+
+class CountedWeights(SafetensorsWeights):
+    """Safetensors weights that count the elements each read returns."""
+
+    elements = 0
+
+    @contextlib.contextmanager
+    def reading(self):
+        with super().reading() as reader:
+            read = reader.read
+
+            def counted(name, index=None):
+                part = read(name, index)
+                self.elements += part.numel()
+                return part
+
+            reader.read = counted
+            yield reader
+
+
+def weights_worker(env, folder: str) -> dict[str, object]:
+    """A GPT built on the meta device under FSDP2, started from a Hugging Face-style folder (two files,
+    an index, every name under "model." and one extra tensor, renamed and dropped by a key map): what
+    each rank read, the weights gathered, two training steps."""
+    weights = CountedWeights(folder, key_map={r"model\.rotary": None, r"model\.(.*)": r"\1"})
+    run = prepare(weights_into(Parallel("fsdp2").build(tiny_gpt), weights), lambda params: torch.optim.SGD(params, lr=0.1), env,
+                  precision="O5", parallel=Parallel("fsdp2"))  # fmt: skip
+    gathered = {name: param.full_tensor().clone() for name, param in run.module.named_parameters()}
+    losses = gpt_steps(run, env, 2)
+    run.engine.teardown()
+    return {"read": weights.elements, "weights": gathered, "losses": losses}
+
+
+def test_safetensors_weights_go_into_a_meta_builds_shards_each_rank_reading_its_part(tmp_path):
+    source = GPT(256, layers=2, width=32, heads=2, context=16)  # another seed's weights than tiny_gpt's
+    state = {f"model.{name}": value.contiguous() for name, value in source.state_dict().items()}
+    names = sorted(state)
+    save_file({name: state[name] for name in names[:9]}, tmp_path / "model-00001-of-00002.safetensors")
+    save_file({**{name: state[name] for name in names[9:]}, "model.rotary": torch.zeros(4)}, tmp_path / "model-00002-of-00002.safetensors")
+    weight_map = {name: f"model-0000{1 + (name not in names[:9])}-of-00002.safetensors" for name in [*names, "model.rotary"]}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    ranks = launch_local(weights_worker, 2, (str(tmp_path),), device="cpu", timeout_s=300)
+    total = sum(value.numel() for value in source.state_dict().values())
+    for result in ranks:
+        for name, value in source.state_dict().items():
+            assert torch.equal(result["weights"][name], value), name
+        # Each rank read its half of every tensor (a tensor of one row: one rank all of it, the other none).
+        assert total / 2 - 64 <= result["read"] <= total / 2 + 64, (result["read"], total)
+    assert ranks[0]["losses"] == ranks[1]["losses"] and ranks[0]["losses"][0] > 0
 
 
 def recompute_worker(env) -> list[float]:

@@ -54,6 +54,8 @@ def refused(capsys, run_dir: Path, *args: str, recipe: Path = QUICKSTART) -> str
         (["model.num_classes=5"], "model.num_classes=5 is too small for data.name=digits, which has 10 classes; it must be >= 10"),
         (["data.channels=0"], "data.channels=0 is out of range; it must be an integer >= 1"),
         (["data.image_size=1"], "model.name=small_cnn cannot take data.channels=1 x data.image_size=1 images"),
+        (["model.key_map={a: b}"], "model.key_map renames the tensors of safetensors weights; set checkpoint.init_from to"),
+        (["model.key_map={'(': b}"], "model.key_map entry '(' is not a regular expression"),
         (  # a meta build (FSDP2) checks its forward on a meta copy
             ["distributed.strategy=fsdp2", "data.image_size=1"],
             "model.name=small_cnn cannot take data.channels=1 x data.image_size=1 images",

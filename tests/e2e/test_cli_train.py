@@ -202,3 +202,12 @@ def test_a_two_rank_fsdp2_run_resumes_on_one_process_with_the_same_strategy(tmp_
     assert [r["step"] for r in read_metrics(tmp_path) if r["kind"] == "train"] == [1, 2, 3, 4]
     latest = CheckpointStore(tmp_path).latest()
     assert latest.step == 4 and json.loads((latest.path / "COMPLETE").read_text())["world_size"] == 1
+    # Its export starts a new 2-rank run from the meta device: each rank reads only its shards' slices.
+    exported = subprocess.run([sys.executable, "-m", "ampddp", "export", str(tmp_path), "--to", str(tmp_path / "w.safetensors")],
+                              capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    started = subprocess.run([*common[:5], f"trainer.run_dir={tmp_path / 'new'}", *common[6:], "trainer.max_steps=1",
+                              "distributed.nproc_per_node=2", "data.batch_size=8", f"checkpoint.init_from={tmp_path / 'w.safetensors'}"],
+                             capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
+    assert started.returncode == 0, started.stderr[-3000:]
+    assert f"weights from {tmp_path / 'w.safetensors'}: 44 tensors, each rank reading the slices it holds" in started.stderr

@@ -12,6 +12,7 @@ from typing import Any
 _HOMES = {
     "CheckpointRef": "ampddp.checkpoint.store",
     "CheckpointStore": "ampddp.checkpoint.store",
+    "SafetensorsWeights": "ampddp.checkpoint.safetensors_weights",
     "check_model_state": "ampddp.checkpoint.restore",
     "find_checkpoint": "ampddp.checkpoint.store",
     "initial_weights": "ampddp.checkpoint.restore",

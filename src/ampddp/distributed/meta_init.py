@@ -19,11 +19,13 @@ with the eager build as the alternative (``FSDPOptions(build_on_meta=False)``).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -209,13 +211,24 @@ def _owner(module: nn.Module, name: str) -> str:
     return type(module.get_submodule(path)).__name__ if path else type(module).__name__
 
 
+class WeightsSource(Protocol):
+    """Weights by tensor name, each read whole or in part (``ampddp.checkpoint.safetensors_weights``)."""
+
+    def names(self) -> set[str]:
+        """The names of the model's tensors these weights hold."""
+
+    def reading(self) -> AbstractContextManager[Any]:
+        """The source held open; what it gives has ``read(name, index)``: tensor ``name``, or the part
+        ``index`` of it (a slice per dimension)."""
+
+
 @dataclass
 class InitProgram:
     """The recorded initialisation of a meta-built model's meta tensors, by their names in it."""
 
     programs: dict[str, TensorProgram]
-    after_build: torch.Tensor
-    """The CPU random state the build left (the eager build's)."""
+    weights: WeightsSource | None = None
+    """Weights the tensors they name are read from instead (``checkpoint.init_from``'s safetensors)."""
 
     def place_and_agree(self, module: nn.Module, env: DistEnv) -> None:
         """Move the build's real tensors to ``env.device`` (the meta ones get storage once sharded); then,
@@ -243,42 +256,49 @@ class InitProgram:
 
     def materialise(self, module: nn.Module, device: torch.device) -> None:
         """Give ``module``'s meta tensors (sharded or not) storage on ``device`` and each rank's part of
-        the values the eager build makes; one full tensor at a time, on the CPU."""
+        the values: read from ``weights`` where they name the tensor (only this rank's part is read),
+        else the eager build's, replayed one full tensor at a time on the CPU."""
         random_state = torch.get_rng_state()
         module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+        loaded = self.weights.names() if self.weights is not None else set()
         seen: set[int] = set()
-        with torch.no_grad():
+        with torch.no_grad(), self.weights.reading() if self.weights is not None else contextlib.nullcontext() as reader:
             for name, tensor in _named_tensors(module):
-                if name not in self.programs or id(tensor) in seen:
+                if id(tensor) in seen or (name not in loaded and name not in self.programs):
                     continue
                 seen.add(id(tensor))
-                _write_local_part(tensor, self.programs[name].value(), name)
+                index = _local_index(tensor, name)
+                if name in loaded:
+                    part = reader.read(name, index)
+                else:
+                    full = self.programs[name].value()
+                    part = full[index] if index is not None else full
+                local = tensor.to_local() if index is not None else tensor
+                if tuple(local.shape) != tuple(part.shape):
+                    raise RuntimeError(f"meta build: the local part of {name!r} is {list(local.shape)}, the part read {list(part.shape)}")
+                local.copy_(part)
         torch.set_rng_state(random_state)
 
 
-def _write_local_part(tensor: torch.Tensor, full: torch.Tensor, name: str) -> None:
-    """Copy this rank's part of ``full`` into ``tensor`` (a DTensor: its local shard; else whole)."""
+def _local_index(tensor: torch.Tensor, name: str) -> tuple[slice, ...] | None:
+    """This rank's part of a sharded (DTensor) tensor as a slice per dimension (None: it holds all of
+    it): FSDP2 cuts each sharded dimension as ``torch.chunk`` does, the last ranks' parts possibly empty."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     if not isinstance(tensor, DTensor):
-        tensor.copy_(full)
-        return
-    part = full
-    coordinate = tensor.device_mesh.get_coordinate()
+        return None
+    bounds = [(0, size) for size in tensor.shape]
+    coordinate = tensor.device_mesh.get_coordinate() or [0] * tensor.device_mesh.ndim
     for mesh_dim, placement in enumerate(tensor.placements):
         if isinstance(placement, Replicate):
             continue
         if not isinstance(placement, Shard):
             raise ConfigError(f"{name!r} is placed as {placement} on the mesh; a meta build fills Shard and Replicate placements only")
-        chunks = torch.chunk(part, tensor.device_mesh.size(mesh_dim), dim=placement.dim)
-        index = coordinate[mesh_dim] if coordinate is not None else 0
-        part = chunks[index] if index < len(chunks) else part.narrow(placement.dim, 0, 0)
-    local = tensor.to_local()
-    if tuple(local.shape) != tuple(part.shape):
-        raise RuntimeError(
-            f"meta build: the local shard of {name!r} is {list(local.shape)}, its part of the full tensor {list(part.shape)}"
-        )
-    local.copy_(part)
+        low, high = bounds[placement.dim]
+        chunk = -(-(high - low) // tensor.device_mesh.size(mesh_dim))
+        start = min(low + coordinate[mesh_dim] * chunk, high)
+        bounds[placement.dim] = (start, min(start + chunk, high))
+    return tuple(slice(low, high) for low, high in bounds)
 
 
 @dataclass
@@ -340,4 +360,4 @@ def build_on_meta(factory: Callable[[], nn.Module]) -> ModelBuild:
                 f"model tensor {name!r} ({_owner(module, name)}) cannot be initialised shard by shard: {reason}; {EAGER_ALTERNATIVE}"
             )
         programs[name] = program
-    return ModelBuild(module, InitProgram(programs, torch.get_rng_state()))
+    return ModelBuild(module, InitProgram(programs))

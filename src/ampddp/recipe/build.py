@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from ampddp.checkpoint.restore import initial_weights, load_model_state
+from ampddp.checkpoint.safetensors_weights import SafetensorsWeights, is_safetensors_source, weights_into
 from ampddp.config import RunConfig, is_import_path
 from ampddp.distributed.env import DistEnv
 from ampddp.distributed.meta_init import ModelBuild
@@ -85,11 +85,7 @@ def checked_model(config: RunConfig, parallel: Parallel) -> ModelBuild:
     here, not at step 1. On a user's data set the inputs are unknown: it is only built."""
     model_cfg, data = config.model, config.data
     torch.manual_seed(config.trainer.seed)
-    if config.checkpoint.init_from is None:
-        built = parallel.build(lambda: build_model_from(config))
-    else:
-        built = ModelBuild(build_model_from(config))
-        _start_from_weights(config, built.module)
+    built = _built_from_weights(config, parallel)
     if is_import_path(data.name):
         return built
     classes = DATASET_CLASSES.get(data.name)
@@ -126,13 +122,23 @@ def _check_forward(config: RunConfig, built: ModelBuild) -> None:
         raise ConfigError(f"model.name={model_cfg.name} returns outputs of shape {found}, expected (batch, model.num_classes)")
 
 
-def _start_from_weights(config: RunConfig, model: nn.Module) -> None:
-    """checkpoint.init_from's model weights, checked against ``model`` and loaded into it."""
-    init_from = config.checkpoint.init_from
-    if init_from is None:
-        return
+def _built_from_weights(config: RunConfig, parallel: Parallel) -> ModelBuild:
+    """The model as the strategy builds it, starting from checkpoint.init_from's weights: safetensors
+    (renamed by model.key_map) checked now and read into a meta build's shards as they are made; any
+    other checkpoint loaded into the model built whole."""
+    init_from, key_map = config.checkpoint.init_from, config.model.key_map
+    if key_map and (init_from is None or not is_safetensors_source(init_from)):
+        raise ConfigError(
+            "model.key_map renames the tensors of safetensors weights; set checkpoint.init_from to a *.safetensors file or folder"
+        )
     try:
-        load_model_state(initial_weights(init_from), model, str(init_from))
+        if init_from is None:
+            return parallel.build(lambda: build_model_from(config))
+        if is_safetensors_source(init_from):
+            return weights_into(parallel.build(lambda: build_model_from(config)), SafetensorsWeights(init_from, key_map))
+        built = ModelBuild(build_model_from(config))
+        load_model_state(initial_weights(init_from), built.module, str(init_from))
+        return built
     except CheckpointError as error:
         raise CheckpointError(f"checkpoint.init_from: {error}") from None
 

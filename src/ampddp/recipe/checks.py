@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ampddp.checkpoint.safetensors_weights import check_key_map
 from ampddp.checkpoint.store import resume_source
 from ampddp.config import RunConfig, is_import_path
 from ampddp.distributed.env import detect_env
@@ -148,3 +149,4 @@ def check_recipe(config: RunConfig) -> None:
     model_compiler(config)
     reporting_from(config)
     _check_resume_from(config)
+    check_key_map(config.model.key_map)

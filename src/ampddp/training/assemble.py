@@ -12,6 +12,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ampddp.checkpoint.restore import initial_weights, load_model_state
+from ampddp.checkpoint.safetensors_weights import SafetensorsWeights, is_safetensors_source, weights_into
 from ampddp.distributed.env import DistEnv
 from ampddp.distributed.meta_init import ModelBuild, ModelSource, whole_model
 from ampddp.distributed.parallel import Parallel
@@ -32,22 +33,28 @@ class RunSetup:
     """A choice (its engine built for the strategy), or the caller's own fresh engine."""
     parallel: Parallel = field(default_factory=Parallel)
     compiler: ModelCompiler | None = None
-    init_from: str | Path | None = None
-    """A checkpoint or weights file whose model weights the run starts from (nothing else is taken)."""
+    init_from: str | Path | SafetensorsWeights | None = None
+    """A checkpoint or weights file whose model weights the run starts from (nothing else is taken);
+    safetensors (a file or a folder of them, or ``SafetensorsWeights`` with a key map) are read into a
+    meta build's shards slice by slice."""
     device: DeviceSettings = field(default_factory=DeviceSettings)
     """channels_last (applied to the model here), cuDNN benchmark and TF32 (set while training)."""
 
     def build(self, model: ModelSource, make_optimizer: Callable[[Iterable[nn.Parameter]], Optimizer], env: DistEnv,
               on_compiled: Callable[[float], None] | None = None) -> Prepared:  # fmt: skip
         """Build ``model`` (a module, a function that builds one, or a ``ModelBuild``: FSDP2 builds a
-        function's model on the meta device) and load ``init_from`` into it (then built whole), then
+        function's model on the meta device) and load ``init_from`` into it (built whole for a torch
+        checkpoint; safetensors go into a meta build's shards as they are materialised), then
         ``prepare`` (sync-BN, device, optimizer, precision, DDP), then compile: the set-up (cast, masters,
         DDP) is what gets compiled."""
-        if self.init_from is not None:
+        if self.init_from is None:
+            built = self.parallel.build(model)
+        elif isinstance(self.init_from, SafetensorsWeights) or is_safetensors_source(self.init_from):
+            weights = self.init_from if isinstance(self.init_from, SafetensorsWeights) else SafetensorsWeights(self.init_from)
+            built = weights_into(self.parallel.build(model), weights)
+        else:
             built = ModelBuild(whole_model(model))
             load_model_state(initial_weights(self.init_from), built.module, str(self.init_from))
-        else:
-            built = self.parallel.build(model)
         built = dataclasses.replace(built, module=self.device.convert(built.module))
         run = prepare(built, make_optimizer, env, precision=self.precision, parallel=self.parallel)
         if self.compiler is not None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ampddp.checkpoint.safetensors_weights import SafetensorsWeights
 from ampddp.checkpoint.store import CheckpointStore, check_keep_last
 from ampddp.choices import CHECKPOINT_LAYOUTS
 from ampddp.errors import ConfigError, choice_error
@@ -20,7 +21,10 @@ class CheckpointSettings:
     """``run_dir``: where checkpoints (and the run's logs) go; None writes none. ``keep_last``: complete
     checkpoints retention keeps (None: all). ``resume``: ``"auto"`` (the newest checkpoint in
     ``run_dir`` that verifies), ``"never"``, or the path of a checkpoint or run dir. ``init_from``: a
-    checkpoint or weights file whose model weights the run starts from (nothing else is taken).
+    checkpoint or weights file whose model weights the run starts from (nothing else is taken): an
+    ampddp checkpoint or run dir, a torch state dict, or safetensors (a file, a folder of them, or a
+    ``SafetensorsWeights`` with a key map), which a sharded model built on the meta device reads
+    slice by slice.
     ``config``: the run's settings, saved with every checkpoint and compared on resume. ``layout``:
     ``"whole"`` (one shared file of whole tensors), ``"sharded"`` (every rank writes its own shards)
     or ``"auto"`` (sharded when FSDP2 shards the model); every layout resumes under any strategy and
@@ -32,13 +36,15 @@ class CheckpointSettings:
     run_dir: str | Path | None = None
     keep_last: int | None = 3
     resume: str | Path = "auto"
-    init_from: str | Path | None = None
+    init_from: str | Path | SafetensorsWeights | None = None
     config: Mapping[str, Any] | None = field(default=None, compare=False)
     layout: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("run_dir", "init_from"):
             value = getattr(self, name)
+            if isinstance(value, SafetensorsWeights):
+                continue
             if value is not None and not isinstance(value, (str, Path)):
                 raise ConfigError(f"{name}={value!r} is not valid; it must be a path (str or pathlib.Path) or None")
             if value is not None:
