@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from ampddp.checkpoint.safetensors_weights import SafetensorsWeights
+from ampddp.checkpoint.safetensors_weights import SafetensorsWeights, tensor_digest
 from ampddp.errors import CheckpointError
 
 
@@ -76,3 +76,24 @@ def test_the_index_is_read_only_as_a_mapping_of_names_to_plain_files(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": str(tmp_path / "real.safetensors")}}))
     with pytest.raises(CheckpointError, match=r"names file '/.*real\.safetensors'; an index names files of its own folder"):
         SafetensorsWeights(tmp_path)
+
+
+def test_a_changed_export_is_caught_by_its_digests_whole_and_by_shares(tmp_path):
+    tensors = {"a": torch.arange(4096.0).view(64, 64), "b": torch.ones(3, dtype=torch.bfloat16), "c": torch.tensor(7)}
+    digests = json.dumps({name: tensor_digest(value) for name, value in tensors.items()})
+    save_file(tensors, tmp_path / "w.safetensors", metadata={"sha256": digests})
+    assert SafetensorsWeights(tmp_path / "w.safetensors").verify() == []
+    data = bytearray((tmp_path / "w.safetensors").read_bytes())
+    data[-1] ^= 0x01  # the last byte of the last tensor in the file
+    (tmp_path / "w.safetensors").write_bytes(bytes(data))
+    weights = SafetensorsWeights(tmp_path / "w.safetensors")
+    found = weights.verify(0, 2) + weights.verify(1, 2)
+    assert len(found) == 1 and "does not match the SHA-256 its export wrote: the file changed" in found[0], found
+    with pytest.raises(CheckpointError, match=r"w\.safetensors: tensor '\w' does not match the SHA-256 its export wrote"):
+        weights.whole()
+
+
+def test_digests_that_are_not_a_mapping_are_refused(tmp_path):
+    save_file({"a": torch.zeros(2)}, tmp_path / "w.safetensors", metadata={"sha256": "[1, 2]"})
+    with pytest.raises(CheckpointError, match=r"its metadata's 'sha256' entry is not a mapping of tensor names to digests"):
+        SafetensorsWeights(tmp_path / "w.safetensors")

@@ -12,6 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ampddp.checkpoint import keys
+from ampddp.checkpoint.safetensors_weights import SafetensorsWeights
 from ampddp.checkpoint.store import CheckpointStore
 from ampddp.cli import EXIT_USAGE, main
 
@@ -37,6 +38,10 @@ def test_the_weights_and_their_policy_are_written_as_safetensors(run_dir, tmp_pa
     assert metadata["format"] == "ampddp-export/1" and metadata["mode"] == "O2" and metadata["step"] == "2"
     assert json.loads(metadata["policy"])["cast_model_type"] == "float16"
     assert metadata["source"] == str(CheckpointStore(run_dir).latest().path)
+    # Each tensor's SHA-256, which init_from checks (a meta build: every rank its share of the tensors).
+    assert json.loads(metadata["sha256"]).keys() == saved.keys()
+    weights = SafetensorsWeights(out)
+    assert weights.verify(0, 2) == weights.verify(1, 2) == [] and weights.whole().keys() == saved.keys()
 
 
 def test_a_dtype_casts_the_floating_tensors_only(run_dir, tmp_path):
@@ -45,6 +50,7 @@ def test_a_dtype_casts_the_floating_tensors_only(run_dir, tmp_path):
     exported = load_file(out)
     assert exported["0.weight"].dtype == torch.bfloat16
     assert exported["1.num_batches_tracked"].dtype == torch.int64
+    assert SafetensorsWeights(out).verify() == []  # the digests are of the bytes as written: bf16
 
 
 def test_an_existing_file_is_kept_unless_forced(run_dir, tmp_path, capsys):

@@ -18,6 +18,7 @@ import torch
 
 from ampddp.checkpoint import keys
 from ampddp.checkpoint.files import write_bytes_atomic
+from ampddp.checkpoint.safetensors_weights import DIGESTS_KEY, tensor_digest
 from ampddp.checkpoint.store import CheckpointStore, read_newest
 from ampddp.choices import EXPORT_DTYPE_NAMES
 from ampddp.errors import CheckpointError, ConfigError
@@ -53,6 +54,7 @@ def export_weights(location: str | Path, out: str | Path, dtype: str = "saved", 
         "dtype": dtype,
         "world_size": str(shared.get(keys.WORLD_SIZE)),
         "versions": json.dumps(shared.get(keys.VERSIONS), sort_keys=True),
+        DIGESTS_KEY: json.dumps({name: tensor_digest(value) for name, value in tensors.items()}, sort_keys=True),
     }
     write_bytes_atomic(out, save(tensors, metadata=metadata))
     return {

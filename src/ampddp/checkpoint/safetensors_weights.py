@@ -11,8 +11,10 @@ no floating tensor is loaded into an integer one or the other way round.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
+import math
 import re
 import stat
 from collections.abc import Iterator, Mapping
@@ -29,6 +31,10 @@ from ampddp.distributed.meta_init import ModelBuild
 from ampddp.errors import CheckpointError, ConfigError
 
 logger = logging.getLogger("ampddp.checkpoint")
+DIGESTS_KEY = "sha256"
+"""The metadata entry in which ``ampddp export`` writes each tensor's SHA-256 (of its bytes as stored), as JSON."""
+CHUNK_BYTES = 64 << 20
+"""How much of a tensor verification reads at a time: memory stays bounded whatever the tensor's size."""
 INDEX_NAME = "model.safetensors.index.json"
 MAX_INDEX_BYTES = 64 << 20
 """An index of a 100B-parameter model's tensors is a few MiB: past this it is not an index."""
@@ -39,6 +45,16 @@ DTYPES = {
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }  # fmt: skip
 """safetensors' dtype names as torch dtypes."""
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """SHA-256 of ``tensor``'s bytes as safetensors stores them (row-major, little-endian)."""
+    return _hashed(hashlib.sha256(), tensor).hexdigest()
+
+
+def _hashed(hasher: Any, tensor: torch.Tensor) -> Any:
+    hasher.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    return hasher
 
 
 def is_safetensors_source(path: str | Path) -> bool:
@@ -94,6 +110,21 @@ class _Entry:
     """The tensor's name in its file."""
     shape: tuple[int, ...]
     dtype: torch.dtype
+    digest: str | None = None
+    """Its SHA-256 as ``ampddp export`` wrote it in the file's metadata (None: the file gives none)."""
+
+
+def _digests(metadata: Mapping[str, str], file: Path) -> dict[str, str]:
+    """The per-tensor digests in a file's metadata (``ampddp export``'s), by the names in the file."""
+    if DIGESTS_KEY not in metadata:
+        return {}
+    try:
+        digests = json.loads(metadata[DIGESTS_KEY])
+    except ValueError:
+        digests = None
+    if not isinstance(digests, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in digests.items()):
+        raise CheckpointError(f"{file}: its metadata's {DIGESTS_KEY!r} entry is not a mapping of tensor names to digests")
+    return digests
 
 
 def _renamed(name: str, key_map: Mapping[str, str | None]) -> str | None:
@@ -132,16 +163,18 @@ class SafetensorsWeights:
         for file in _files_of(self.path):
             try:
                 with safe_open(str(file), framework="pt") as handle:
-                    self.metadata.update(handle.metadata() or {})
+                    handle_metadata = handle.metadata() or {}
+                    self.metadata.update(handle_metadata)
                     headers = [(name, handle.get_slice(name)) for name in handle.keys()]  # noqa: SIM118 (not a dict)
                     found = [(name, tuple(part.get_shape()), part.get_dtype()) for name, part in headers]
             except (OSError, SafetensorError) as error:
                 reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
                 raise CheckpointError(f"{file}: not a readable safetensors file ({reason})") from None
+            digests = _digests(handle_metadata, file)
             for name, shape, dtype_name in found:
-                self._add(file, name, _renamed(name, key_map), shape, dtype_name)
+                self._add(file, name, _renamed(name, key_map), shape, dtype_name, digests.get(name))
 
-    def _add(self, file: Path, name: str, renamed: str | None, shape: tuple[int, ...], dtype_name: str) -> None:
+    def _add(self, file: Path, name: str, renamed: str | None, shape: tuple[int, ...], dtype_name: str, digest: str | None) -> None:
         if renamed is None:
             return
         if dtype_name not in DTYPES:
@@ -152,7 +185,7 @@ class SafetensorsWeights:
                 f"{self.path}: two tensors become {renamed!r} ({first.name!r} in {first.file.name} and {name!r} in {file.name}); "
                 "fix model.key_map or the files"
             )
-        self.entries[renamed] = _Entry(file, name, shape, DTYPES[dtype_name])
+        self.entries[renamed] = _Entry(file, name, shape, DTYPES[dtype_name], digest)
 
     def check_against(self, module: nn.Module) -> None:
         """One line naming missing, unexpected and misshapen tensors, or floating weights for integer
@@ -167,6 +200,18 @@ class SafetensorsWeights:
     def names(self) -> set[str]:
         return set(self.entries)
 
+    def verify(self, rank: int = 0, world_size: int = 1) -> list[str]:
+        """Check the tensors that are this rank's share (every ``world_size``-th by name, from ``rank``)
+        against the digests ``ampddp export`` wrote, reading each in bounded chunks; what differs, in
+        words (empty: all match, or the files carry no digests)."""
+        problems = []
+        with self.reading() as reader:
+            for name in sorted(self.entries)[rank::world_size]:
+                entry = self.entries[name]
+                if entry.digest is not None and reader.digest(name) != entry.digest:
+                    problems.append(f"{entry.file}: tensor {entry.name!r} does not match the SHA-256 its export wrote: the file changed")
+        return problems
+
     @contextmanager
     def reading(self) -> Iterator[_Reader]:
         """The files held open while tensors are read from them (each opened once)."""
@@ -174,9 +219,14 @@ class SafetensorsWeights:
             yield _Reader(self, stack)
 
     def whole(self) -> dict[str, torch.Tensor]:
-        """Every tensor whole (a model that is not sharded)."""
+        """Every tensor whole (a model that is not sharded), each checked against its export digest."""
         with self.reading() as reader:
-            return {name: reader.read(name) for name in self.entries}
+            tensors = {name: reader.read(name) for name in self.entries}
+        for name, tensor in tensors.items():
+            entry = self.entries[name]
+            if entry.digest is not None and tensor_digest(tensor) != entry.digest:
+                raise CheckpointError(f"{entry.file}: tensor {entry.name!r} does not match the SHA-256 its export wrote: the file changed")
+        return tensors
 
 
 class _Reader:
@@ -193,6 +243,18 @@ class _Reader:
             self._handles[entry.file] = self._stack.enter_context(safe_open(str(entry.file), framework="pt"))
         handle = self._handles[entry.file]
         return handle.get_tensor(entry.name) if index is None else handle.get_slice(entry.name)[index]
+
+    def digest(self, name: str) -> str:
+        """SHA-256 of tensor ``name``'s bytes, read a bounded run of rows at a time."""
+        entry = self._weights.entries[name]
+        if not entry.shape:
+            return tensor_digest(self.read(name))
+        row_bytes = max(1, math.prod(entry.shape[1:]) * entry.dtype.itemsize)
+        rows = max(1, CHUNK_BYTES // row_bytes)
+        hasher = hashlib.sha256()
+        for start in range(0, entry.shape[0], rows):
+            _hashed(hasher, self.read(name, (slice(start, min(start + rows, entry.shape[0])),)))
+        return hasher.hexdigest()
 
 
 def weights_into(built: ModelBuild, weights: SafetensorsWeights) -> ModelBuild:

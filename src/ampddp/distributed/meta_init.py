@@ -32,10 +32,10 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ampddp.distributed.data import broadcast_from_main
+from ampddp.distributed.data import broadcast_from_main, gather_objects
 from ampddp.distributed.env import DistEnv
 from ampddp.distributed.model_agreement import check_models_agree
-from ampddp.errors import ConfigError
+from ampddp.errors import CheckpointError, ConfigError
 
 EAGER_ALTERNATIVE = (
     "build it whole on each rank instead: distributed.fsdp_build_on_meta: false (Parallel(fsdp=FSDPOptions(build_on_meta=False)))"
@@ -221,6 +221,9 @@ class WeightsSource(Protocol):
         """The source held open; what it gives has ``read(name, index)``: tensor ``name``, or the part
         ``index`` of it (a slice per dimension)."""
 
+    def verify(self, rank: int, world_size: int) -> list[str]:
+        """This rank's share of the tensors checked against the digests the source carries: what differs."""
+
 
 @dataclass
 class InitProgram:
@@ -235,6 +238,10 @@ class InitProgram:
         collective, the ranks check they built the same model and take rank 0's random states and real
         tensors, so every rank materialises rank 0's weights (as the eager set-up broadcasts them)."""
         module._apply(lambda t: t if t.is_meta else t.to(env.device))
+        if self.weights is not None:  # each rank checks its share of the weights' digests; all stop on a mismatch
+            found = [problem for problems in gather_objects(self.weights.verify(env.rank, env.world_size), env) for problem in problems]
+            if found:
+                raise CheckpointError(found[0] + (f" ({len(found) - 1} more such tensor(s))" if len(found) > 1 else ""))
         if not env.distributed:
             return
         check_models_agree(module, env)
