@@ -27,6 +27,7 @@ import cuda_suite
 import ddp_scaling
 import fp8
 import fused_optimizers
+import hsdp_traffic
 import input_pipeline
 import memory
 import meta_build
@@ -51,6 +52,7 @@ BENCHMARKS = {
     "ddp": ddp_scaling.run,
     "sharding": sharding.run,
     "meta-build": meta_build.run,
+    "hsdp": hsdp_traffic.run,
     "fp8": fp8.run,
     "compile": compile_modes.run,
     "op-cost": op_cost.run,
