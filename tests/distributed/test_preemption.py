@@ -39,13 +39,13 @@ def test_sigterm_and_ctrl_c_at_random_moments_checkpoint_exit_75_or_130_and_resu
     rng = random.Random(1)
     run_dir = tmp_path / "interrupted"
     preemptions = 0
-    for attempt in range(6):
+    for attempt in range(4):  # SIGTERM twice, SIGINT, SIGTERM, SIGINT then SIGTERM
         process = subprocess.Popen(train_command(run_dir, *steps), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         line = process.stdout.readline()
         while line and not line.startswith("step "):
             line = process.stdout.readline()
         time.sleep(rng.uniform(0.0, 0.3))
-        sig = signal.SIGINT if attempt in (1, 4) else signal.SIGTERM  # Ctrl-C checkpoints as SIGTERM does
+        sig = signal.SIGINT if attempt % 2 else signal.SIGTERM  # Ctrl-C checkpoints as SIGTERM does
         process.send_signal(sig)
         if attempt % 3 == 0:
             time.sleep(0.01)
@@ -55,7 +55,7 @@ def test_sigterm_and_ctrl_c_at_random_moments_checkpoint_exit_75_or_130_and_resu
         assert code == (EXIT_INTERRUPTED if sig == signal.SIGINT else EXIT_PREEMPTED), f"attempt {attempt}: exit status {code}"
         preemptions += 1
         assert summarize(run_dir)["step"] < 600
-    assert preemptions == 6
+    assert preemptions == 4
     finished = subprocess.run(train_command(run_dir, *steps), capture_output=True, text=True, timeout=300)
     assert finished.returncode == 0, finished.stderr[-2000:]
     assert summarize(run_dir)["model_sha256"] == summarize(tmp_path / "straight")["model_sha256"]

@@ -235,31 +235,37 @@ class InitProgram:
 
     def place_and_agree(self, module: nn.Module, env: DistEnv) -> None:
         """Move the build's real tensors to ``env.device`` (the meta ones get storage once sharded); then,
-        collective, the ranks check they built the same model and take rank 0's random states and real
-        tensors, so every rank materialises rank 0's weights (as the eager set-up broadcasts them)."""
+        collective, check the weights to load (each rank its share) and that the ranks built the same
+        model, and take rank 0's random states and real tensors, so every rank materialises rank 0's
+        weights (as the eager set-up broadcasts them)."""
         module._apply(lambda t: t if t.is_meta else t.to(env.device))
-        if self.weights is not None:  # each rank checks its share of the weights' digests; all stop on a mismatch
-            found = [problem for problems in gather_objects(self.weights.verify(env.rank, env.world_size), env) for problem in problems]
-            if found:
-                raise CheckpointError(found[0] + (f" ({len(found) - 1} more such tensor(s))" if len(found) > 1 else ""))
+        if self.weights is not None:
+            self._verify_weights(env)
         if not env.distributed:
             return
         check_models_agree(module, env)
-        names = sorted(self.programs)
-        states = broadcast_from_main(
-            [[s.numpy().tobytes() for s in self.programs[n].random_states()] for n in names] if env.is_main else None, env
-        )
-        for name, tensor_states in zip(names, states, strict=True):
-            try:
-                self.programs[name].take_random_states([torch.frombuffer(bytearray(s), dtype=torch.uint8) for s in tensor_states])
-            except ValueError:
-                raise ConfigError(
-                    f"the ranks initialise {name!r} with different random draws: every rank must build the same model"
-                ) from None
+        self._take_main_random_states(env)
         with torch.no_grad():
             for _, tensor in _named_tensors(module):
                 if not tensor.is_meta:
                     torch.distributed.broadcast(tensor.data, src=0)
+
+    def _verify_weights(self, env: DistEnv) -> None:
+        """Each rank checks its share of the weights' digests; every rank stops on a mismatch."""
+        found = [problem for problems in gather_objects(self.weights.verify(env.rank, env.world_size), env) for problem in problems]
+        if found:
+            raise CheckpointError(found[0] + (f" ({len(found) - 1} more such tensor(s))" if len(found) > 1 else ""))
+
+    def _take_main_random_states(self, env: DistEnv) -> None:
+        names = sorted(self.programs)
+        mine = [[s.numpy().tobytes() for s in self.programs[n].random_states()] for n in names] if env.is_main else None
+        for name, states in zip(names, broadcast_from_main(mine, env), strict=True):
+            try:
+                self.programs[name].take_random_states([torch.frombuffer(bytearray(s), dtype=torch.uint8) for s in states])
+            except ValueError:
+                raise ConfigError(
+                    f"the ranks initialise {name!r} with different random draws: every rank must build the same model"
+                ) from None
 
     def materialise(self, module: nn.Module, device: torch.device) -> None:
         """Give ``module``'s meta tensors (sharded or not) storage on ``device`` and each rank's part of
