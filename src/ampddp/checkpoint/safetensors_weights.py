@@ -18,7 +18,7 @@ import math
 import re
 import stat
 from collections.abc import Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -214,9 +214,8 @@ class SafetensorsWeights:
 
     @contextmanager
     def reading(self) -> Iterator[_Reader]:
-        """The files held open while tensors are read from them (each opened once)."""
-        with ExitStack() as stack:
-            yield _Reader(self, stack)
+        """A reader of these weights' tensors."""
+        yield _Reader(self)
 
     def whole(self) -> dict[str, torch.Tensor]:
         """Every tensor whole (a model that is not sharded), each checked against its export digest."""
@@ -230,19 +229,20 @@ class SafetensorsWeights:
 
 
 class _Reader:
-    def __init__(self, weights: SafetensorsWeights, stack: ExitStack) -> None:
-        self._weights, self._stack = weights, stack
-        self._handles: dict[Path, Any] = {}
+    """Reads tensors, whole or in part. Each read maps its file and unmaps it again: the file's pages it
+    touched leave the resident set with it, so a rank reading its slices of a large model holds those
+    slices and at most one read's pages of the file, not every page it has read so far."""
+
+    def __init__(self, weights: SafetensorsWeights) -> None:
+        self._weights = weights
 
     def read(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
         """Tensor ``name``, or the part ``index`` (a slice per leading dimension) of it: only those bytes are read."""
         from safetensors import safe_open
 
         entry = self._weights.entries[name]
-        if entry.file not in self._handles:
-            self._handles[entry.file] = self._stack.enter_context(safe_open(str(entry.file), framework="pt"))
-        handle = self._handles[entry.file]
-        return handle.get_tensor(entry.name) if index is None else handle.get_slice(entry.name)[index]
+        with safe_open(str(entry.file), framework="pt") as handle:
+            return handle.get_tensor(entry.name) if index is None else handle.get_slice(entry.name)[index]
 
     def digest(self, name: str) -> str:
         """SHA-256 of tensor ``name``'s bytes, read a bounded run of rows at a time."""
