@@ -81,6 +81,7 @@ class TensorProgram:
     in-place ops applied to it, in order; ``refusal``: why it cannot be replayed (None: it can)."""
 
     tensor: torch.Tensor
+    """The meta tensor itself, kept alive so that its storage's address names it alone for the build."""
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ampddp.checkpoint.restore import initial_weights, load_model_state
-from ampddp.checkpoint.safetensors_weights import SafetensorsWeights, is_safetensors_source, weights_into
+from ampddp.checkpoint.safetensors_weights import SafetensorsWeights, built_with_weights, is_safetensors_source
 from ampddp.config import RunConfig, is_import_path
 from ampddp.distributed.env import DistEnv
 from ampddp.distributed.meta_init import ModelBuild
@@ -132,13 +131,8 @@ def _built_from_weights(config: RunConfig, parallel: Parallel) -> ModelBuild:
             "model.key_map renames the tensors of safetensors weights; set checkpoint.init_from to a *.safetensors file or folder"
         )
     try:
-        if init_from is None:
-            return parallel.build(lambda: build_model_from(config))
-        if is_safetensors_source(init_from):
-            return weights_into(parallel.build(lambda: build_model_from(config)), SafetensorsWeights(init_from, key_map))
-        built = ModelBuild(build_model_from(config))
-        load_model_state(initial_weights(init_from), built.module, str(init_from))
-        return built
+        source = SafetensorsWeights(init_from, key_map) if init_from is not None and is_safetensors_source(init_from) else init_from
+        return built_with_weights(lambda: build_model_from(config), parallel.build, source)
     except CheckpointError as error:
         raise CheckpointError(f"checkpoint.init_from: {error}") from None
 

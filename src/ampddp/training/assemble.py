@@ -11,10 +11,9 @@ from pathlib import Path
 from torch import nn
 from torch.optim import Optimizer
 
-from ampddp.checkpoint.restore import initial_weights, load_model_state
-from ampddp.checkpoint.safetensors_weights import SafetensorsWeights, is_safetensors_source, weights_into
+from ampddp.checkpoint.safetensors_weights import SafetensorsWeights, built_with_weights
 from ampddp.distributed.env import DistEnv
-from ampddp.distributed.meta_init import ModelBuild, ModelSource, whole_model
+from ampddp.distributed.meta_init import ModelSource
 from ampddp.distributed.parallel import Parallel
 from ampddp.precision.choice import Precision
 from ampddp.precision.engine import PrecisionEngine
@@ -47,14 +46,7 @@ class RunSetup:
         checkpoint; safetensors go into a meta build's shards as they are materialised), then
         ``prepare`` (sync-BN, device, optimizer, precision, DDP), then compile: the set-up (cast, masters,
         DDP) is what gets compiled."""
-        if self.init_from is None:
-            built = self.parallel.build(model)
-        elif isinstance(self.init_from, SafetensorsWeights) or is_safetensors_source(self.init_from):
-            weights = self.init_from if isinstance(self.init_from, SafetensorsWeights) else SafetensorsWeights(self.init_from)
-            built = weights_into(self.parallel.build(model), weights)
-        else:
-            built = ModelBuild(whole_model(model))
-            load_model_state(initial_weights(self.init_from), built.module, str(self.init_from))
+        built = built_with_weights(model, self.parallel.build, self.init_from)
         built = dataclasses.replace(built, module=self.device.convert(built.module))
         run = prepare(built, make_optimizer, env, precision=self.precision, parallel=self.parallel)
         if self.compiler is not None:
