@@ -16,28 +16,25 @@ from pathlib import Path
 
 from ampddp.choices import EXPORT_DTYPE_NAMES
 from ampddp.errors import (
+    EXIT_FAILED,
+    EXIT_IO,
+    EXIT_NONFINITE,
+    EXIT_PEER_FAILURE,
+    EXIT_USAGE,
     AmpUsageError,
     CheckpointError,
     ConfigError,
     DataError,
     NonFiniteGradientsError,
+    OutOfMemoryError,
     PeerFailureError,
+    RendezvousError,
     RunIOError,
     UnsupportedTorchError,
     escape_controls,
 )
 from ampddp.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, EarlySignals, StopRequested
 
-EXIT_USAGE = 2
-"""A bad recipe, setting, path or checkpoint, or a torch older than ampddp supports (refused before anything was
-written), or a sample of the data that cannot be used (named; checkpoints already written stay)."""
-EXIT_NONFINITE = 3
-"""Training stopped because the loss or gradients stayed non-finite (NonFiniteGradientsError)."""
-EXIT_PEER_FAILURE = 4
-"""Another rank died or stopped responding (PeerFailureError); the same command resumes the run."""
-EXIT_IO = 5
-"""Writing the run's files failed (disk full, I/O error, read-only file system): retryable. Nothing
-acknowledged is lost; the same command resumes from the newest complete checkpoint once fixed."""
 EXIT_BROKEN_PIPE = 141
 """stdout was closed early (``ampddp inspect RUN | head``): 128 + SIGPIPE, as a shell tool reports it."""
 
@@ -87,6 +84,7 @@ def _plot(args: argparse.Namespace, early: EarlySignals) -> int:
 def _train(args: argparse.Namespace, early: EarlySignals) -> int:
     from ampddp.choices import LOG_LEVEL_VARIABLE
     from ampddp.observe.command_console import set_up_command_console
+    from ampddp.observe.console_streams import write_line
     from ampddp.recipe.reading import load_config
     from ampddp.rundir.finished import finished_run_summary
 
@@ -104,7 +102,7 @@ def _train(args: argparse.Namespace, early: EarlySignals) -> int:
         summary = launch(config, early=early)
         prints = detect_env(device="cpu").is_main  # under a launcher every rank returns it; one prints
     if prints:
-        print(json.dumps(summary, indent=2))
+        write_line(json.dumps(summary, indent=2))  # a closed or full stdout ends the output, not a trained run's success
     if not summary.get("preempted"):
         return 0
     return EXIT_INTERRUPTED if summary["preempted"] == "SIGINT" else EXIT_PREEMPTED
@@ -196,9 +194,15 @@ def _run(args: argparse.Namespace, early: EarlySignals) -> int:
     except (CheckpointError, ConfigError, AmpUsageError, UnsupportedTorchError, DataError) as error:
         print(f"ampddp {args.command}: error: {_one_line(error)}", file=sys.stderr)
         return EXIT_USAGE
+    except RendezvousError as error:  # before PeerFailureError: nothing trained, nothing to resume
+        print(f"ampddp {args.command}: error: {_one_line(error)}", file=sys.stderr)
+        return EXIT_PEER_FAILURE
     except NonFiniteGradientsError as error:
         print(f"ampddp {args.command}: error: training stopped: {_one_line(error)}", file=sys.stderr)
         return EXIT_NONFINITE
+    except OutOfMemoryError as error:
+        print(f"ampddp {args.command}: error: training stopped: {_one_line(error)}", file=sys.stderr)
+        return EXIT_FAILED
     except PeerFailureError as error:
         print(
             f"ampddp {args.command}: error: training stopped: {_one_line(error)}; "
@@ -224,7 +228,7 @@ def _section_help(section: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; its exit status: 0, EXIT_USAGE, EXIT_NONFINITE, EXIT_PEER_FAILURE, EXIT_IO,
+    """Run one command; its exit status: 0, EXIT_FAILED (out of memory), EXIT_USAGE, EXIT_NONFINITE, EXIT_PEER_FAILURE, EXIT_IO,
     EXIT_PREEMPTED, EXIT_INTERRUPTED or EXIT_BROKEN_PIPE.
 
     Stop signals are caught from the first line, before torch and the recipe load: one that arrives

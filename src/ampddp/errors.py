@@ -1,4 +1,4 @@
-"""Exception types and message helpers shared by every ampddp module.
+"""Exception types, the exit statuses they end a command with, and message helpers shared by every ampddp module.
 
 Errors name what the user passed and what would have been valid, so a bad setting is fixed from
 the message alone, without reading ampddp's source.
@@ -9,6 +9,20 @@ from __future__ import annotations
 import difflib
 import re
 from collections.abc import Callable, Iterable, Sequence
+
+EXIT_FAILED = 1
+"""The run failed for a reason of its own that the same command would meet again (out of memory, named
+with the phase and batch), as Python reports an uncaught error."""
+EXIT_USAGE = 2
+"""A bad recipe, setting, path or checkpoint, or a torch older than ampddp supports (refused before anything was
+written), or a sample of the data that cannot be used (named; checkpoints already written stay)."""
+EXIT_NONFINITE = 3
+"""Training stopped because the loss or gradients stayed non-finite (NonFiniteGradientsError)."""
+EXIT_PEER_FAILURE = 4
+"""Another rank died or stopped responding (PeerFailureError); the same command resumes the run."""
+EXIT_IO = 5
+"""Writing the run's files failed (disk full, I/O error, read-only file system): retryable. Nothing
+acknowledged is lost; the same command resumes from the newest complete checkpoint once fixed."""
 
 _CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 
@@ -81,6 +95,15 @@ class CheckpointWriteError(CheckpointError, RunIOError):
 
 class PeerFailureError(RuntimeError):
     """A collective failed because another rank died or stopped responding."""
+
+
+class RendezvousError(PeerFailureError):
+    """The ranks could not join one process group (a peer never arrived, the rendezvous address does
+    not answer); nothing of the run was written yet."""
+
+
+class OutOfMemoryError(RuntimeError):
+    """The run ran out of host or GPU memory; the message names the phase of the step and the batch."""
 
 
 class UnsupportedTorchError(RuntimeError):

@@ -1,7 +1,8 @@
 """Stop cleanly when the cluster (or the user) asks: finish the step, checkpoint, exit with a code that says so.
 
 Schedulers announce preemption with SIGTERM (Kubernetes, most batch systems) or a chosen signal
-before the time limit (SLURM ``--signal=USR1@120``); a user at a terminal presses Ctrl-C (SIGINT).
+before the time limit (SLURM ``--signal=USR1@120``); a user at a terminal presses Ctrl-C (SIGINT), or
+closes it (SIGHUP, a stop like SIGTERM; ignored as before under ``nohup``, which asks for that).
 While ``StopSignals`` is active and training has begun, those signals only set a flag; the trainer
 shares it with the other ranks in the all-reduce it makes at every optimizer step anyway, so all
 ranks stop after the same step, save a checkpoint and return. A second SIGTERM during the save
@@ -32,8 +33,8 @@ EXIT_PREEMPTED = 75
 """Exit status of ``ampddp train`` after a signal-triggered checkpoint-and-stop (EX_TEMPFAIL: retry)."""
 EXIT_INTERRUPTED = 130
 """Exit status after Ctrl-C (SIGINT), with or without a checkpoint: 128 + SIGINT, as a shell reports it."""
-DEFAULT_STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
-EARLY_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+DEFAULT_STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1")
+EARLY_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2")
 """What ``EarlySignals`` catches until the recipe is read: the signals a recipe may configure to stop a run."""
 
 
@@ -112,6 +113,12 @@ def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
+def ignored_by_nohup(sig: signal.Signals) -> bool:
+    """SIGHUP ignored by whoever started this process (``nohup``): it asked for the run to outlive its
+    terminal, so SIGHUP is left ignored instead of caught."""
+    return sig.name == "SIGHUP" and signal.getsignal(sig) is signal.SIG_IGN
+
+
 @contextlib.contextmanager
 def blocked_signals(signals: Iterable[signal.Signals]) -> Iterator[None]:
     """Hold ``signals`` pending in this thread for the block (processes started meanwhile inherit the
@@ -146,7 +153,8 @@ class EarlySignals:
     def __enter__(self) -> EarlySignals:
         if _in_main_thread():
             for sig in filter(None, map(_lookup, EARLY_SIGNALS)):
-                self._previous[sig] = signal.signal(sig, self._stop)
+                if not ignored_by_nohup(sig):
+                    self._previous[sig] = signal.signal(sig, self._stop)
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
@@ -218,6 +226,8 @@ class StopSignals:
             return self
         try:
             for sig in self.signals:
+                if ignored_by_nohup(sig):
+                    continue
                 previous = signal.signal(sig, self._handle)
                 held = self._early.take(sig) if self._early is not None else None
                 self._previous[sig] = previous if held is None else held

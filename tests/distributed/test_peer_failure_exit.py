@@ -1,6 +1,7 @@
 """A rank killed mid-run: ``ampddp train`` says which rank failed in one line and exits with
 EXIT_PEER_FAILURE, on which a scheduler can requeue the job (resuming is tested in test_preemption) —
-a rank started as torchrun starts it, and a run spawning its own ranks (distributed.nproc_per_node)."""
+a rank started as torchrun starts it, and a run spawning its own ranks (distributed.nproc_per_node).
+A rank alive but stuck in its data set is named with where it is; a killed launcher leaves no rank."""
 
 from __future__ import annotations
 
@@ -89,3 +90,35 @@ def test_a_run_that_spawns_its_ranks_exits_4_when_one_is_killed(tmp_path):
         launcher.communicate()
     assert launcher.returncode == EXIT_PEER_FAILURE, err[-3000:]
     assert_one_line_naming(err, "was killed by SIGKILL before finishing")
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_stuck_in_its_data_set_is_named_with_where_it_is(tmp_path):
+    stuck = ["data.name=user_parts:stuck_blobs", "model.name=user_parts:build", "model.num_classes=3",
+             "model.kwargs={in_features: 8, hidden: 8}", "distributed.nproc_per_node=2", "distributed.timeout_s=6"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")])}
+    done = subprocess.run(train_command(tmp_path / "run", *stuck), capture_output=True, text=True, cwd=ROOT, env=env, timeout=240)
+    assert done.returncode == EXIT_PEER_FAILURE, done.stderr[-3000:]
+    assert_one_line_naming(done.stderr, "rank 1 has been in loading data for step ")
+    assert "a peer is alive but not progressing" in done.stderr
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the spawned ranks through /proc")
+def test_a_killed_launcher_leaves_no_rank_alive(tmp_path):
+    run_dir = tmp_path / "run"
+    launcher = subprocess.Popen(train_command(run_dir, "distributed.nproc_per_node=2", "trainer.max_steps=100000"),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)  # fmt: skip
+    try:
+        wait_for_step(run_dir, 3, [launcher])
+        ranks = spawned_ranks(launcher.pid)
+        assert len(ranks) == 2, ranks
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while any(Path(f"/proc/{pid}").exists() and b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in ranks):
+            assert time.monotonic() < deadline, "a rank outlived its killed launcher by 10 s"
+            time.sleep(0.1)
+    finally:
+        launcher.kill()
+        launcher.wait()

@@ -32,20 +32,20 @@ def train_command(run_dir: Path, *extra: str) -> list[str]:
 
 
 @pytest.mark.timeout(400)
-def test_sigterm_and_ctrl_c_at_random_moments_checkpoint_exit_75_or_130_and_resume_bit_exactly(tmp_path):
+def test_sigterm_sighup_and_ctrl_c_at_random_moments_checkpoint_exit_75_or_130_and_resume_bit_exactly(tmp_path):
     steps = ["trainer.max_steps=600", "trainer.max_epochs=100", "precision.mode=O2"]
     straight = subprocess.run(train_command(tmp_path / "straight", *steps), capture_output=True, text=True, timeout=300)
     assert straight.returncode == 0, straight.stderr[-2000:]
     rng = random.Random(1)
     run_dir = tmp_path / "interrupted"
     preemptions = 0
-    for attempt in range(4):  # SIGTERM twice, SIGINT, SIGTERM, SIGINT then SIGTERM
+    for attempt in range(4):  # SIGTERM twice, SIGINT, SIGHUP (a closed terminal), SIGINT then SIGTERM
         process = subprocess.Popen(train_command(run_dir, *steps), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         line = process.stdout.readline()
         while line and not line.startswith("step "):
             line = process.stdout.readline()
         time.sleep(rng.uniform(0.0, 0.3))
-        sig = signal.SIGINT if attempt % 2 else signal.SIGTERM  # Ctrl-C checkpoints as SIGTERM does
+        sig = signal.SIGINT if attempt % 2 else (signal.SIGHUP if attempt == 2 else signal.SIGTERM)  # each checkpoints as SIGTERM does
         process.send_signal(sig)
         if attempt % 3 == 0:
             time.sleep(0.01)

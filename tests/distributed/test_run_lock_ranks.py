@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from ampddp.distributed import free_port
+from ampddp.errors import ConfigError
+from ampddp.observe import read_metrics
 from ampddp.rundir.lock import LOCK_FILE, RunDirLock
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,9 +25,9 @@ SETTINGS = ["model.name=mlp", "data.image_size=8", "data.channels=1", "trainer.m
 REFUSED = "is in use by another ampddp run"
 
 
-def start_ranks(run_dir: Path) -> list[subprocess.Popen]:
+def start_ranks(run_dir: Path, *extra: str) -> list[subprocess.Popen]:
     port = str(free_port())
-    command = [sys.executable, "-m", "ampddp", "train", RECIPE, f"trainer.run_dir={run_dir}", *SETTINGS]
+    command = [sys.executable, "-m", "ampddp", "train", RECIPE, f"trainer.run_dir={run_dir}", *SETTINGS, *extra]
     ranks = []
     for rank in (0, 1):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
@@ -81,3 +83,23 @@ def test_an_unlocked_run_dir_trains_with_rank_0_holding_the_lock_until_the_end(t
     assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == ranks[0].pid
     with RunDirLock(tmp_path):  # released when the run ended
         assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+
+
+@pytest.mark.timeout(300)
+def test_no_second_run_enters_while_any_rank_of_the_first_lives(tmp_path):
+    ranks = start_ranks(tmp_path, "trainer.max_steps=100000", "trainer.max_epochs=100000")
+    try:
+        deadline = time.monotonic() + 120
+        while not any(record["kind"] == "train" for record in read_metrics(tmp_path)):
+            assert time.monotonic() < deadline and all(rank.poll() is None for rank in ranks), "the run never trained"
+            time.sleep(0.05)
+        ranks[0].kill()  # the rank that admitted the run: rank 1 lives on (until its collective times out)
+        ranks[0].wait()
+        with pytest.raises(ConfigError, match=REFUSED), RunDirLock(tmp_path):
+            pass
+        ranks[1].kill()
+        ranks[1].wait()
+        with RunDirLock(tmp_path):  # the last rank gone: the run dir is free
+            pass
+    finally:
+        finish(ranks, timeout=1)

@@ -3,6 +3,7 @@ releases what its reporting opened (the loggers are told it failed)."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -100,7 +101,7 @@ def test_each_record_carries_the_mean_loss_of_the_steps_since_the_one_before(tmp
 
 
 @pytest.mark.timeout(300)
-def test_other_libraries_notes_stay_off_the_console_and_go_to_the_runs_log_file(tmp_path):
+def test_other_libraries_notes_stay_off_the_console_their_first_error_is_one_line_and_all_go_to_the_runs_log_file(tmp_path):
     import os
     import subprocess
     import sys
@@ -112,10 +113,38 @@ def test_other_libraries_notes_stay_off_the_console_and_go_to_the_runs_log_file(
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo / "src"), str(repo / "tests")])}
     done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "somelib" not in done.stderr + done.stdout
+    said = [line for line in (done.stderr + done.stdout).splitlines() if "somelib" in line]
+    assert said == ["somelib reported an error: somelib: could not record the blobs; the run goes on (its full report is in the run's "
+                    "log file, ampddp.log in the run dir; further errors of it only there)"], said  # fmt: skip
+    assert "Traceback" not in done.stderr
     log = (tmp_path / "run" / "ampddp.log").read_text()
     assert "INFO somelib: somelib: loaded 96 blobs from the cache" in log and "WARNING somelib: somelib: calling load()" in log
+    assert "OSError: attempt 1: attempt to write a readonly database" in log and "OSError: attempt 2:" in log
     assert "INFO ampddp.precision: precision O0: fp32 throughout" in log and "ampddp.observe: run dir " in log
     verbose = subprocess.run([*command[:6], f"trainer.run_dir={tmp_path / 'verbose'}", *command[7:], "--verbose"],
                              capture_output=True, text=True, timeout=240, env=env)  # fmt: skip
     assert verbose.returncode == 0 and "somelib: loaded 96 blobs" in verbose.stderr, verbose.stderr[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_a_closed_stdout_and_a_full_stderr_end_the_console_not_the_run(tmp_path):
+    """``ampddp train ... | head -1`` with stderr on a full device: the run trains to its end and exits 0."""
+    import os
+    import subprocess
+    import sys
+
+    repo = QUICKSTART.parents[1]
+    command = [sys.executable, "-m", "ampddp", "train", str(QUICKSTART), f"trainer.run_dir={tmp_path / 'run'}", "trainer.max_steps=40",
+               "data.name=user_parts:blobs", "model.name=user_parts:build", "model.num_classes=3", "trainer.log_every_steps=1",
+               "trainer.progress=lines", "model.kwargs={in_features: 8, hidden: 8}", "data.batch_size=8", "precision.mode=O0"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo / "src"), str(repo / "tests")])}
+    with open(os.devnull if not Path("/dev/full").exists() else "/dev/full", "w") as full:
+        run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=full, text=True, env=env)
+        assert run.stdout.readline().startswith("step 1 ")
+        run.stdout.close()  # as `| head -1` does
+        assert run.wait(timeout=240) == 0
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 40
+    log = (tmp_path / "run" / "ampddp.log").read_text()
+    assert "the console's stdout cannot be written (Broken pipe, errno 32): nothing more is shown there; the run goes on" in log
+    if Path("/dev/full").exists():
+        assert "the console's stderr cannot be written (No space left on device, errno 28)" in log

@@ -194,6 +194,22 @@ def test_a_saved_mlflow_run_missing_from_the_store_gets_a_new_run_with_a_warning
     assert other != run_id and f"MLflow run {run_id} is not in" in caplog.text
 
 
+@needs["mlflow"]
+def test_mlflow_s_own_console_handlers_step_aside_while_it_logs_for_a_run(tmp_path):
+    """MLflow prints its errors (a read-only store: a 60-line SQLAlchemy traceback) through a handler of
+    its own; while ampddp logs to it they go through the run's: one line on the console, all in the log."""
+    import logging
+
+    sink = MlflowLogger()
+    sink.start(tmp_path, None, None, 0)
+    own = logging.getLogger("mlflow")
+    try:
+        assert (own.handlers, own.propagate) == ([], True)
+    finally:
+        sink.close()
+    assert own.handlers and own.propagate is False
+
+
 class Tracker(MetricLogger):
     """A tracker with runs of its own: records what it was asked to continue; fails on ``fail_at``."""
 

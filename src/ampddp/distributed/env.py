@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from ampddp.distributed.hook_callbacks import let_worker_threads_finish
-from ampddp.distributed.rendezvous import fresh_agent_store
+from ampddp.distributed.join import join_process_group
+from ampddp.distributed.lifeline import end_with_parent
 from ampddp.errors import ConfigError, choice_error
 
 LAUNCHERS = ("torchrun", "slurm", "spawn", "tcp", "none")
@@ -49,6 +50,7 @@ class DistEnv:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     timeout_s: float = DEFAULT_TIMEOUT_S
     agent_store: bool = False  # torchrun's agent hosts the store at master_addr:master_port for every restart
+    under_agent: bool = False  # started by torchrun's elastic agent: this process ends with it (see ampddp.distributed.lifeline)
 
     @property
     def distributed(self) -> bool:
@@ -112,6 +114,7 @@ def _from_torchrun(environ: Mapping[str, str]) -> dict:
         "master_addr": environ.get("MASTER_ADDR"),
         "master_port": _int(environ, "MASTER_PORT") if "MASTER_PORT" in environ else None,
         "agent_store": environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_PORT" in environ,
+        "under_agent": "TORCHELASTIC_RUN_ID" in environ,
     }
 
 
@@ -145,7 +148,7 @@ def _explicit(rank: int, world_size: int, init_method: str | None, environ: Mapp
             raise ConfigError("rank/world_size were given without init_method, and MASTER_ADDR/MASTER_PORT are not set")
         init_method = "env://"
     launcher = "tcp" if init_method.startswith("tcp://") else "spawn"
-    addr, port = None, None
+    addr, port = None, _int(environ, "MASTER_PORT") if init_method == "env://" else None
     match = re.fullmatch(r"tcp://\[?([^\]]+?)\]?:(\d+)", init_method)
     if match:
         addr, port = match.group(1), int(match.group(2))
@@ -250,24 +253,19 @@ def _resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def init_distributed(env: DistEnv) -> DistEnv:
-    """Bind the device and create the process group (no-op for a single process).
+    """Bind the device and create the process group (no-op for a single process), within
+    ``env.timeout_s`` and with one-line failures (``ampddp.distributed.join``).
 
     Under torchrun the group is built on a fresh namespace of the agent's store (see
-    ``ampddp.distributed.rendezvous``), so ``--max-restarts`` restarts connect reliably.
+    ``ampddp.distributed.rendezvous``), so ``--max-restarts`` restarts connect reliably, and this
+    process ends with the agent (``ampddp.distributed.lifeline``).
     """
+    if env.under_agent:
+        end_with_parent(os.getppid())
     if env.device.type == "cuda":
         torch.cuda.set_device(env.device)
     if env.distributed and not dist.is_initialized():
-        where = {"init_method": env.init_method}
-        if env.agent_store:
-            where = {"store": fresh_agent_store(env.master_addr, env.master_port, env.rank, env.world_size, env.timeout_s)}
-        dist.init_process_group(
-            backend=env.backend,
-            rank=env.rank,
-            world_size=env.world_size,
-            timeout=datetime.timedelta(seconds=env.timeout_s),
-            **where,
-        )
+        join_process_group(env)
     return env
 
 

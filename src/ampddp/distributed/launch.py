@@ -22,8 +22,9 @@ import torch
 import torch.multiprocessing as mp
 
 from ampddp.distributed.env import DEFAULT_TIMEOUT_S, setup_distributed, shutdown_distributed
-from ampddp.errors import AmpUsageError, CheckpointError, ConfigError, NonFiniteGradientsError, PeerFailureError
-from ampddp.preemption import StopRequested, StopSignals, blocked_signals, parse_signals
+from ampddp.distributed.lifeline import end_with_parent
+from ampddp.errors import AmpUsageError, CheckpointError, ConfigError, NonFiniteGradientsError, OutOfMemoryError, PeerFailureError
+from ampddp.preemption import StopRequested, StopSignals, blocked_signals, ignored_by_nohup, parse_signals
 
 logger = logging.getLogger("ampddp.distributed")
 THREADS_ENV = "OMP_NUM_THREADS"
@@ -38,7 +39,15 @@ class RankExitedError(LaunchError, PeerFailureError):
     left, and for the CLI's exit status, another rank died."""
 
 
-USER_FACING_ERRORS = (ConfigError, CheckpointError, NonFiniteGradientsError, AmpUsageError, PeerFailureError, StopRequested)
+USER_FACING_ERRORS = (
+    ConfigError,
+    CheckpointError,
+    NonFiniteGradientsError,
+    AmpUsageError,
+    PeerFailureError,
+    OutOfMemoryError,
+    StopRequested,
+)
 """Errors re-raised in the launching process with their own type (one line and exit status in the CLI)."""
 
 
@@ -64,8 +73,17 @@ def threads_per_process(nprocs: int) -> int | None:
 
 
 def _worker(
-    fn: Callable[..., Any], rank: int, nprocs: int, init_method: str, options: dict, results: Any, args: tuple, threads: int | None = None
+    fn: Callable[..., Any],
+    rank: int,
+    nprocs: int,
+    init_method: str,
+    options: dict,
+    results: Any,
+    args: tuple,
+    threads: int | None,
+    launcher_pid: int,
 ) -> None:
+    end_with_parent(launcher_pid)  # first: a launcher killed while this worker imports leaves no orphan
     if threads is not None:
         os.environ[THREADS_ENV] = str(threads)  # for what this worker starts (DataLoader workers, subprocesses)
         torch.set_num_threads(threads)
@@ -98,6 +116,7 @@ def launch_local(
 
     ``fn`` must be importable by name (a module-level function), as with ``mp.spawn``. ``timeout_s``
     bounds each collective inside the workers; ``job_timeout_s`` (default: none) bounds the whole job.
+    The workers end with this process, however it ends (``ampddp.distributed.lifeline``).
     Signals named in ``forward_signals`` that reach this process are passed on to every worker. The
     workers start with them blocked, so one forwarded while a worker still imports waits (pending)
     until its ``StopSignals`` unblocks it instead of killing it; ``fn`` should enter one for them.
@@ -111,11 +130,11 @@ def launch_local(
     options = {"device": device, "backend": backend, "timeout_s": timeout_s}
     threads = threads_per_process(nprocs)
     processes = [
-        context.Process(target=_worker, args=(fn, rank, nprocs, init_method, options, results, args, threads), daemon=False)
+        context.Process(target=_worker, args=(fn, rank, nprocs, init_method, options, results, args, threads, os.getpid()), daemon=False)
         for rank in range(nprocs)
     ]
     stop = forward_signals if isinstance(forward_signals, StopSignals) else None
-    signals = stop.signals if stop is not None else parse_signals(forward_signals)
+    signals = tuple(sig for sig in (stop.signals if stop is not None else parse_signals(forward_signals)) if not ignored_by_nohup(sig))
     if threading.current_thread() is not threading.main_thread():
         signals = ()
 

@@ -24,7 +24,7 @@ import uuid
 
 import torch.distributed as dist
 
-from ampddp.errors import PeerFailureError
+from ampddp.errors import RendezvousError
 
 TOKEN_KEY = "ampddp/rendezvous/token"
 RETRY_S = 1.0
@@ -48,7 +48,7 @@ def agree_on_namespace(store: dist.Store, rank: int, world_size: int, timeout_s:
         acks = [f"ampddp/rendezvous/ack/{token}/{peer}" for peer in range(1, world_size)]
         if not _wait(store, acks, timeout_s):
             missing = [peer for peer, key in enumerate(acks, start=1) if not store.check([key])]
-            raise PeerFailureError(
+            raise RendezvousError(
                 f"rendezvous: rank(s) {missing} did not join within {timeout_s:g} s; see their logs for why they did not start, "
                 "or raise distributed.timeout_s if start-up is slow"
             )
@@ -59,7 +59,7 @@ def agree_on_namespace(store: dist.Store, rank: int, world_size: int, timeout_s:
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise PeerFailureError(
+            raise RendezvousError(
                 f"rendezvous: rank {rank} got no reply from rank 0 within {timeout_s:g} s; see rank 0's log for why it did not "
                 "start, or raise distributed.timeout_s if start-up is slow"
             )

@@ -1,19 +1,22 @@
-"""Turn a dead or hung peer into an error that names it.
+"""Turn a dead, hung or stuck peer into an error that names it.
 
 When a rank dies, the others see only a backend error ("Connection closed by peer") or a timeout.
-``PeerWatch`` keeps a heartbeat counter per rank in the process group's key-value store; when a
-collective fails inside ``watch.guard()``, it checks whose counter stopped advancing and raises
-``PeerFailureError`` naming those ranks. Counters (not clocks) are compared, so hosts need not
-agree on the time.
+``PeerWatch`` keeps a heartbeat per rank in the process group's key-value store: a counter, and where
+the rank is in its step (loading data, forward, backward, ...) with the seconds it has been there.
+When a collective fails inside ``watch.guard()``, it checks whose counter stopped advancing (dead or
+hung) and, among the living, who has been in one phase for most of the timeout (alive but stuck: a
+data set or user code that does not return), and raises ``PeerFailureError`` naming them. Counters
+and durations (not clocks) are compared, so hosts need not agree on the time.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -37,6 +40,10 @@ COLLECTIVE_MARKERS = (
     "filestore",
 )
 """Words in the message of a plain RuntimeError that come from a collective or its transport."""
+STUCK_SHARE = 0.5
+"""A living peer in one phase for this share of the collective timeout or more is named as stuck there."""
+Where = Callable[[], tuple[str, float]]
+"""This rank's phase in words and the seconds it has been in it (``ampddp.training.phase.StepPhase.where``)."""
 
 
 def is_distributed_error(error: BaseException) -> bool:
@@ -58,11 +65,13 @@ def _default_store() -> Any:
 
 
 class PeerWatch:
-    """Context manager: heartbeat thread while active; ``guard()`` names silent ranks on failure."""
+    """Context manager: heartbeat thread while active; ``guard()`` names silent and stuck ranks on failure.
+    ``where``: what the heartbeat says of this rank's progress (nothing when None)."""
 
-    def __init__(self, env: DistEnv, interval_s: float = 0.5) -> None:
+    def __init__(self, env: DistEnv, interval_s: float = 0.5, where: Where | None = None) -> None:
         self.env = env
         self.interval_s = interval_s
+        self.where = where
         self._store: Any = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -71,7 +80,7 @@ class PeerWatch:
         if self.env.distributed and dist.is_initialized():
             self._store = _default_store()
         if self._store is not None:
-            self._store.set(KEY.format(rank=self.env.rank), "0")
+            self._store.set(KEY.format(rank=self.env.rank), self._heartbeat(0))
             self._thread = threading.Thread(target=self._beat, name="ampddp-heartbeat", daemon=True)
             self._thread.start()
         return self
@@ -81,49 +90,63 @@ class PeerWatch:
         if self._thread is not None:
             self._thread.join(timeout=5 * self.interval_s)
 
+    def _heartbeat(self, count: int) -> str:
+        where, seconds = self.where() if self.where is not None else (None, 0.0)
+        return json.dumps({"beat": count, "where": where, "for_s": round(seconds, 1)})
+
     def _beat(self) -> None:
         count = 0
         while not self._stop.wait(self.interval_s):
             count += 1
             try:
-                self._store.set(KEY.format(rank=self.env.rank), str(count))
+                self._store.set(KEY.format(rank=self.env.rank), self._heartbeat(count))
             except RuntimeError:
                 return
 
-    def _counters(self) -> dict[int, str | None]:
-        counters: dict[int, str | None] = {}
+    def _heartbeats(self) -> dict[int, dict | None]:
+        beats: dict[int, dict | None] = {}
         for rank in range(self.env.world_size):
             key = KEY.format(rank=rank)
-            counters[rank] = self._store.get(key).decode() if self._store.check([key]) else None
-        return counters
+            beats[rank] = _parsed(self._store.get(key)) if self._store.check([key]) else None
+        return beats
 
-    def silent_ranks(self) -> list[int] | None:
-        """Ranks whose heartbeat did not advance over a few intervals (None: the store is gone)."""
+    def peer_states(self) -> tuple[list[int], dict[int, tuple[str, float]]] | None:
+        """The other ranks whose heartbeat did not advance over a few intervals, and the living ones'
+        phase and seconds in it (None: the store is gone)."""
         if self._store is None:
-            return []
+            return [], {}
         try:
-            before = self._counters()
+            before = self._heartbeats()
             time.sleep(3 * self.interval_s)
-            after = self._counters()
+            after = self._heartbeats()
         except RuntimeError:
             return None
-        return [
-            rank for rank in range(self.env.world_size) if rank != self.env.rank and (after[rank] is None or after[rank] == before[rank])
-        ]
+        others = [rank for rank in range(self.env.world_size) if rank != self.env.rank]
+        silent = [rank for rank in others if after[rank] is None or after[rank]["beat"] == (before[rank] or {}).get("beat")]
+        alive = {rank: (after[rank]["where"], after[rank]["for_s"]) for rank in others if rank not in silent and after[rank]["where"]}
+        return silent, alive
 
     def explain(self, error: BaseException) -> PeerFailureError:
-        silent = self.silent_ranks()
+        states = self.peer_states()
         where = f"rank {self.env.rank} of {self.env.world_size}"
-        if silent is None:
+        if states is None:
             who = (
                 f"the rendezvous store at {self.env.master_addr}:{self.env.master_port} no longer answers, so rank 0 "
                 "(or the launcher hosting the store) died"
             )
-        elif silent:
-            who = f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} stopped responding (dead or hung)"
         else:
-            who = "no peer looks dead; the collective itself failed or timed out"
+            who = self._who(*states)
         return PeerFailureError(f"{where}: a collective failed because {who}. Original error: {error}")
+
+    def _who(self, silent: list[int], alive: dict[int, tuple[str, float]]) -> str:
+        """The peers to blame, in words: silent ones first, else the living ones stuck in one phase."""
+        if silent:
+            return f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} stopped responding (dead or hung)"
+        stuck = [(rank, phase, seconds) for rank, (phase, seconds) in alive.items() if seconds >= STUCK_SHARE * self.env.timeout_s]
+        if stuck:
+            named = "; ".join(f"rank {rank} has been in {phase} for {seconds:.0f} s" for rank, phase, seconds in stuck)
+            return f"a peer is alive but not progressing: {named} (a data set, sampler or user code that does not return?)"
+        return "no peer looks dead or stuck; the collective itself failed or timed out"
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
@@ -135,3 +158,14 @@ class PeerWatch:
             if not self.env.distributed or not is_distributed_error(error):
                 raise
             raise self.explain(error) from error
+
+
+def _parsed(raw: bytes) -> dict:
+    """A heartbeat as written by ``PeerWatch._heartbeat`` (or an older bare counter)."""
+    try:
+        beat = json.loads(raw.decode("utf-8", "replace"))
+    except ValueError:
+        beat = None
+    if isinstance(beat, int):
+        return {"beat": beat, "where": None, "for_s": 0.0}
+    return beat if isinstance(beat, dict) else {"beat": None, "where": None, "for_s": 0.0}

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 from ampddp.choices import LOG_LEVEL_VARIABLE
 from ampddp.distributed.env import DistEnv
-from ampddp.observe.command_console import FORMAT, OwnNotesOnly
+from ampddp.observe.command_console import console_handler
 
 
 class OtherRankFilter(logging.Filter):
@@ -47,10 +47,7 @@ def rank_console(env: DistEnv) -> Iterator[None]:
     root = logging.getLogger()
     added: logging.Handler | None = None
     if not root.handlers:  # a spawned worker: the console the command line set up in its parent
-        added = logging.StreamHandler(sys.stderr)
-        added.setFormatter(logging.Formatter(FORMAT))
-        if os.environ.get(LOG_LEVEL_VARIABLE, "").upper() != "DEBUG":
-            added.addFilter(OwnNotesOnly())
+        added = console_handler(sys.stderr, verbose=os.environ.get(LOG_LEVEL_VARIABLE, "").upper() == "DEBUG")
         root.addHandler(added)
     previous_level = root.level
     if root.level > logging.INFO or root.level == logging.NOTSET:

@@ -16,6 +16,7 @@ from typing import Any
 
 from ampddp.distributed.env import DistEnv
 from ampddp.errors import ConfigError, RunIOError
+from ampddp.observe.console_streams import write_line
 from ampddp.observe.loggers import MetricLogger, logger_named
 from ampddp.observe.loggers.base import numbers
 from ampddp.observe.metrics_file import read_metrics
@@ -213,7 +214,7 @@ class RunObserver:
             self._bar.set_postfix_str(" ".join(parts))
         elif self._lines:
             epoch = _epoch_text(record["epoch"], shown_epoch)
-            print(f"step {record['step']} epoch {epoch} {' '.join(parts)}{self._eta(record['step'], now)}", flush=True)
+            write_line(f"step {record['step']} epoch {epoch} {' '.join(parts)}{self._eta(record['step'], now)}")
 
     def _eta(self, step: int, now: float) -> str:
         """`` eta 3m12s`` from the pace since this run started, when the total is known."""
@@ -277,7 +278,7 @@ class RunObserver:
         if self._bar is not None:
             self._bar.write(message)
         elif self._lines:
-            print(message, flush=True)
+            write_line(message)
 
     def close(self, progress: dict[str, Any], *, timed: bool = True) -> dict[str, Any]:
         """Write summary.json and the plots; returns the summary. ``timed=False``: this process did

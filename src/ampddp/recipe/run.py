@@ -50,7 +50,7 @@ def train(config: RunConfig, env: DistEnv, early: EarlySignals | None = None, *,
             trainer = build_run(config, env, stop, place, callbacks=[LogOpensWithTraining(log, place)])
             if claim is not None:
                 claim.enter_context(claimed_run_dir(place, env))
-        with PeerWatch(env) as watch, watch.guard():
+        with PeerWatch(env, where=trainer.phase.where) as watch, watch.guard():
             return trainer.fit()["summary"]
 
 
@@ -66,7 +66,9 @@ class LogOpensWithTraining(Callback):
 
 
 def _spawned(env: DistEnv, config: RunConfig) -> dict[str, Any]:
-    return train(config, env)
+    """A spawned rank: it joins the run dir's lock its launcher took, so no second run enters while it lives."""
+    with RunDir(config.trainer.run_dir, "trainer.run_dir").lock(joining=True):
+        return train(config, env)
 
 
 def launch(config: RunConfig, early: EarlySignals | None = None) -> dict[str, Any]:
@@ -111,8 +113,8 @@ def _joined(config: RunConfig) -> Iterator[DistEnv]:
 
 @contextlib.contextmanager
 def claimed_run_dir(run_dir: RunDir, env: DistEnv) -> Iterator[None]:
-    """``run_dir`` probed for writing on every rank and locked by rank 0 (one writer per run_dir)
-    until leaving, on every path.
+    """``run_dir`` probed for writing on every rank, the run admitted by rank 0's lock and joined by
+    every other rank's (one run per run_dir while any of its ranks lives), until leaving, on every path.
 
     Every rank learns from one exchange whether every probe passed and rank 0 got the lock, so when
     another run holds it (or a rank cannot write there) all ranks raise at once, instead of the
@@ -134,4 +136,6 @@ def claimed_run_dir(run_dir: RunDir, env: DistEnv) -> Iterator[None]:
         for rank, refused in enumerate(said):
             if refused is not None:
                 raise ConfigError(f"rank {rank} could not {refused[0]}, so rank {env.rank} stops too: {refused[1]}")
+        if not env.is_main:
+            held.enter_context(run_dir.lock(joining=True))
         yield

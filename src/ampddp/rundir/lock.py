@@ -1,9 +1,13 @@
-"""One writer per run directory: an exclusive ``flock`` on ``<run_dir>/.ampddp-lock``.
+"""One run per run directory: a ``flock`` on ``<run_dir>/.ampddp-lock``, held by every process of the run.
 
 Two runs writing the same run_dir (a double-submitted job) would interleave metrics and race on
-checkpoint folders. The lock is held on an open file descriptor, so the OS drops it when the holder
+checkpoint folders. A run is admitted by taking the lock exclusively (no other process holds it in
+any way), writing its identity, and turning it into a shared lock; each other process of the run (a
+spawned rank, a torchrun rank) then joins with a shared lock of its own. A later run's exclusive
+request fails while *any* of them lives, so ranks that outlive a killed launcher for a moment still
+keep a second run out. Locks are held on open file descriptors, so the OS drops each when its holder
 exits or is killed: a dead run never leaves a stale lock, and a torchrun restart or a SLURM requeue
-takes it again. The file itself stays on disk; only its lock and the holder's identity change.
+takes it again. The file itself stays on disk; only its locks and the holder's identity change.
 """
 
 from __future__ import annotations
@@ -53,16 +57,20 @@ def describe_holder(text: str) -> str:
 
 
 class RunDirLock:
-    """Context manager holding the exclusive lock on ``run_dir`` from ``__enter__`` to ``__exit__``.
+    """Context manager holding this process's lock on ``run_dir`` from ``__enter__`` to ``__exit__``.
 
-    Raises ConfigError on entry when another process holds it. Where locks are unavailable (no
-    fcntl, as on Windows, or a filesystem that refuses flock, such as Lustre mounted without
-    ``-o flock``), it logs a warning and the run goes ahead unlocked rather than not at all.
+    ``joining`` False (the run's first claimant): admits the run — raises ConfigError on entry when
+    another process holds the lock in any way, else records this process as the holder and keeps a
+    shared lock. ``joining`` True (another process of an admitted run): a shared lock only, refused
+    the same way while a different run is being admitted. Where locks are unavailable (no fcntl, as
+    on Windows, or a filesystem that refuses flock, such as Lustre mounted without ``-o flock``), it
+    logs a warning and the run goes ahead unlocked rather than not at all.
     """
 
-    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
+    def __init__(self, run_dir: str | os.PathLike[str], *, joining: bool = False) -> None:
         self.run_dir = str(run_dir)
         self.path = Path(run_dir) / LOCK_FILE
+        self.joining = joining
         self._fd: int | None = None
 
     def __enter__(self) -> RunDirLock:
@@ -77,19 +85,13 @@ class RunDirLock:
                 "give a run_dir this user can write"
             ) from None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, (fcntl.LOCK_SH if self.joining else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except OSError as error:
-            holder = os.read(fd, 64 * 1024).decode("utf-8", "replace")
-            os.close(fd)
-            if error.errno in HELD_ERRNOS:
-                raise ConfigError(
-                    f"trainer.run_dir={self.run_dir} is in use by another ampddp run ({describe_holder(holder)}); "
-                    "wait for it to finish, stop it, or use another run_dir"
-                ) from None
-            reason = error.strerror or error
-            logger.warning("%s is not locked: its filesystem cannot lock files (%s); do not start two runs on it", self.run_dir, reason)
+            self._refuse(fd, error)
             return self
         self._fd = fd
+        if self.joining:
+            return self
         try:
             self._record(fd)
         except OSError as error:
@@ -98,7 +100,25 @@ class RunDirLock:
                 f"trainer.run_dir={self.run_dir}: cannot write its lock file {self.path} ({error.strerror or error}); "
                 "give a writable run_dir with free space"
             ) from None
+        try:  # admitted: shared from now on, so the run's other processes can join it
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as error:  # flock turns a lock over non-atomically: another run got in meanwhile
+            self._fd = None
+            self._refuse(fd, error)
         return self
+
+    def _refuse(self, fd: int, error: OSError) -> None:
+        """Close ``fd`` after a failed flock: raise when another run holds the lock, warn (and go on
+        unlocked) when the filesystem cannot lock."""
+        holder = os.pread(fd, 64 * 1024, 0).decode("utf-8", "replace")
+        os.close(fd)
+        if error.errno in HELD_ERRNOS:
+            raise ConfigError(
+                f"trainer.run_dir={self.run_dir} is in use by another ampddp run ({describe_holder(holder)}); "
+                "wait for it to finish, stop it, or use another run_dir"
+            ) from None
+        reason = error.strerror or error
+        logger.warning("%s is not locked: its filesystem cannot lock files (%s); do not start two runs on it", self.run_dir, reason)
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None) -> None:
         self.release()

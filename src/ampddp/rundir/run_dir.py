@@ -64,9 +64,10 @@ class RunDir:
         when the path names another folder or none (see :class:`RunDirIdentity`)."""
         self._identity.check()
 
-    def lock(self) -> RunDirLock:
-        """The lock that makes this run the only writer here (a context manager)."""
-        return RunDirLock(self.path)
+    def lock(self, *, joining: bool = False) -> RunDirLock:
+        """The lock that makes this run the only writer here (a context manager): taken by the run's
+        first process, ``joining`` by each of its others (see :class:`RunDirLock`)."""
+        return RunDirLock(self.path, joining=joining)
 
     def probe(self) -> None:
         """The run dir is (or can be created as) a writable directory with free space: a small file is

@@ -34,6 +34,7 @@ from ampddp.training.last_batch import check_single_sample_batch, epochs_to_fini
 from ampddp.training.loading import DataLoading, InputTimer, LoaderSettings, name_batch_rows
 from ampddp.training.log_window import LogWindow
 from ampddp.training.nonfinite import NonFiniteGuard, blame_inputs, non_finite_rows
+from ampddp.training.phase import AGREEING, BACKWARD, CHECKPOINT, EVALUATION, FORWARD, OPTIMIZER, StepPhase, out_of_memory
 from ampddp.training.settings import LoopSettings
 
 logger = logging.getLogger("ampddp.trainer")
@@ -65,6 +66,8 @@ class TrainingLoop:
         self._stop: StopSignals | None = None
         """The stop signals while training runs: an evaluation then stops with them."""
         self._evaluation_stopped = False
+        self.phase = StepPhase()
+        """Where this rank is in its step (read by the peer watch, named by an out-of-memory error)."""
 
     @property
     def engine(self) -> PrecisionEngine:
@@ -94,6 +97,9 @@ class TrainingLoop:
             return self._fit()
         except BaseException as error:
             self.callbacks.on_exception(self.progress, error)  # the progress bar, open loggers: released, marked failed
+            ran_out = out_of_memory(error, self.phase, self.settings.batch_size, self.run.env.device)
+            if ran_out is not None:
+                raise ran_out from error
             raise
         finally:
             self.loading.close()  # the training loader's workers: stopped with the run, never left to exit
@@ -115,7 +121,7 @@ class TrainingLoop:
             if not preempted and self.evaluator is not None and self._evaluated_step != self.progress.global_step:
                 self._evaluate_and_report()  # a run that ended without a step (max_steps=0); the last step evaluates itself
         if self.checkpointer.saved_step != self.progress.global_step:
-            self.checkpointer.save()
+            self.save_checkpoint()
         summary = self.callbacks.on_end(self.progress)
         if preempted:
             logger.warning("stopped by %s at step %d after writing a checkpoint; run again to resume", preempted, self.progress.global_step)
@@ -146,7 +152,7 @@ class TrainingLoop:
                 continue
             window: list[Any] = []
             with contextlib.closing(self.input_timer.batches(loader)) as batches:  # workers of a non-persistent loader stop with the epoch
-                for index, batch in enumerate(batches):
+                for index, batch in enumerate(self.phase.loading(batches, self._step_number)):
                     window.append(batch)
                     if len(window) == settings.grad_accum_steps or index == last:
                         stop_agreed = self._optimizer_step(window, index + 1 - len(window), ends_epoch=index == last, stop=stop)
@@ -156,6 +162,10 @@ class TrainingLoop:
                             return stop.received or "a stop signal on another rank"
                         window = []
         return None
+
+    def _step_number(self) -> int:
+        """The optimizer step under way (the one after the last applied)."""
+        return self.progress.global_step + 1
 
     def _is_finished(self, progress: Progress) -> bool:
         return finished(progress, self.settings.max_steps, self.settings.max_epochs)
@@ -179,6 +189,7 @@ class TrainingLoop:
     def _evaluate_and_report(self) -> None:
         if self.evaluator is None:
             raise ConfigError("evaluate() needs an eval_set")
+        self.phase.enter(EVALUATION, self.progress.global_step)
         stop = self._stop
         asked = None
         if stop is not None:  # the final evaluation stops for a signal during it; one before it let the run end evaluated
@@ -218,13 +229,17 @@ class TrainingLoop:
     def _optimizer_step(self, window: list[Any], first: int, ends_epoch: bool, stop: StopSignals | None = None) -> bool:
         """One optimizer step over ``window`` (batches ``first``... of this pass); returns True when
         every rank should stop (a signal)."""
+        step = self._step_number()
+        self.phase.enter(AGREEING, step)
         total, tokens = self._global_counts(window)
         loss_sum = self._forward_backward(window, first, total)
+        self.phase.enter(AGREEING, step)
         loss_value, stop_agreed = self._agree(loss_sum, total, stop)
         self.log_window.add(loss_value, tokens)
         self.guard.check(loss_value, self.progress.global_step + 1, lambda: self._diagnose(window, first))
         logging_step = (self.progress.global_step + 1) % self.settings.log_every == 0 or not self._first_step_logged
         self._first_step_logged = True  # the first step this process trains is recorded: progress shows at once
+        self.phase.enter(OPTIMIZER, step)
         grad_norm, stepped = self._apply(logging_step)
         if not stepped and math.isfinite(loss_value):
             logger.warning("step %d skipped: %s", self.progress.global_step + 1, self._diagnose(window, first))
@@ -246,13 +261,16 @@ class TrainingLoop:
         world_size = self.run.env.world_size
         loss_sum: torch.Tensor | None = None
         self.optimizer.zero_grad(set_to_none=True)
+        step = self._step_number()
         for index, batch in enumerate(window):
             with self.run.grad_sync.micro_step(is_last=index == len(window) - 1):
+                self.phase.enter(FORWARD, step)
                 try:
                     loss, count = self.compute_loss(batch)
                 except BadSamplesError as error:
                     raise error.named(self._samples(first + index, error.rows)) from error
                 weight = count * world_size / total
+                self.phase.enter(BACKWARD, step)
                 self.engine.backward(loss * weight if weight != 1.0 else loss)
             share = loss.detach().float() * count
             loss_sum = share if loss_sum is None else loss_sum + share
@@ -310,7 +328,7 @@ class TrainingLoop:
         elif self.evaluator is not None and (self._finished() or (every.eval_every and step % every.eval_every == 0)):
             self._evaluate_and_report()
         if every.checkpoint_every and step % every.checkpoint_every == 0 and not self._evaluation_stopped:
-            self.checkpointer.save()
+            self.save_checkpoint()
 
     def _diagnose(self, window: list[Any], first: int) -> str:
         """Why the step over ``window`` (batches ``first``... of this pass) went non-finite. Every rank
@@ -336,6 +354,7 @@ class TrainingLoop:
 
     def save_checkpoint(self) -> CheckpointRef | None:
         """Write a checkpoint of this step collectively (every file hashed into its manifest)."""
+        self.phase.enter(CHECKPOINT, self.progress.global_step)
         return self.checkpointer.save()
 
     def load_checkpoint(self, ref: CheckpointRef) -> None:

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -64,3 +65,24 @@ def import_extra(logger: MetricLogger) -> Any:
     """Import the optional package ``logger`` is built on (``check_installed`` says what to install)."""
     logger.check_installed()
     return importlib.import_module(logger.requires[0])
+
+
+def route_to_the_run(*names: str) -> Callable[[], None]:
+    """Send the records of loggers ``names`` (libraries that print through handlers of their own, as
+    MLflow and alembic do, past the root's) through the root's handlers — the console's one line per
+    error, the run's log file — until the returned function puts their own handlers back."""
+    saved = []
+    for name in names:
+        library_logger = logging.getLogger(name)
+        saved.append((library_logger, list(library_logger.handlers), library_logger.propagate))
+        for handler in list(library_logger.handlers):
+            library_logger.removeHandler(handler)
+        library_logger.propagate = True
+
+    def restore() -> None:
+        for library_logger, handlers, propagate in saved:
+            for handler in handlers:
+                library_logger.addHandler(handler)
+            library_logger.propagate = propagate
+
+    return restore

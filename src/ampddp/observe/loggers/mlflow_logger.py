@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ampddp.observe.loggers.base import MetricLogger, import_extra
+from ampddp.observe.loggers.base import MetricLogger, import_extra, route_to_the_run
 from ampddp.rundir.beneath import refuse_links
 
 logger = logging.getLogger("ampddp.observe.loggers")
@@ -47,12 +47,15 @@ class MlflowLogger(MetricLogger):
         self._client: Any = None
         self._run_id: str | None = None
         self._metric: Any = None
+        self._own_console_back: Callable[[], None] | None = None
 
     def start(self, run_dir: Path, config: Mapping[str, Any] | None, run_id: str | None, step: int) -> str | None:
         import os
 
         import_extra(self)
         from mlflow.entities import Metric, Param
+
+        self._own_console_back = route_to_the_run("mlflow", "alembic")  # its errors: a line on the console, the report in the log
         from mlflow.tracking import MlflowClient
 
         uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or self._local_store(run_dir)
@@ -91,6 +94,11 @@ class MlflowLogger(MetricLogger):
         self._client.log_batch(self._run_id, metrics=metrics)
 
     def close(self, failed: bool = False) -> None:
-        if self._run_id is not None:
-            self._client.set_terminated(self._run_id, status="FAILED" if failed else "FINISHED")
-            self._run_id = None
+        try:
+            if self._run_id is not None:
+                self._client.set_terminated(self._run_id, status="FAILED" if failed else "FINISHED")
+                self._run_id = None
+        finally:
+            if self._own_console_back is not None:
+                self._own_console_back()
+                self._own_console_back = None
