@@ -10,11 +10,13 @@ import torch
 import torch._dynamo
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from helpers import HAS_TORCHAO, NO_TORCHAO
 
 from ampddp.precision.casting.cast_context import end_thread_casts
 
-WATCHED_NAMESPACES = (torch, F, torch.Tensor)
+WATCHED_NAMESPACES = (torch, F, torch.Tensor, torch.utils.checkpoint)
+"""torch.utils.checkpoint: its recompute classes are stood in for while ampddp casts (casting/recompute.py)."""
 
 
 def namespace_snapshot() -> dict[tuple[int, str], object]:

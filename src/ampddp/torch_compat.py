@@ -164,6 +164,23 @@ def excluding_key(key: str) -> Any:
     return torch._C._ExcludeDispatchKeyGuard(below)
 
 
+# ---- activation checkpointing (casting/recompute.py) ----------------------------------------------
+
+
+CHECKPOINT_RECOMPUTE_CLASSES = ("CheckpointFunction", "_CheckpointFrame")
+"""The classes of ``torch.utils.checkpoint`` that keep what a checkpoint recomputes: the reentrant
+variant's autograd Function (``ctx.run_function``) and the non-reentrant variant's frame (its first
+argument, ``recompute_fn``); each is looked up in the module whenever a checkpoint is taken."""
+
+
+def checkpoint_recompute_classes() -> dict[str, type]:
+    """Those of :data:`CHECKPOINT_RECOMPUTE_CLASSES` this torch has, by name."""
+    import torch.utils.checkpoint as checkpoint
+
+    found = {name: getattr(checkpoint, name, None) for name in CHECKPOINT_RECOMPUTE_CLASSES}
+    return {name: cls for name, cls in found.items() if isinstance(cls, type)}
+
+
 # ---- dynamo (compile_support.py, compile_model.py) -------------------------------------------------
 
 

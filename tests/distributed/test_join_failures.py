@@ -59,7 +59,8 @@ def test_a_listener_that_never_answers_ends_the_rank_in_one_line_from_the_watchd
         code = (f"from ampddp.distributed.env import setup_distributed; setup_distributed(rank=1, world_size=2, device='cpu', "
                 f"init_method='tcp://127.0.0.1:{mute.getsockname()[1]}', timeout_s=1)")  # fmt: skip
         started = time.monotonic()
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": SRC})
+        env = {**os.environ, "PYTHONPATH": SRC}
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert time.monotonic() - started < 1 + GRACE_S + 20  # the interpreter's start and torch's import included
     assert done.returncode == EXIT_PEER_FAILURE, done.stderr[-2000:]
     lines = done.stderr.strip().splitlines()

@@ -232,3 +232,58 @@ def test_spawned_workers_cast_process_wide_as_the_runners_own_process(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["torch.float16"]
     assert (tmp_path / "child.txt").read_text() == "torch.float16"
+
+
+CHECKPOINTING_SCRIPT = """
+import sys
+import torch, torch.nn as nn, torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+from apex import amp
+
+class Block(nn.Module):  # LayerNorm and GELU on a Linear's fp16 output, as Swin's blocks
+    def __init__(self):
+        super().__init__()
+        self.fc_in, self.norm, self.fc_out = nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 16)
+    def forward(self, x):
+        return self.fc_out(F.gelu(self.norm(self.fc_in(x))))
+
+class Net(nn.Module):
+    def __init__(self, use_checkpoint, reentrant):
+        super().__init__()
+        self.stem, self.blocks, self.head = nn.Linear(16, 16), nn.ModuleList([Block(), Block()]), nn.Linear(16, 1)
+        self.use_checkpoint, self.reentrant = use_checkpoint, reentrant
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=self.reentrant) if self.use_checkpoint else block(x)
+        return self.head(x)
+
+def train(use_checkpoint, reentrant=True):
+    torch.manual_seed(0)
+    model = Net(use_checkpoint, reentrant)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, optimizer = amp.initialize(model, optimizer, opt_level=sys.argv[1], verbosity=0)
+    for _ in range(4):
+        loss = model(torch.randn(8, 16)).float().pow(2).mean()
+        optimizer.zero_grad()
+        with amp.scale_loss(loss, optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+reference = train(False)
+for reentrant in (True, False):
+    weights = train(True, reentrant)
+    print("reentrant" if reentrant else "non-reentrant", max(float((a - b).abs().max()) for a, b in zip(reference, weights)))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_under_the_runner_a_checkpointed_run_trains_as_without_checkpointing(tmp_path):
+    """Swin's --use-checkpoint at O1: the recompute in the backward (inside scale_loss, where the runner's
+    op lists are off) casts as the forward did, so the weights end bit for bit as without checkpointing."""
+    script = tmp_path / "checkpointing.py"
+    script.write_text(CHECKPOINTING_SCRIPT)
+    done = run(["-m", "ampddp.apex", str(script), "O1"], cwd=tmp_path, timeout=100)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["reentrant", "0.0", "non-reentrant", "0.0"]

@@ -152,7 +152,8 @@ def test_an_interrupted_forward_is_unwound_by_the_next_forward_or_teardown(error
     assert torch.mm(torch.randn(2, 2), torch.randn(2, 2)).dtype == torch.float32
 
 
-def test_non_reentrant_checkpointing_recomputes_inside_the_context():
+def test_the_old_context_fn_advice_for_checkpointing_still_works():
+    """No longer needed (tests/unit/test_checkpoint_recompute.py), but code that followed it keeps working."""
     amp = Amp()
     block = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.Softmax(-1))
 

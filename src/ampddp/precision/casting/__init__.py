@@ -4,7 +4,8 @@ The public face of the mechanism, for the engines and the apex-compatible facade
 context (``OpCastContext``) and its thread windows, apex's op lists (``op_lists``), the table built
 from them and the registered functions (``build_op_table``), the forward's input/output casts and
 fp32 state hooks, and the tensor helpers (cast a model, map nested tensors). The modules behind it
-(ATen kernels, function swaps, the torch-function mode stack, RNN inputs) are its own.
+(ATen kernels, function swaps, the torch-function mode stack, RNN inputs, checkpoint recomputes) are
+its own.
 """
 
 from ampddp.precision.casting import op_lists

@@ -14,12 +14,18 @@ and decides when it applies — the ``amp`` facade's *window* after a forward (`
 the legacy ``amp.init`` handle's held casts (``ampddp/apex/amp/handle.py``). This module keeps only
 the rule they share: one window per thread (``open_thread_window``), closed by the next window or by
 any context being entered (``end_thread_casts``).
+
+A checkpoint (``torch.utils.checkpoint``) taken where a forward casts recomputes under twins of the
+openings applied there (``recompute_casting``; how it is hooked in: ``recompute.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,6 +47,7 @@ from ampddp.precision.casting.device_autocast import DeviceAutocast
 from ampddp.precision.casting.function_swaps import ORIGINAL_ATTRIBUTE, Dispatcher, install_dispatcher, release_dispatcher
 from ampddp.precision.casting.mode_stack import push_below_others, remove_mode
 from ampddp.precision.casting.op_table import OpTable
+from ampddp.precision.casting.recompute import CheckpointStandIns, Reapply
 from ampddp.precision.casting.rnn_inputs import RnnInputAlignment
 from ampddp.precision.compile_support import run_eagerly_as_own_frame
 from ampddp.precision.registry import CAST_ATTRIBUTE, FP32
@@ -51,6 +58,9 @@ _WINDOW = threading.local()
 a window, or any context being entered, closes the window open before it."""
 _SUSPENDED = threading.local()
 """How many ``suspend_thread_casts`` blocks this thread is inside."""
+_APPLIED = threading.local()
+"""This thread's open openings that cast forwards (entered contexts, held lists; not windows), in the
+order they opened: the casting a checkpoint taken here recomputes under (``recompute.py``)."""
 
 
 def _copy_into(out: Any, result: Any) -> None:
@@ -130,7 +140,7 @@ def open_thread_window(opening: Opening) -> None:
     if casts_suspended() or window_is_open(opening):
         return
     end_thread_casts()
-    opening.open(with_autocast=False, at_bottom=True)
+    opening.open(with_autocast=False, at_bottom=True, forward=False)
     _WINDOW.opened = opening
 
 
@@ -165,6 +175,7 @@ class Opening:
     """
 
     def __init__(self, table: OpTable, low_dtype: torch.dtype, device_types: tuple[str, ...], plan: AtenCastPlan | None = None) -> None:
+        self._remake = functools.partial(Opening, table, low_dtype, device_types, plan)
         self._swaps = table.swaps
         self._autocast = DeviceAutocast(device_types, low_dtype)
         self.cache = CastCache()
@@ -177,37 +188,71 @@ class Opening:
         self._suspension: Any = None
         self._dispatchers: list[tuple[Any, str, Dispatcher]] = []
         self._rnn_inputs = RnnInputAlignment()
+        self._stand_ins_holder: threading.Thread | None = None
 
-    def open(self, with_autocast: bool, at_bottom: bool) -> None:
+    @property
+    def blueprint(self) -> OpeningBlueprint:
+        """How to open this opening's twin elsewhere, casting as it casts now (a checkpoint's recompute)."""
+        return OpeningBlueprint(self._remake, self._rnn_inputs.installed)
+
+    @property
+    def casts(self) -> bool:
+        """Whether it is open and casts (an opening opened inside ``suspend_thread_casts`` passes calls through)."""
+        return self._plan_open or (self.mode_pushed and self._suspension is None)
+
+    def open(self, with_autocast: bool, at_bottom: bool, align_rnn_inputs: bool | None = None, forward: bool = True) -> None:
         """Device autocast (if asked), then the dispatcher kernels' casts or the cast mode and the swaps;
-        ``close`` undoes them in reverse. Inside ``suspend_thread_casts`` kernels have nothing to do."""
+        ``close`` undoes them in reverse. Inside ``suspend_thread_casts`` kernels have nothing to do.
+        RNN inputs are aligned without autocast unless ``align_rnn_inputs`` says otherwise.
+
+        ``forward``: it casts forwards (a context, the legacy handle's held lists), so a checkpoint taken
+        under it recomputes under its twin (``recompute_casting``). Not a window: that is the span between
+        forwards, and a forward a checkpoint wraps closes it (the model's hooks), in its recompute too."""
         self.is_open = True
         try:
             if with_autocast:
                 self._autocast.__enter__()
                 self._with_autocast = True
-            if self._plan is not None:
-                if _suspension_depth() == 0:
-                    self._plan.open()
-                    self._plan_open = True
-                return
-            if _suspension_depth() > 0:
-                self._suspension = self.cast_mode.suspended()
-                self._suspension.__enter__()
-            if at_bottom:
-                push_below_others(self.cast_mode)
-            else:
-                push_function_mode(self.cast_mode)
-            self.mode_pushed = True
-            if not with_autocast and _suspension_depth() == 0:
-                self._rnn_inputs.install()
-            for entry in self._swaps:
-                self._dispatchers.append((entry.module, entry.name, install_dispatcher(entry.module, entry.name)))
+            if self._plan is None:
+                self._open_mode(at_bottom, not with_autocast if align_rnn_inputs is None else align_rnn_inputs)
+            elif _suspension_depth() == 0:
+                self._plan.open()
+                self._plan_open = True
         except BaseException:
             self.close()
             raise
+        if forward:
+            _applied().append(self)
+            self._hold_stand_ins(True)
+
+    def _open_mode(self, at_bottom: bool, align_rnn_inputs: bool) -> None:
+        if _suspension_depth() > 0:
+            self._suspension = self.cast_mode.suspended()
+            self._suspension.__enter__()
+        if at_bottom:
+            push_below_others(self.cast_mode)
+        else:
+            push_function_mode(self.cast_mode)
+        self.mode_pushed = True
+        if align_rnn_inputs and _suspension_depth() == 0:
+            self._rnn_inputs.install()
+        for entry in self._swaps:
+            self._dispatchers.append((entry.module, entry.name, install_dispatcher(entry.module, entry.name)))
+
+    def _hold_stand_ins(self, hold: bool) -> None:
+        """The checkpoint stand-ins are in place while a forward's opening is open (see ``recompute.py``). Not while
+        dynamo traces an opening (a compiled region's checkpoints are recomputed by its graph): the next
+        eager open or close of the same opening squares the count."""
+        if hold == (self._stand_ins_holder is not None) or torch.compiler.is_compiling():
+            return
+        if hold:
+            self._stand_ins_holder = CHECKPOINT_STAND_INS.hold()
+        else:
+            holder, self._stand_ins_holder = self._stand_ins_holder, None
+            CHECKPOINT_STAND_INS.release(holder)
 
     def close(self) -> None:
+        _forget(self)
         self._rnn_inputs.remove()
         dispatchers, self._dispatchers = self._dispatchers, []
         for module, name, dispatcher in reversed(dispatchers):
@@ -226,6 +271,64 @@ class Opening:
             self._with_autocast = False
             self._autocast.__exit__(None, None, None)
         self.is_open = False
+        self._hold_stand_ins(False)
+
+
+@dataclass(frozen=True)
+class OpeningBlueprint:
+    """What a checkpoint taken under an opening keeps to recompute under its twin."""
+
+    make: Callable[[], Opening]
+    aligns_rnn_inputs: bool
+
+
+def _applied() -> list[Opening]:
+    openings = getattr(_APPLIED, "openings", None)
+    if openings is None:
+        openings = _APPLIED.openings = []
+    return openings
+
+
+def _forget(opening: Opening) -> None:
+    """Take ``opening`` off this thread's open openings wherever it sits (they may close out of order)."""
+    openings = _applied()
+    for index in range(len(openings) - 1, -1, -1):
+        if openings[index] is opening:
+            del openings[index]
+            return
+
+
+def recompute_casting() -> Reapply | None:
+    """The forward casting this thread applies now (entered contexts, the legacy handle's held lists), as a
+    context that applies it again around a checkpoint's recompute wherever that runs; None where none casts.
+
+    Not a window's: a twin of it would cast under the forward's own context where the forward had not
+    (inside the forward's ``torch.autocast(enabled=False)`` blocks, say), since the model's hooks closed it."""
+    if casts_suspended():
+        return None
+    blueprints = tuple(opening.blueprint for opening in _applied() if opening.casts)
+    return functools.partial(_reapplied, blueprints) if blueprints else None
+
+
+@contextlib.contextmanager
+def _reapplied(blueprints: tuple[OpeningBlueprint, ...]) -> Iterator[None]:
+    """A twin of each opening, opened on this thread as the forward had them: not suspended (the forward's
+    casts were not), device autocast left to torch's checkpoint (it enters the forward's again)."""
+    depth, _SUSPENDED.depth = _suspension_depth(), 0
+    twins: list[Opening] = []
+    try:
+        for blueprint in blueprints:
+            twins.append(blueprint.make())
+            twins[-1].open(with_autocast=False, at_bottom=False, align_rnn_inputs=blueprint.aligns_rnn_inputs)
+        yield
+    finally:
+        for twin in reversed(twins):
+            twin.close()
+        _SUSPENDED.depth = depth
+
+
+CHECKPOINT_STAND_INS = CheckpointStandIns(recompute_casting)
+"""torch.utils.checkpoint's recompute classes' stand-ins, in place while some opening is open (one per process)."""
 
 
 class OpCastContext:

@@ -58,6 +58,11 @@ class RnnInputAlignment:
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
 
+    @property
+    def installed(self) -> bool:
+        """Whether this share is installed (RNN inputs are aligned on its thread)."""
+        return self._thread is not None
+
     def install(self) -> None:
         if self._thread is not None:
             return
