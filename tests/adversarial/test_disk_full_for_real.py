@@ -65,6 +65,7 @@ def fill(folder: Path) -> Path:
     return filler
 
 
+@pytest.mark.timeout(600)
 def test_a_disk_that_fills_while_metrics_are_appended_stops_with_the_io_code_and_a_readable_log(small_disk):
     run_dir = small_disk / "run"
     command = [sys.executable, "-m", "ampddp", "train", str(REPO / "recipes" / "quickstart.yaml"), f"trainer.run_dir={run_dir}",

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from image_folders import make_image_folder
 
@@ -29,6 +30,7 @@ def test_gpu_decoding_gives_the_cpu_pipelines_images_on_the_gpu(tmp_path):
     torch.testing.assert_close(on_gpu.cpu(), cpu_train[5][0], atol=0.15, rtol=0)
 
 
+@pytest.mark.timeout(360)
 def test_a_run_decodes_on_the_gpu(tmp_path):
     run_dir = tmp_path / "run"
     command = [

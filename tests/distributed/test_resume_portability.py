@@ -48,6 +48,7 @@ def world_worker(env, run_dir, steps):
     return True
 
 
+@pytest.mark.timeout(300)
 def test_two_processes_resume_on_one_and_back(tmp_path, caplog):
     launch_local(world_worker, 2, (str(tmp_path), 3), device="cpu", timeout_s=120)
     assert final_state(tmp_path)["progress"]["global_step"] == 3
@@ -60,6 +61,7 @@ def test_two_processes_resume_on_one_and_back(tmp_path, caplog):
     assert final_state(tmp_path)["progress"]["global_step"] == 7
 
 
+@pytest.mark.timeout(180)
 def test_a_resume_with_more_ranks_derives_their_rng_and_says_so(tmp_path):
     make_trainer(tmp_path, "O0", max_steps=2).fit()
     messages = launch_local(more_ranks_worker, 2, (str(tmp_path),), device="cpu", timeout_s=120)

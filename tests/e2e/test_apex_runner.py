@@ -106,6 +106,7 @@ def test_torchrun_two_processes_run_the_script_and_agree(tmp_path):
     assert "no process group" not in done.stderr  # the script joined its ranks: nothing to warn about
 
 
+@pytest.mark.timeout(300)
 def test_a_script_launched_on_several_processes_that_never_joins_them_is_warned_once_per_rank(tmp_path):
     """torchrun's variables without init_process_group: every rank trains its own copy on all the data."""
     script = tmp_path / "unjoined.py"
@@ -157,6 +158,7 @@ def test_parse_and_local_rank_spelling():
         parse(["--local-rank"])
 
 
+@pytest.mark.timeout(180)
 def test_under_the_runner_impl_apex_is_refused_and_missing_apex_modules_name_a_replacement(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(

@@ -130,6 +130,7 @@ def check_run_dir(run_dir: Path, steps: int = 2) -> dict:
     return summary
 
 
+@pytest.mark.timeout(360)
 @pytest.mark.parametrize("recipe", [r for r in RECIPES if "ddp" not in r.stem], ids=lambda p: p.stem)
 def test_each_recipe_runs_end_to_end(tmp_path, recipe):
     config = load_config(recipe)
@@ -156,6 +157,7 @@ def test_each_recipe_runs_end_to_end(tmp_path, recipe):
         )
 
 
+@pytest.mark.timeout(360)
 @pytest.mark.smoke
 def test_two_processes_via_nproc_per_node_with_sync_bn(tmp_path):
     recipe = ROOT / "recipes" / "resnet18-O2-ddp-syncbn.yaml"
@@ -174,6 +176,7 @@ def test_two_processes_via_nproc_per_node_with_sync_bn(tmp_path):
     assert check_run_dir(tmp_path)["world_size"] == 2
 
 
+@pytest.mark.timeout(360)
 @pytest.mark.smoke
 def test_the_same_command_under_torchrun(tmp_path):
     recipe = ROOT / "recipes" / "quickstart.yaml"

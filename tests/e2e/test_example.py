@@ -12,6 +12,7 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_digits.py"
 
 
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("mode", ["O2", "native-bf16"])
 def test_train_digits_reaches_high_held_out_accuracy(mode):
     result = subprocess.run(

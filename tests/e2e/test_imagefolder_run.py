@@ -15,6 +15,7 @@ from ampddp.observe import read_metrics
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.timeout(360)
 @pytest.mark.parametrize("workers", [0, 2])
 def test_quickstart_trains_on_an_image_folder(tmp_path, workers):
     images = make_image_folder(tmp_path / "images")

@@ -125,6 +125,7 @@ def test_bad_parts_are_refused_with_one_line(tmp_path, capsys, overrides, messag
     assert message in refused(capsys, tmp_path / "run", *overrides)
 
 
+@pytest.mark.timeout(300)
 def test_a_bad_import_path_end_to_end_is_one_line_exit_2_and_writes_nothing(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run(

@@ -26,6 +26,7 @@ def two_process_worker(env, root, modes):
     return True
 
 
+@pytest.mark.timeout(360)
 @pytest.mark.smoke
 def test_resume_is_bit_exact_in_two_processes(tmp_path):
     launch_local(two_process_worker, 2, (str(tmp_path), list(RUNNABLE_MODES)), device="cpu", timeout_s=300)

@@ -34,6 +34,7 @@ def train(tmp_path, name, *args, nproc=1):
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(nproc)]
 
 
+@pytest.mark.timeout(260)
 def test_without_the_runner_the_trainer_refuses_the_apex_backend(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     code = "from transformers import TrainingArguments; TrainingArguments('o', fp16=True, half_precision_backend='apex', use_cpu=True)"

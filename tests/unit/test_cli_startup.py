@@ -6,10 +6,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from ampddp import choices
 from ampddp.cli import main
 
 
+@pytest.mark.timeout(180)
 def test_help_version_and_the_recipe_schema_do_not_import_torch():
     probe = (
         "import sys, contextlib, io\n"
@@ -45,6 +48,7 @@ def test_the_light_choices_match_the_engines_and_wrappers():
     assert all(spec.policy is None or spec.policy.opt_level == name for name, spec in MODES.items())
 
 
+@pytest.mark.timeout(180)
 def test_a_checkout_beside_the_working_directory_never_hides_the_installed_package(tmp_path):
     """A clone is a folder named ampddp; with the package at its top level, Python started next to it
     imported the clone as an empty namespace package ahead of an editable install's finder. Under

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,13 +26,6 @@ class KeyDoc:
     default: object
     valid: str
     text: str
-
-    @property
-    def summary(self) -> str:
-        """The first sentence of ``text`` (the one line ``--help`` shows)."""
-        flat = " ".join(self.text.split())
-        end = flat.find(". ")
-        return flat if end < 0 else flat[: end + 1]
 
 
 def _field_texts() -> dict[str, dict[str, str]]:
@@ -89,12 +83,18 @@ def as_yaml(value: object) -> str:
     return str(value)
 
 
+HELP_WIDTH = 110
+"""Columns of ``--help``'s descriptions (wrapped whole: a first sentence cut at "e.g." said too little)."""
+
+
 def describe_keys(section: str | None = None) -> str:
-    """``--help``'s list: each key with its default and valid values, then what it does in one line."""
+    """``--help``'s list: each key with its default and valid values, then all it does, wrapped."""
     lines = []
     for doc in key_docs(section):
         valid = f"  {{{doc.valid}}}" if doc.valid else ""
-        lines += [f"  {doc.key} = {as_yaml(doc.default)}{valid}", f"      {doc.summary}"]
+        lines.append(f"  {doc.key} = {as_yaml(doc.default)}{valid}")
+        lines += textwrap.wrap(" ".join(doc.text.split()), HELP_WIDTH, initial_indent=" " * 6, subsequent_indent=" " * 6,
+                               break_long_words=False, break_on_hyphens=False)  # fmt: skip
     return "\n".join(lines)
 
 
