@@ -1,8 +1,16 @@
-"""The names a recipe may choose from, in a module that imports nothing heavy.
+"""The names a recipe may choose from, and the largest numbers it may give, in a module that imports
+nothing heavy.
 
 ``ampddp --help`` and recipe checks list these choices; keeping them here (not beside the torch code
 that implements each) lets the command line answer without importing torch. The implementing
 modules import their names from here, so each list exists once.
+
+The bounds at the end are the largest numbers ampddp hands to torch and to the operating system: a
+recipe key or a library setting past one is refused in one line, naming it and its range, before
+anything runs. Past them a run ended in a traceback at its first step (``optimizer.lr=1e308``: "value
+cannot be converted to type float without overflow"; ``data.batch_size=10**30``: islice's "Stop
+argument ... must be ... <= sys.maxsize"), or never started (``data.num_workers=10**30``: a DataLoader
+starting workers forever).
 """
 
 from __future__ import annotations
@@ -56,3 +64,21 @@ LOG_LEVEL_VARIABLE = "AMPDDP_LOG_LEVEL"
 """The environment variable that, set to ``DEBUG``, logs ampddp's debug records too (every setting
 of a precision set-up, ...) on every process of a run: ``ampddp train --verbose`` sets it, so the
 ranks it starts follow (kept here, beside the recipe's names, so the command line reads it without torch)."""
+
+INT64_MAX = 2**63 - 1
+"""The largest count (batch size, steps, epochs, sizes, classes): torch and the C library read counts as int64."""
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest float32: a learning rate, weight decay or loss scale becomes an fp32 tensor or the scalar of
+an fp32 op, which a larger one overflows."""
+FLOAT16_MAX = 65504.0
+"""The largest float16: the bound of what steps fp16 weights directly (O3: no fp32 master weights)."""
+MAX_PROCESSES = 1024
+"""The most processes one training process starts of a kind (data loader workers; local ranks)."""
+MAX_PREFETCH = 1024
+"""The most batches a loader worker loads ahead: torch queues prefetch_factor x num_workers batches
+before the first one comes back."""
+MAX_TIMEOUT_S = 1e9
+"""The longest collective timeout in seconds (31 years): torch keeps it in int64 nanoseconds, which
+overflow past 9.2e9 s, and a collective then times out at once."""
+MAX_BUCKET_MB = 2**40
+"""The largest DDP bucket in MiB: torch keeps its size in int64 bytes (2**63)."""

@@ -62,16 +62,19 @@ def _plot(args: argparse.Namespace, early: EarlySignals) -> int:
 
     from ampddp.observe.plots import plot_comparison, plot_metrics
     from ampddp.rundir.files import METRICS_FILE
+    from ampddp.rundir.paths import refuse_long_names
 
     if importlib.util.find_spec("matplotlib") is None:
         raise ConfigError("ampddp plot needs matplotlib: pip install 'ampddp[plots]'")
     for run_dir in args.run_dirs:
+        refuse_long_names(run_dir, "RUN_DIR")
         if not (Path(run_dir) / METRICS_FILE).is_file():
             raise ConfigError(f"{run_dir}: no {METRICS_FILE} here; name the run dir of an ampddp run (trainer.run_dir)")
     if len(args.run_dirs) == 1 and args.to is None:
         written = plot_metrics(args.run_dirs[0])
     else:
         out = Path(args.to or "comparison.png")
+        refuse_long_names(out, "--to")
         if out.suffix != ".png" or out.is_dir():
             raise ConfigError(f"--to {out}: name the output file *.png")
         if (out.exists() or out.is_symlink()) and not args.force:
@@ -86,6 +89,7 @@ def _train(args: argparse.Namespace, early: EarlySignals) -> int:
     from ampddp.observe.command_console import set_up_command_console
     from ampddp.observe.console_streams import write_line
     from ampddp.recipe.reading import load_config
+    from ampddp.rundir import strict_json
     from ampddp.rundir.finished import finished_run_summary
 
     set_up_command_console(args.verbose)
@@ -102,7 +106,7 @@ def _train(args: argparse.Namespace, early: EarlySignals) -> int:
         summary = launch(config, early=early)
         prints = detect_env(device="cpu").is_main  # under a launcher every rank returns it; one prints
     if prints:
-        write_line(json.dumps(summary, indent=2))  # a closed or full stdout ends the output, not a trained run's success
+        write_line(strict_json.dumps(summary, indent=2))  # a closed or full stdout ends the output, not a trained run's success
     if not summary.get("preempted"):
         return 0
     return EXIT_INTERRUPTED if summary["preempted"] == "SIGINT" else EXIT_PREEMPTED

@@ -21,9 +21,14 @@ from ampddp.choices import (
     CROPS,
     DECODE_DEVICES,
     DEFAULT_BACKEND,
+    FLOAT32_MAX,
     FP8_RECIPES,
     IMPLS,
     LOGGER_NAMES,
+    MAX_BUCKET_MB,
+    MAX_PREFETCH,
+    MAX_PROCESSES,
+    MAX_TIMEOUT_S,
     NORMALIZATIONS,
     PRECISION_CHOICES,
     STRATEGIES,
@@ -65,7 +70,9 @@ class Bounds:
 
     def describe(self) -> str:
         def number(x: float | None) -> str:
-            return str(int(x)) if x is not None and float(x).is_integer() else f"{x:g}"
+            if isinstance(x, int) or (x is not None and float(x).is_integer() and abs(x) < 1e16):
+                return str(int(x))
+            return f"{x:g}"
 
         if self.high is None:
             return f"{'>' if self.low_open else '>='} {number(self.low)}"
@@ -82,6 +89,12 @@ def _above(low: float) -> dict[str, Bounds]:
 
 def _between(low: float, high: float, *, low_open: bool = False, high_open: bool = False) -> dict[str, Bounds]:
     return {"bounds": Bounds(low, high, low_open, high_open)}
+
+
+LOSS_SCALE = _between(0, FLOAT32_MAX, low_open=True)
+"""A loss scale's range: above 0, and a float32 (the scaled loss and the unscaling factor are fp32)."""
+OPTIMIZER_FLOAT = _between(0, FLOAT32_MAX)
+"""The range of a learning rate or weight decay: each becomes the scalar of an op on the fp32 weights."""
 
 
 @dataclass
@@ -103,17 +116,17 @@ class PrecisionConfig:
     over the low-precision params (null: on); false: apex's pure O2/O5. Refused elsewhere."""
     master_weights: bool | None = None
     """apex override: fp32 master weights the optimizer steps, copied to the low-precision params; null: the mode's."""
-    loss_scale: float | str | None = field(default=None, metadata=_above(0))
+    loss_scale: float | str | None = field(default=None, metadata=LOSS_SCALE)
     """A fixed scale, or "dynamic"; None keeps the mode's default."""
     cast_model_outputs: str | None = None
     """apex override: cast the model's floating outputs to this dtype (e.g. float32); null: left as computed."""
-    min_loss_scale: float | None = field(default=None, metadata=_above(0))
+    min_loss_scale: float | None = field(default=None, metadata=LOSS_SCALE)
     """The dynamic loss scale never backs off below this; null: no floor."""
-    max_loss_scale: float | None = field(default=None, metadata=_above(0))
+    max_loss_scale: float | None = field(default=None, metadata=LOSS_SCALE)
     """The dynamic loss scale never grows above this (apex: 2**24); null: the mode's."""
-    init_loss_scale: float | None = field(default=None, metadata=_above(0))
+    init_loss_scale: float | None = field(default=None, metadata=LOSS_SCALE)
     """The dynamic loss scale to start from (apex: 2**16); null: the mode's."""
-    growth_factor: float | None = field(default=None, metadata=_above(1))
+    growth_factor: float | None = field(default=None, metadata=_between(1, FLOAT32_MAX, low_open=True))
     """Multiplies the loss scale after growth_interval steps without overflow (2); null: the mode's."""
     backoff_factor: float | None = field(default=None, metadata=_between(0, 1, low_open=True, high_open=True))
     """Multiplies the loss scale at an overflow (0.5); null: the mode's."""
@@ -176,7 +189,7 @@ class DataConfig:
     """digits only: share held out for evaluation."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for a data set named as package.module:function."""
-    num_workers: int = field(default=0, metadata=_at_least(0))
+    num_workers: int = field(default=0, metadata=_between(0, MAX_PROCESSES))
     """Worker processes loading (decoding, augmenting) batches per training process; 0 loads on the training
     thread. Batches, and so the trained model, are identical for every value (each sample's augmentation is
     seeded from trainer.seed, its epoch and its index)."""
@@ -184,7 +197,7 @@ class DataConfig:
     """Page-locked host batches for asynchronous copies to the GPU; null: on when training on CUDA."""
     persistent_workers: bool | None = None
     """Keep the workers between epochs; null: on when num_workers > 0. Needs num_workers > 0."""
-    prefetch_factor: int | None = field(default=None, metadata=_at_least(1))
+    prefetch_factor: int | None = field(default=None, metadata=_between(1, MAX_PREFETCH))
     """Batches each worker loads ahead; null: torch's default (2). Needs num_workers > 0."""
     crop: str = field(default="random-resized", metadata=_choices(*CROPS))
     """cifar10 / imagefolder training crop: random-resized (RandomResizedCrop; evaluation resizes to
@@ -206,11 +219,11 @@ class DataConfig:
 class OptimizerConfig:
     name: str = "sgd"
     """sgd, adam, adamw, lamb (ampddp.apex.optimizers.FusedLAMB) or any torch.optim class by name (RMSprop, torch.optim.NAdam)."""
-    lr: float = field(default=0.1, metadata=_at_least(0))
+    lr: float = field(default=0.1, metadata=OPTIMIZER_FLOAT)
     """The peak learning rate (after warmup, before the schedule decays it)."""
     momentum: float = field(default=0.9, metadata=_between(0, 1, high_open=True))
     """sgd only (others: optimizer.kwargs)."""
-    weight_decay: float = field(default=5e-4, metadata=_at_least(0))
+    weight_decay: float = field(default=5e-4, metadata=OPTIMIZER_FLOAT)
     """Passed to every optimizer that takes a weight_decay."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """The optimizer's other keyword arguments, e.g. {betas: [0.9, 0.95], eps: 1.0e-8}."""
@@ -222,7 +235,7 @@ class OptimizerConfig:
     """The LR schedule after warmup: constant, cosine to 0, step decay, or linear to 0 at the last step."""
     step_size: int = field(default=30, metadata=_at_least(1))
     """step scheduler: epochs between decays."""
-    gamma: float = field(default=0.1, metadata=_above(0))
+    gamma: float = field(default=0.1, metadata=_between(0, FLOAT32_MAX, low_open=True))
     """step scheduler: the factor the LR is multiplied by at each decay."""
     warmup_steps: int = field(default=0, metadata=_at_least(0))
     """Optimizer steps of linear warmup from warmup_start_factor x lr up to lr; the schedule then runs over the remaining steps."""
@@ -242,7 +255,7 @@ class TrainerConfig:
     """Where the run writes everything: checkpoints, metrics.jsonl, summary.json, plots, loggers' files."""
     grad_accum_steps: int = field(default=1, metadata=_at_least(1))
     """Micro-batches whose gradients add up to one optimizer step (effective batch: batch_size x this x processes)."""
-    clip_grad_norm: float | None = field(default=None, metadata=_above(0))
+    clip_grad_norm: float | None = field(default=None, metadata=_between(0, FLOAT32_MAX, low_open=True))
     """Clip the global gradient norm to this (of the unscaled fp32 gradients); null: no clipping."""
     eval_every_steps: int | None = field(default=None, metadata=_at_least(1))
     """Also evaluate every K optimizer steps (always at each epoch's end)."""
@@ -299,13 +312,13 @@ class DistributedConfig:
     (fsdp2 sharded within each node, replicated across nodes), dp, none."""
     sync_bn: str = field(default="off", metadata=_choices(*SYNC_BN_CHOICES))
     """off, or BatchNorm synchronised across ranks: auto (torch's on CUDA, portable elsewhere), torch, apex, portable."""
-    nproc_per_node: int = field(default=1, metadata=_at_least(1))
+    nproc_per_node: int = field(default=1, metadata=_between(1, MAX_PROCESSES))
     """Spawn this many local processes when not already started by torchrun/SLURM."""
     backend: str = field(default="auto", metadata=_choices("auto", "nccl", "gloo", "cpu:gloo,cuda:nccl"))
     """auto (nccl on GPUs, gloo on CPU; on GPUs with fsdp_cpu_offload both: cpu:gloo,cuda:nccl), nccl, gloo, or both."""
     device: str = field(default="auto", metadata=_choices("auto", "cuda", "cpu"))
     """auto: CUDA when present, else the CPU."""
-    timeout_s: float = field(default=600.0, metadata=_above(0))
+    timeout_s: float = field(default=600.0, metadata=_between(0, MAX_TIMEOUT_S, low_open=True))
     """Seconds a collective waits for the other ranks before the run stops with a peer failure."""
     find_unused_parameters: bool = False
     """torch DDP: find parameters that got no gradient each step (models with unused branches; slower)."""
@@ -313,7 +326,7 @@ class DistributedConfig:
     """torch DDP: the used parameters and the graph are the same every step (DDP optimises for it)."""
     gradient_as_bucket_view: bool = False
     """torch DDP: gradients are views into the all-reduce buckets (saves a gradient-sized copy)."""
-    bucket_cap_mb: float | None = field(default=None, metadata=_above(0))
+    bucket_cap_mb: float | None = field(default=None, metadata=_between(0, MAX_BUCKET_MB, low_open=True))
     """torch DDP: all-reduce bucket size in MiB; null keeps torch's default (25)."""
     comm_hook: str = field(default="none", metadata=_choices(*COMM_HOOKS))
     """torch DDP: all-reduce gradients compressed to fp16 or bf16 (half the traffic), or none."""

@@ -33,8 +33,28 @@ def escape_controls(text: str) -> str:
     return _CONTROLS.sub(lambda found: f"\\x{ord(found[0]):02x}" if ord(found[0]) < 256 else f"\\u{ord(found[0]):04x}", text)
 
 
+def shown(value: object, limit: int = 40) -> str:
+    """``repr(value)`` for a one-line message, cut short with its length where longer than ``limit``
+    (an integer of thousands of digits, a long list)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit // 2]}... ({len(text)} characters)"
+
+
 class ConfigError(ValueError):
     """A setting has a value ampddp cannot use; raised before any work or state change."""
+
+
+class ArgumentTypeError(ConfigError, TypeError):
+    """A library call (``prepare``, the Trainer) got an argument of a type it does not take: refused at
+    the door, before any work, where it otherwise failed deep inside (``'str' object has no attribute
+    'device'``). A ConfigError (the CLI's one line) that ``except TypeError`` catches as well."""
+
+
+def wrong_type(argument: str, value: object, takes: str) -> ArgumentTypeError:
+    """The standard 'this argument got a value of the wrong type, it takes ...' error."""
+    shown = " ".join(repr(value).split())  # one line: an optimizer's repr spans several
+    shown = shown if len(shown) <= 60 else f"{shown[:57]}..."
+    return ArgumentTypeError(f"{argument}={escape_controls(shown)} ({type(value).__name__}) is not valid; valid: {takes}")
 
 
 class AmpUsageError(RuntimeError):

@@ -25,12 +25,12 @@ from torch.optim import Optimizer
 
 from ampddp.choices import AUTO_PRECISION
 from ampddp.distributed.env import DistEnv
-from ampddp.distributed.meta_init import ModelSource
+from ampddp.distributed.meta_init import ModelBuild, ModelSource
 from ampddp.distributed.model_agreement import check_models_agree
 from ampddp.distributed.parallel import Parallel
 from ampddp.distributed.strategies import Strategy, strategy_named
 from ampddp.distributed.wrap import GradSync
-from ampddp.errors import ConfigError
+from ampddp.errors import ConfigError, wrong_type
 from ampddp.precision.auto import auto_choice
 from ampddp.precision.choice import Precision
 from ampddp.precision.engine import PrecisionEngine
@@ -87,6 +87,48 @@ def refuse_moved_arguments(caller: str, arguments: Iterable[str], table: Mapping
         raise ConfigError(f"{caller} no longer takes {', '.join(moved)}: each is now part of an object ({where})")
 
 
+@dataclass(frozen=True)
+class Takes:
+    """What one argument of a door (``prepare``, the Trainer) takes: ``test`` passes its values, ``words`` say what they are."""
+
+    words: str
+    test: Callable[[Any], bool]
+
+    @classmethod
+    def instance(cls, words: str, *kinds: type, optional: bool = False) -> Takes:
+        """An instance of one of ``kinds`` (or None where ``optional``)."""
+        return cls(words + (" or None" if optional else ""), lambda value: isinstance(value, kinds) or (optional and value is None))
+
+    @classmethod
+    def function(cls, words: str, optional: bool = False) -> Takes:
+        """Anything callable (or None where ``optional``)."""
+        return cls(words + (" or None" if optional else ""), lambda value: callable(value) or (optional and value is None))
+
+
+def check_arguments(door: str, given: Mapping[str, Any], takes: Mapping[str, Takes]) -> None:
+    """Each argument ``takes`` names, as ``given``, of a type it takes: the first that is not is an
+    ``ArgumentTypeError`` in one line naming it, what it got and what it takes, before any work (it
+    failed deep inside otherwise)."""
+    for name, rule in takes.items():
+        if not rule.test(given[name]):
+            raise wrong_type(f"{door}: {name}", given[name], rule.words)
+
+
+def _is_model(value: Any) -> bool:
+    return isinstance(value, ModelBuild) or callable(value)  # a module is callable, as is a function that builds one
+
+
+PREPARE_TAKES = {
+    "model": Takes("a torch.nn.Module, a function that builds one, or a ModelBuild", _is_model),
+    "make_optimizer": Takes.function("a function of the parameters that builds the optimizer (lambda p: torch.optim.SGD(p, lr=0.1))"),
+    "env": Takes.instance("a DistEnv (ampddp.distributed.detect_env() or setup_distributed())", DistEnv),
+    "precision": Takes.instance("a mode's name (auto, O0-O6, native-fp16, native-bf16), a Precision or a PrecisionEngine", str, Precision,
+                                PrecisionEngine),
+    "parallel": Takes.instance("a Parallel (strategy, sync-BN, DDP's and FSDP2's settings)", Parallel, optional=True),
+}  # fmt: skip
+"""What each of ``prepare``'s arguments takes (the Trainer's table starts from it)."""
+
+
 def engine_for(precision: Precision, parallel: Parallel) -> PrecisionEngine:
     """The precision engine for this strategy (FSDP2 maps O2/O5 onto its own mixed precision)."""
     return parallel.plan.engine_for(precision)
@@ -117,6 +159,8 @@ def prepare(
     refuse_moved_arguments("prepare", moved)
     if moved:
         raise TypeError(f"prepare() got unexpected keyword argument(s) {', '.join(sorted(moved))}")
+    check_arguments("prepare", {"model": model, "make_optimizer": make_optimizer, "env": env, "precision": precision, "parallel": parallel},
+                    PREPARE_TAKES)  # fmt: skip
     parallel = parallel if parallel is not None else Parallel()
     engine = _engine(precision, parallel, env)
     built = parallel.build(model)

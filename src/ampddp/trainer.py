@@ -28,7 +28,7 @@ from ampddp.observe.run_plan import RunPlan
 from ampddp.precision.choice import Precision
 from ampddp.precision.engine import PrecisionEngine
 from ampddp.preemption import DEFAULT_STOP_SIGNALS, StopSignals, parse_signals
-from ampddp.prepare import MOVED_ARGUMENTS, refuse_moved_arguments
+from ampddp.prepare import MOVED_ARGUMENTS, PREPARE_TAKES, Takes, check_arguments, refuse_moved_arguments
 from ampddp.rundir.run_dir import RunDir
 from ampddp.training.assemble import RunSetup
 from ampddp.training.batches import BatchAdapter, LossFn, MetricsFn, accuracy, cross_entropy
@@ -61,6 +61,40 @@ MOVED_TO_OBJECTS = {
 """Trainer arguments that became parts of an object, and where each went."""
 
 
+def _is_dataset(value: Any) -> bool:
+    """A map-style data set: a torch Dataset, or any sequence of samples (``len()`` and ``[index]``), not text."""
+    return isinstance(value, Dataset) or (
+        hasattr(value, "__len__") and hasattr(value, "__getitem__") and not isinstance(value, (str, bytes))
+    )
+
+
+def _are_signal_names(value: Any) -> bool:
+    return isinstance(value, StopSignals) or (isinstance(value, (tuple, list)) and all(isinstance(name, str) for name in value))
+
+
+DATASET = "a map-style data set (a torch Dataset, or a sequence of samples with len() and [index])"
+TRAINER_TAKES = {
+    **PREPARE_TAKES,
+    "train_set": Takes(DATASET, _is_dataset),
+    "eval_set": Takes(f"{DATASET} or None", lambda value: value is None or _is_dataset(value)),
+    "env": Takes.instance("a DistEnv (ampddp.distributed.detect_env() or setup_distributed())", DistEnv, optional=True),
+    "compile": Takes.instance("false, true, a torch.compile mode, a ModelCompiler", bool, str, ModelCompiler, optional=True),
+    "make_scheduler": Takes.function("a function of the optimizer that builds the LR scheduler", optional=True),
+    "loss_fn": Takes.function("a function loss_fn(outputs, batch) -> a scalar tensor"),
+    "metrics": Takes.function("a function metrics(outputs, batch) -> {name: value}", optional=True),
+    "batches": Takes.instance("a BatchAdapter", BatchAdapter, optional=True),
+    "loading": Takes.instance("a LoaderSettings(num_workers=..., ...)", LoaderSettings, optional=True),
+    "device": Takes.instance("a DeviceSettings(channels_last=..., ...)", DeviceSettings, optional=True),
+    "checkpoints": Takes.instance("a CheckpointSettings(keep_last=..., resume=...)", CheckpointSettings, optional=True),
+    "run_dir": Takes.instance("a path, a RunDir", RunDir, str, os.PathLike, optional=True),
+    "report": Takes.instance("a Reporting(progress=..., loggers=[...], plots=...)", Reporting, optional=True),
+    "callbacks": Takes("a list of Callback objects", lambda value: isinstance(value, Iterable) and not isinstance(value, (str, bytes))),
+    "stop_signals": Takes("signal names, e.g. ('SIGTERM', 'SIGUSR1'), or a StopSignals", _are_signal_names),
+    "loop": Takes.instance("a LoopSettings(batch_size=..., max_steps=...)", LoopSettings, optional=True),
+}  # fmt: skip
+"""What each of the Trainer's named arguments takes (its loop settings as keywords are ``LoopSettings``'s to check)."""
+
+
 def loop_settings(loop: LoopSettings | None, settings: dict[str, Any]) -> LoopSettings:
     """The loop's ``LoopSettings``: ``loop`` as given, or made from keywords (with an error naming an
     unknown one and the valid names); not both."""
@@ -70,8 +104,6 @@ def loop_settings(loop: LoopSettings | None, settings: dict[str, Any]) -> LoopSe
         raise ConfigError(f"Trainer got unknown argument(s) {', '.join(unknown)}; loop settings are: {', '.join(LoopSettings.names())}")
     if loop is None:
         return LoopSettings(**settings)
-    if not isinstance(loop, LoopSettings):
-        raise ConfigError(f"loop={loop!r} is not valid; valid: LoopSettings(batch_size=..., max_steps=...) or None")
     if settings:
         raise ConfigError(
             f"Trainer got loop=LoopSettings(...) and the loop setting(s) {', '.join(sorted(settings))} as keywords: "
@@ -133,6 +165,7 @@ class Trainer(TrainingLoop):
         loop: LoopSettings | None = None,
         **settings: Any,
     ) -> None:
+        check_arguments("Trainer", locals(), TRAINER_TAKES)  # the named arguments as given, before anything is made
         loop = loop_settings(loop, settings)
         checkpoints, place = _checked_parts(checkpoints, run_dir, report, loop, stop_signals)
         hooks = as_callbacks(callbacks)
@@ -188,11 +221,7 @@ def _checked_parts(checkpoints: CheckpointSettings | None, run_dir: RunDirLike |
                    stop_signals: tuple[str, ...] | StopSignals) -> tuple[CheckpointSettings, RunDir | None]:  # fmt: skip
     """The Trainer's parts checked together before anything is built; the checkpoint settings to use
     and the run dir (one value, or None)."""
-    if checkpoints is not None and not isinstance(checkpoints, CheckpointSettings):
-        raise ConfigError(f"checkpoints={checkpoints!r} is not valid; valid: CheckpointSettings(keep_last=..., resume=...) or None")
     checkpoints, place = _with_run_dir(checkpoints or CheckpointSettings(), run_dir)
-    if report is not None and not isinstance(report, Reporting):
-        raise ConfigError(f"report={report!r} is not valid; valid: Reporting(progress=..., loggers=[...], plots=...) or None (silent)")
     if report is not None and report.loggers and checkpoints.run_dir is None:
         raise ConfigError(LOGGERS_NEED_A_RUN_DIR)
     if loop.checkpoint_every is not None and checkpoints.run_dir is None:
@@ -207,8 +236,6 @@ def _with_run_dir(checkpoints: CheckpointSettings, run_dir: RunDirLike | None) -
     ``checkpoints`` names (its older spelling); two different ones are refused."""
     if run_dir is None:
         return checkpoints, checkpoints.place()
-    if not isinstance(run_dir, (RunDir, str, os.PathLike)):
-        raise ConfigError(f"run_dir={run_dir!r} is not valid; valid: a path, a RunDir or None")
     place = RunDir.of(run_dir)
     if checkpoints.run_dir is not None and Path(checkpoints.run_dir) != place.path:
         raise ConfigError(

@@ -124,6 +124,6 @@ def test_the_run_dir_is_given_once_as_a_path_or_a_run_dir_value(tmp_path):
     assert trainer(run_dir=tmp_path / "c", checkpoints=CheckpointSettings(tmp_path / "c", keep_last=1)).checkpointer.store.keep_last == 1
     with pytest.raises(ConfigError, match=r"name two run dirs; give it once, as Trainer\(run_dir=...\)"):
         trainer(run_dir=tmp_path / "c", checkpoints=CheckpointSettings(tmp_path / "d"))
-    with pytest.raises(ConfigError, match=r"run_dir=3 is not valid; valid: a path, a RunDir or None"):
+    with pytest.raises(ConfigError, match=r"Trainer: run_dir=3 \(int\) is not valid; valid: a path, a RunDir or None"):
         trainer(run_dir=3)
     assert trainer().checkpointer.store is None and not any(tmp_path.iterdir())

@@ -26,9 +26,11 @@ OPTIMIZER_STATE_KEY = "ampddp_amp"
 
 def load_amp_state(engine: PrecisionEngine, state_dict: Mapping[str, Any], where: str = "amp state") -> None:
     """Restore ``engine``'s scalers from apex's format, or (one scaler) a GradScaler state dict; nothing
-    changes unless the whole dict is valid. A scale loaded into a mode that scales nothing is dropped,
+    changes unless the whole dict is valid, each scale within its scaler's ceiling (a scale past it
+    overflowed, and skipped, every step). A scale loaded into a mode that scales nothing is dropped,
     with a warning, as a resumed checkpoint's is."""
     state = PrecisionState.from_dict(state_dict, where=where)
+    engine.check_precision_state(state, where)
     own = engine.precision_state().scalers
     if len(state.scalers) != len(own):
         held = "one scaler" if len(state.scalers) == 1 else f"{len(state.scalers)} scalers"

@@ -22,6 +22,7 @@ from ampddp.checkpoint.safetensors_weights import DIGESTS_KEY, tensor_digest
 from ampddp.checkpoint.store import CheckpointStore, read_newest
 from ampddp.choices import EXPORT_DTYPE_NAMES
 from ampddp.errors import CheckpointError, ConfigError
+from ampddp.rundir.paths import refuse_long_names
 
 EXPORT_FORMAT = "ampddp-export/1"
 EXPORT_DTYPES: dict[str, torch.dtype | None] = dict(zip(EXPORT_DTYPE_NAMES, (None, torch.float32, torch.bfloat16, torch.float16)))
@@ -70,7 +71,9 @@ def export_weights(location: str | Path, out: str | Path, dtype: str = "saved", 
 
 
 def _check_output(out: Path, force: bool) -> None:
-    """``--to``: a new *.safetensors file (an existing file only with ``force``; never a directory) in an existing folder."""
+    """``--to``: a new *.safetensors file (an existing file only with ``force``; never a directory) in an existing folder,
+    its name within the file system's limits."""
+    refuse_long_names(out, "--to")
     if out.suffix != ".safetensors":
         raise ConfigError(f"--to {out}: name the output file *.safetensors")
     if out.is_dir():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from torch import nn
 
 from ampddp.checkpoint import keys
 from ampddp.checkpoint.files import load_safely
+from ampddp.choices import FLOAT32_MAX
 from ampddp.errors import CheckpointError, ConfigError
 from ampddp.precision.engine import PrecisionEngine
 from ampddp.precision.state import Conversion, PrecisionState, convert
@@ -102,8 +104,8 @@ def load_model_state(state: Any, module: nn.Module, where: str) -> None:
 
 def precision_conversion(engine: PrecisionEngine, saved: Any, where: str) -> Conversion:
     """What loading saved precision state into ``engine`` would do (``state.convert``), checked and
-    changing nothing: a malformed state, or one with another number of loss scalers than ``engine``
-    keeps, is a CheckpointError naming it."""
+    changing nothing: a malformed state, one with another number of loss scalers than ``engine``
+    keeps, or a scale past its scaler's ceiling, is a CheckpointError naming it."""
     try:
         state = PrecisionState.from_dict(saved, where=f"{where}: its {keys.PRECISION!r} entry is malformed")
     except ConfigError as error:
@@ -114,7 +116,30 @@ def precision_conversion(engine: PrecisionEngine, saved: Any, where: str) -> Con
         raise CheckpointError(
             f"{where}: its precision state has {len(conversion.state.scalers)} loss scaler(s); {live.mode} here keeps {len(live.scalers)}"
         )
+    if conversion.state is not None:
+        conversion = _within_ceilings(conversion, engine.loss_scale_ceilings(), live.mode)
+        try:
+            engine.check_precision_state(conversion.state, where)
+        except ConfigError as error:
+            raise CheckpointError(str(error)) from None
     return conversion
+
+
+def _within_ceilings(conversion: Conversion, ceilings: tuple[float, ...], mode: str | None) -> Conversion:
+    """A saved finite scale above this run's ceiling (``max_loss_scale`` lowered since) starts at the
+    ceiling, with a warning: the setting was changed on purpose. A non-finite or non-positive scale,
+    or one past float32's largest, is left for ``check_precision_state`` to refuse."""
+    scalers, lowered = [], []
+    for index, (saved, ceiling) in enumerate(zip(conversion.state.scalers, ceilings)):
+        if ceiling < saved.loss_scale <= FLOAT32_MAX:
+            lowered.append(f"loss_scaler{index} {saved.loss_scale:g} -> {ceiling:g}")
+            saved = dataclasses.replace(saved, loss_scale=ceiling)
+        scalers.append(saved)
+    if not lowered:
+        return conversion
+    said = f"saved loss scale above this {mode} run's max_loss_scale, so it starts there: {', '.join(lowered)}"
+    warning = said if conversion.warning is None else f"{conversion.warning}; {said}"
+    return dataclasses.replace(conversion, state=dataclasses.replace(conversion.state, scalers=tuple(scalers)), warning=warning)
 
 
 def apply_precision(engine: PrecisionEngine, conversion: Conversion, where: str) -> list[str]:

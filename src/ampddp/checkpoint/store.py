@@ -28,6 +28,7 @@ from ampddp.distributed.data import broadcast_from_main, gather_objects, sum_acr
 from ampddp.distributed.env import DistEnv
 from ampddp.errors import CheckpointError, CheckpointWriteError, ConfigError, RunIOError
 from ampddp.rundir.beneath import checked_folder, remove_beneath, rename_beneath
+from ampddp.rundir.paths import refuse_long_names
 from ampddp.rundir.run_dir import RunDir
 
 logger = logging.getLogger("ampddp.checkpoint")
@@ -393,7 +394,9 @@ class ResumeSource:
 
 def resume_source(location: str | Path) -> ResumeSource:
     """The one reading of a checkpoint path: a file stands for its folder, a step folder for that
-    checkpoint, ``checkpoints/`` for its run dir, anything else for a run dir."""
+    checkpoint, ``checkpoints/`` for its run dir, anything else for a run dir (a name past the file
+    system's limits is a ConfigError)."""
+    refuse_long_names(location, "checkpoint path")
     path = Path(location)
     folder = path.parent if path.is_file() else path
     step = step_of(folder)

@@ -19,6 +19,7 @@ import numpy
 import torch
 import torch.distributed as dist
 
+from ampddp.choices import MAX_TIMEOUT_S
 from ampddp.distributed.hook_callbacks import let_worker_threads_finish
 from ampddp.distributed.join import join_process_group
 from ampddp.distributed.lifeline import end_with_parent
@@ -198,8 +199,13 @@ def detect_env(
     environ = os.environ if environ is None else environ
     if backend not in BACKENDS:
         raise choice_error("backend", backend, BACKENDS)
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) or timeout_s <= 0:
-        raise ConfigError(f"timeout_s={timeout_s!r} is not valid; it must be a finite number of seconds > 0")
+    if (
+        isinstance(timeout_s, bool)
+        or not isinstance(timeout_s, (int, float))
+        or not math.isfinite(timeout_s)
+        or not 0 < timeout_s <= MAX_TIMEOUT_S
+    ):
+        raise ConfigError(f"timeout_s={timeout_s!r} is not valid; it must be a number of seconds in (0, {MAX_TIMEOUT_S:g}]")
     if rank is not None:
         _check_explicit_place(rank, world_size, local_rank)
         facts = _explicit(rank, world_size, init_method, environ, local_rank)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from ampddp.choices import MAX_PROCESSES
 from ampddp.distributed.env import DEFAULT_TIMEOUT_S, setup_distributed, shutdown_distributed
 from ampddp.distributed.lifeline import end_with_parent
 from ampddp.errors import AmpUsageError, CheckpointError, ConfigError, NonFiniteGradientsError, OutOfMemoryError, PeerFailureError
@@ -122,8 +123,8 @@ def launch_local(
     until its ``StopSignals`` unblocks it instead of killing it; ``fn`` should enter one for them.
     Given the parent's active ``StopSignals``, a signal before the workers exist ends the launch at once.
     """
-    if not isinstance(nprocs, int) or nprocs < 1:
-        raise ConfigError(f"nprocs={nprocs!r} is not valid; it must be an integer >= 1")
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or not 1 <= nprocs <= MAX_PROCESSES:
+        raise ConfigError(f"nprocs={nprocs!r} is not valid; it must be an integer in [1, {MAX_PROCESSES}]")
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
     init_method = f"tcp://{host}:{free_port(host)}"
@@ -133,10 +134,7 @@ def launch_local(
         context.Process(target=_worker, args=(fn, rank, nprocs, init_method, options, results, args, threads, os.getpid()), daemon=False)
         for rank in range(nprocs)
     ]
-    stop = forward_signals if isinstance(forward_signals, StopSignals) else None
-    signals = tuple(sig for sig in (stop.signals if stop is not None else parse_signals(forward_signals)) if not ignored_by_nohup(sig))
-    if threading.current_thread() is not threading.main_thread():
-        signals = ()
+    signals = _forwarded(forward_signals)
 
     def forward(signum: int, frame: FrameType | None) -> None:
         for process in processes:
@@ -158,6 +156,15 @@ def launch_local(
                 process.kill()
             if process.pid is not None:  # a start that failed leaves the rest unstarted
                 process.join()
+
+
+def _forwarded(forward_signals: tuple[str, ...] | StopSignals) -> tuple[signal.Signals, ...]:
+    """The signals a launch passes on to its workers: none off the main thread (no handler can be set
+    there), and not a SIGHUP ``nohup`` asked to ignore."""
+    if threading.current_thread() is not threading.main_thread():
+        return ()
+    named = forward_signals.signals if isinstance(forward_signals, StopSignals) else parse_signals(forward_signals)
+    return tuple(sig for sig in named if not ignored_by_nohup(sig))
 
 
 def _worker_error(rank: int, nprocs: int, pickled: bytes | None, trace: str) -> Exception:

@@ -3,13 +3,13 @@ repeated steps dropped, a torn last record skipped)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from ampddp.rundir import strict_json
 from ampddp.rundir.files import METRICS_FILE, open_no_follow
 
 logger = logging.getLogger("ampddp.observe")
@@ -64,7 +64,7 @@ def _record(line: bytes | None, path: Path, number: int) -> dict[str, Any] | Non
     if line is None or not line.strip():
         return None
     try:
-        record = json.loads(line.decode("utf-8", errors="replace"))
+        record = strict_json.loads(line.decode("utf-8", errors="replace"))
     except ValueError:  # a record torn by a crash or a full disk: everything before it stands
         logger.warning("%s: line %d is not a whole record (torn by a crash or a full disk); skipped", path, number)
         return None

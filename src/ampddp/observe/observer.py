@@ -3,7 +3,6 @@ summary.json at the end, then the plots, and every logger fed the same records."
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re
@@ -22,8 +21,10 @@ from ampddp.observe.loggers.base import numbers
 from ampddp.observe.metrics_file import read_metrics
 from ampddp.observe.plots import plot_metrics
 from ampddp.observe.run_plan import RunPlan
+from ampddp.rundir import strict_json
 from ampddp.rundir.files import (
     METRICS_FILE,
+    SUMMARY_FILE,
     drop_torn_tail,
     open_for_append,
     read_summary,
@@ -124,6 +125,7 @@ class RunObserver:
         self.data_wait_s = 0.0
         """Seconds the loop waited for batches, over the logged steps of this process's run."""
         self.last_eval: dict[str, Any] = {}
+        self._warned_nonfinite = False
         self._bar = None
         self._lines = progress == "lines" or (progress == "auto" and not sys.stderr.isatty())
         self._metrics: Any = None
@@ -148,7 +150,7 @@ class RunObserver:
                 if self._metrics is None:
                     drop_torn_tail(path)
                     self._metrics = open_for_append(path)  # closed in close()
-                self._metrics.write(json.dumps(record) + "\n")  # one write per record, then flushed
+                self._metrics.write(strict_json.dumps(record) + "\n")  # one write per record, then flushed
                 self._metrics.flush()
         if record["kind"] in FILE_ONLY_RECORDS:
             return
@@ -272,6 +274,7 @@ class RunObserver:
             self.best_accuracy = max(self.best_accuracy or 0.0, result["accuracy"])
         if not self.active:
             return
+        self._warn_nonfinite(step, result)
         self._write({"kind": "eval", "step": step, "epoch": epoch, **result})
         values = " ".join(f"{name} {value:.4f}" for name, value in result.items() if name != "samples" and isinstance(value, float))
         message = f"eval step {step} epoch {_epoch_text(epoch, shown_epoch)}: {values} ({result.get('samples', 0)} samples)"
@@ -279,6 +282,18 @@ class RunObserver:
             self._bar.write(message)
         elif self._lines:
             write_line(message)
+
+    def _warn_nonfinite(self, step: int, result: Mapping[str, Any]) -> None:
+        """One warning per run at the first evaluation with a NaN or infinite loss or metric: the run goes on
+        (training losses have their own limit), and the files record it as null (``strict_json``)."""
+        bad = {name: value for name, value in result.items() if isinstance(value, float) and not math.isfinite(value)}
+        if bad and not self._warned_nonfinite:
+            self._warned_nonfinite = True
+            named = ", ".join(f"{name} {value}" for name, value in bad.items())
+            logger.warning(
+                "evaluation at step %d: %s; the model or the evaluation data holds inf/NaN (%s and %s record it as null, "
+                "named in their %r field)", step, named, METRICS_FILE, SUMMARY_FILE, strict_json.NONFINITE_FIELD,
+            )  # fmt: skip
 
     def close(self, progress: dict[str, Any], *, timed: bool = True) -> dict[str, Any]:
         """Write summary.json and the plots; returns the summary. ``timed=False``: this process did
@@ -305,7 +320,7 @@ class RunObserver:
         accuracies = [r["accuracy"] for r in read_metrics(self.run_dir) if r.get("kind") == "eval" and r.get("accuracy") is not None]
         summary["best_eval_accuracy"] = max(accuracies, default=self.best_accuracy)
         with run_file_errors(self.place.summary):
-            replace_file(self.place.summary, json.dumps(summary, indent=2).encode())
+            replace_file(self.place.summary, strict_json.dumps(summary, indent=2).encode())
         if self._plots:
             plot_metrics(self.run_dir)
         return summary

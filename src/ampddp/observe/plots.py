@@ -20,6 +20,7 @@ from typing import Any
 
 from ampddp.observe.metrics_file import read_metrics
 from ampddp.rundir.files import replace_file, run_file_errors
+from ampddp.rundir.paths import refuse_long_names
 
 PLOTS_SKIPPED = "plots skipped: matplotlib is not installed (pip install 'ampddp[plots]')"
 REPORT_FILE = "report.png"
@@ -59,6 +60,7 @@ class RunHistory:
 
     @classmethod
     def of(cls, run_dir: str | Path) -> RunHistory:
+        refuse_long_names(run_dir, "run dir")
         records = read_metrics(run_dir)
         modes = [r["precision"] for r in records if r.get("kind") == "start" and isinstance(r.get("precision"), str)]
         return cls(Path(run_dir).resolve().name, modes[-1] if modes else None, records)
@@ -125,6 +127,7 @@ def plot_metrics(run_dir: str | Path) -> list[Path]:
 def plot_comparison(run_dirs: Sequence[str | Path], out: str | Path) -> Path | None:
     """Every panel of the runs in ``run_dirs`` with their curves overlaid, on one page at ``out``
     (None without matplotlib)."""
+    refuse_long_names(out, "--to")
     figure_class = _figure_class()
     if figure_class is None:
         return None

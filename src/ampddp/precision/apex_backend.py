@@ -130,5 +130,6 @@ class ApexEngine(PrecisionEngine):
         count = len(self._amp.state_dict())
         if len(state.scalers) != count:
             raise ConfigError(f"precision state has {len(state.scalers)} loss scalers; apex.amp here has {count} (num_losses)")
+        self.check_precision_state(state)
         self._amp.load_state_dict(state.to_apex_dict())
         self._skipped = state.skipped_steps

@@ -17,7 +17,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from ampddp.errors import AmpUsageError
+from ampddp.choices import FLOAT32_MAX
+from ampddp.errors import AmpUsageError, ConfigError
 from ampddp.precision.casting.tensors import first_non_fp32_param
 from ampddp.precision.fp8 import fp8_layer_in
 from ampddp.precision.master import OptimizerGrads
@@ -195,7 +196,24 @@ class PrecisionEngine(ABC):
     @abstractmethod
     def load_precision_state(self, state: PrecisionState) -> None:
         """Restore a state with this engine's number of scalers (its mode is not checked: converting
-        between modes is ``state.convert``'s job); raise ConfigError and change nothing otherwise."""
+        between modes is ``state.convert``'s job), each scale within ``check_precision_state``'s bounds;
+        raise ConfigError and change nothing otherwise."""
+
+    def loss_scale_ceilings(self) -> tuple[float, ...]:
+        """The largest loss scale each of this engine's scalers holds: float32's largest (the scale is an
+        fp32 tensor or multiplies an fp32 loss); an opt level's, its ``max_loss_scale``."""
+        return tuple(FLOAT32_MAX for _ in self.precision_state().scalers)
+
+    def check_precision_state(self, state: PrecisionState, where: str = "precision state") -> None:
+        """Each loss scale of ``state`` in (0, the ceiling of the scaler it goes to]: a larger one overflows
+        every step, and every step is skipped (O2 skipped all 60 of a run given 1e300). ConfigError
+        naming the scaler, its scale and the range."""
+        for index, (saved, ceiling) in enumerate(zip(state.scalers, self.loss_scale_ceilings())):
+            if not 0 < saved.loss_scale <= ceiling:
+                raise ConfigError(
+                    f"{where}: loss_scaler{index}: loss scale {saved.loss_scale:.10g} is out of range; it must be a finite number in "
+                    f"(0, {ceiling:.10g}], the most this {self.mode} scaler holds; nothing was loaded"
+                )
 
     def state_dict(self) -> dict[str, Any]:
         """``precision_state()`` as plain data, for checkpoints."""

@@ -167,6 +167,7 @@ class NativeAmpEngine(PrecisionEngine):
         expected = 1 if self.scaler.is_enabled() else 0
         if len(state.scalers) != expected:
             raise ConfigError(f"precision state has {len(state.scalers)} loss scalers; {self.mode} here expects {expected}")
+        self.check_precision_state(state)
         skipped = state.skipped_steps
         if state.scalers:
             saved = state.scalers[0]

@@ -392,5 +392,9 @@ class OptLevelEngine(PrecisionEngine):
                 f"precision state has {len(state.scalers)} loss scalers, this engine has {len(self.scalers)} "
                 "(num_losses); expected {'scalers': [state, ...]} as returned by state_dict()"
             )
+        self.check_precision_state(state)
         for scaler, saved in zip(self.scalers, state.scalers):
             scaler.load_state(saved)
+
+    def loss_scale_ceilings(self) -> tuple[float, ...]:
+        return tuple(scaler.ceiling for scaler in self.scalers)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ampddp.errors import NonFiniteGradientsError
+from ampddp.errors import ConfigError, NonFiniteGradientsError
 from ampddp.precision.policy import PrecisionPolicy
 from ampddp.precision.state import ScalerState
 
@@ -50,6 +50,7 @@ class LossScaler:
         self.growth_interval = growth_interval
         self.hysteresis = hysteresis
         self.loss_scale = float(init_scale)
+        self._configured_scale = self.loss_scale
         self.unskipped = 0
         self.skipped_steps = 0
         self.consecutive_skips = 0
@@ -83,6 +84,12 @@ class LossScaler:
             self.growth_interval,
             self.hysteresis,
         )
+
+    @property
+    def ceiling(self) -> float:
+        """The largest scale this scaler holds, a loaded one included: its ``max_scale`` (a static scale
+        configured above it: that scale)."""
+        return self.max_scale if self.dynamic else max(self.max_scale, self._configured_scale)
 
     @property
     def floor(self) -> float:
@@ -162,8 +169,14 @@ class LossScaler:
     def load_state(self, state: ScalerState) -> None:
         """Take over a saved scale and counters; counters the saving engine did not track start fresh.
 
-        ``dynamic`` stays this scaler's own: it is configuration, not state.
+        ``dynamic`` stays this scaler's own: it is configuration, not state. A scale above ``ceiling``
+        is a ConfigError, and nothing changes.
         """
+        if state.loss_scale > self.ceiling:
+            raise ConfigError(
+                f"loss scale {state.loss_scale:.10g} is out of range; it must be a finite number in (0, {self.ceiling:.10g}], "
+                "the most this scaler holds; nothing was loaded"
+            )
         self.loss_scale = state.loss_scale
         self.unskipped = state.unskipped
         self.deferred_found_inf = None

@@ -6,16 +6,21 @@ once the run is built (``RunDir.probe``, the only check that touches the filesys
 
 from __future__ import annotations
 
+import math
 import signal
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ampddp.checkpoint.safetensors_weights import check_key_map
 from ampddp.checkpoint.store import resume_source
+from ampddp.choices import FLOAT16_MAX, FLOAT32_MAX, INT64_MAX
 from ampddp.config import RunConfig, is_import_path
 from ampddp.distributed.env import detect_env
-from ampddp.errors import CheckpointError, ConfigError
+from ampddp.errors import CheckpointError, ConfigError, shown
+from ampddp.precision.choice import Precision
 from ampddp.preemption import parse_signals
 from ampddp.recipe.factories import (
     data_root,
@@ -116,6 +121,60 @@ def _check_schedule(config: RunConfig) -> None:
             f"optimizer.warmup_steps={opt.warmup_steps} is not below trainer.max_steps={max_steps}: the run would end in warmup; "
             "it must be smaller"
         )
+    _check_growing_steps(config)
+
+
+def _check_growing_steps(config: RunConfig) -> None:
+    """A step schedule with gamma > 1 raises the learning rate at each decay: refused where its last
+    epoch's rate would pass float32's largest (the optimizer's scalar overflows there)."""
+    opt = config.optimizer
+    if opt.scheduler != "step" or opt.gamma <= 1 or opt.lr == 0:
+        return
+    decays = (config.trainer.max_epochs - 1) // opt.step_size
+    if math.log(opt.lr) + decays * math.log(opt.gamma) > math.log(FLOAT32_MAX):
+        raise ConfigError(
+            f"optimizer.gamma={opt.gamma:g} multiplies optimizer.lr={opt.lr:g} {decays} times over trainer.max_epochs="
+            f"{config.trainer.max_epochs} (optimizer.step_size={opt.step_size}), past float32's largest ({FLOAT32_MAX:g}); "
+            "lower gamma, lr or max_epochs"
+        )
+
+
+def _check_optimizer_numbers(config: RunConfig, precision: Precision) -> None:
+    """optimizer.lr, weight_decay and every number in optimizer.kwargs (eps, betas, ...) within what the
+    weights the optimizer steps hold: each becomes the scalar of an op on them, which a larger one
+    overflows at the first step (``value cannot be converted to type float without overflow``)."""
+    opt = config.optimizer
+    largest, dtype = _stepped_range(precision)
+    numbers = [("optimizer.lr", opt.lr), ("optimizer.weight_decay", opt.weight_decay), *_numbers_in("optimizer.kwargs", opt.kwargs)]
+    for key, value in numbers:
+        if isinstance(value, int) and abs(value) > INT64_MAX:
+            raise ConfigError(f"{key}={shown(value)} is out of range; it must be an integer in [-{INT64_MAX}, {INT64_MAX}]")
+        if isinstance(value, float) and not (math.isfinite(value) and abs(value) <= largest):
+            where = f" ({precision.mode} steps {dtype} weights)" if dtype != "float32" else ""
+            raise ConfigError(f"{key}={value!r} is out of range; it must be a finite number in [-{largest:g}, {largest:g}]{where}")
+
+
+def _stepped_range(precision: Precision) -> tuple[float, str]:
+    """The largest value of the weights the optimizer steps, and their dtype: float16 where an opt level
+    casts the model to it without fp32 master weights (O3), float32 otherwise."""
+    if precision.spec.policy is None:
+        return FLOAT32_MAX, "float32"
+    policy = precision.spec.resolve_policy(**precision.overrides)
+    if policy.cast_model_type == torch.float16 and not policy.master_weights:
+        return FLOAT16_MAX, "float16"
+    return FLOAT32_MAX, "float32"
+
+
+def _numbers_in(key: str, value: Any) -> Iterator[tuple[str, float]]:
+    """Every number in ``value`` (nested in lists and mappings), with its dotted key."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        yield key, value
+    elif isinstance(value, dict):
+        for name, item in value.items():
+            yield from _numbers_in(f"{key}.{name}", item)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _numbers_in(f"{key}[{index}]", item)
 
 
 def _check_resume_from(config: RunConfig) -> None:
@@ -143,7 +202,8 @@ def check_recipe(config: RunConfig) -> None:
     dist_cfg = config.distributed
     env = detect_env(device=dist_cfg.device, backend=process_group_backend(config), timeout_s=dist_cfg.timeout_s)
     resume = config.checkpoint.resume_from or config.checkpoint.resume
-    kept_precision(precision_from(config), config.trainer.run_dir, resume, env).resolved(env.device)
+    precision = kept_precision(precision_from(config), config.trainer.run_dir, resume, env).resolved(env.device)
+    _check_optimizer_numbers(config, precision)
     _check_data(config)
     _check_stop_signals(config.trainer.stop_signals)
     model_compiler(config)

@@ -19,14 +19,18 @@ from typing import Any
 
 import yaml
 
+from ampddp.choices import INT64_MAX
 from ampddp.config import IMPORT_PATH_FORM, KEY_ALIASES, SECTIONS, Bounds, RunConfig, is_import_path
-from ampddp.errors import ConfigError, choice_error, closest
+from ampddp.errors import ConfigError, choice_error, closest, shown
 from ampddp.rundir.files import read_regular_file
 from ampddp.rundir.paths import expand_path
 
 # PyYAML implements YAML 1.1, whose float pattern wants a dot and a signed exponent: `1e-3` and `1E6`
-# would stay strings. Recipes and overrides read floats in every notation Python writes them.
+# would stay strings. Recipes and overrides read floats in every notation Python writes them. No key
+# takes a date, so YAML 1.1's dates stay text: `trainer.run_dir=2024-05-01` is a folder's name, and
+# `2024-13-45` no ValueError.
 _FLOAT_TAG = "tag:yaml.org,2002:float"
+_DATE_TAG = "tag:yaml.org,2002:timestamp"
 _FLOAT = re.compile(
     r"""^(?:[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?|[0-9][0-9_]*[eE][-+]?[0-9]+)"""
     r"""|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"""
@@ -44,6 +48,10 @@ nested aliases is a few hundred bytes that expand beyond any memory)."""
 
 class _TooBig(Exception):
     """A recipe past one of the bounds above, refused as it is composed."""
+
+
+class _Unreadable(Exception):
+    """A value YAML parsed but Python cannot make (an integer past Python's digit limit, ``!!float x``)."""
 
 
 class _RecipeLoader(yaml.SafeLoader):
@@ -69,7 +77,7 @@ class _RecipeLoader(yaml.SafeLoader):
 
 
 _RecipeLoader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag != _FLOAT_TAG]
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_FLOAT_TAG, _DATE_TAG)]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
 _RecipeLoader.add_implicit_resolver(_FLOAT_TAG, _FLOAT, list("-+0123456789."))
@@ -122,8 +130,8 @@ def _expanded_size(node: yaml.Node, sizes: dict[int, int]) -> int:
 
 
 def parse_yaml(text: str) -> Any:
-    """One YAML document with Python float notations; raises yaml.YAMLError, _DuplicateKey or
-    _TooBig (more than ``MAX_RECIPE_BYTES``, ``MAX_DEPTH`` or ``MAX_NODES``)."""
+    """One YAML document with Python float notations; raises yaml.YAMLError, _DuplicateKey, _Unreadable
+    or _TooBig (more than ``MAX_RECIPE_BYTES``, ``MAX_DEPTH`` or ``MAX_NODES``)."""
     if len(text) > MAX_RECIPE_BYTES:
         raise _TooBig(f"{len(text)} characters; a recipe or an override is at most {MAX_RECIPE_BYTES} bytes")
     loader = _RecipeLoader(text)
@@ -133,9 +141,33 @@ def parse_yaml(text: str) -> Any:
             return None
         _expanded_size(node, {})
         _refuse_duplicates(node)
-        return loader.construct_document(node)
+        return _constructed(loader, node)
     finally:
         loader.dispose()
+
+
+def _constructed(loader: _RecipeLoader, node: yaml.Node) -> Any:
+    """The document's values; a ValueError of Python's in making one is _Unreadable."""
+    try:
+        return loader.construct_document(node)
+    except ValueError as error:
+        reason = str(error).split(";")[0][:200]  # Python's advice after it (sys.set_int_max_str_digits) is not the user's
+        raise _Unreadable(f"a value cannot be read: {reason}") from None
+
+
+def _drops_a_comment(text: str) -> bool:
+    """Whether YAML reads part of ``text`` as a comment: a ``#`` outside every token it scans (``runs/exp #3``
+    is the scalar ``runs/exp`` and the comment ``#3``; in ``'exp #3'`` the ``#`` is in the scalar)."""
+    loader = _RecipeLoader(text)
+    gaps, position = [], 0
+    try:
+        while loader.check_token():
+            token = loader.get_token()
+            gaps.append(text[position : token.start_mark.index])
+            position = max(position, token.end_mark.index)
+    finally:
+        loader.dispose()
+    return any("#" in gap for gap in [*gaps, text[position:]])
 
 
 def _yaml_problem(error: yaml.YAMLError) -> str:
@@ -151,14 +183,38 @@ def _allowed_types(annotation: Any) -> tuple[Any, ...]:
     return (annotation,)
 
 
+INT64 = Bounds(-INT64_MAX - 1, INT64_MAX)
+"""The range of every integer key, within its own: torch and the C library read counts as int64."""
+
+
 def _check_number(key: str, value: float, bounds: Bounds | None) -> float:
     if isinstance(value, float) and not math.isfinite(value):
         rule = f" {bounds.describe()}" if bounds else ""
         raise ConfigError(f"{key}={value!r} is not valid; it must be a finite number{rule}")
+    if isinstance(value, int) and not INT64.admits(value):
+        bounds = _int64(bounds)  # the key's own range, within int64's
     if bounds is not None and not bounds.admits(value):
         kind = "a finite number" if isinstance(value, float) else "an integer"
-        raise ConfigError(f"{key}={value!r} is out of range; it must be {kind} {bounds.describe()}")
+        raise ConfigError(f"{key}={shown(value)} is out of range; it must be {kind} {bounds.describe()}")
     return value
+
+
+def _int64(bounds: Bounds | None) -> Bounds:
+    """An integer key's range, within int64's."""
+    if bounds is None:
+        return INT64
+    low = INT64.low if bounds.low is None else max(bounds.low, INT64.low)
+    high = INT64.high if bounds.high is None else min(bounds.high, INT64.high)
+    return dataclasses.replace(bounds, low=low, high=high)
+
+
+def _as_kind(key: str, kind: type, value: Any, bounds: Bounds | None) -> float:
+    """``value`` as the key's ``kind`` (int or float); an integer too large for a float is out of range."""
+    try:
+        return kind(value)
+    except OverflowError:
+        rule = f" {bounds.describe()}" if bounds else ""
+        raise ConfigError(f"{key}={shown(value)} is out of range; it must be a finite number{rule}") from None
 
 
 def _as_float(value: str) -> float | None:
@@ -179,7 +235,7 @@ def _coerce(key: str, value: Any, annotation: Any, metadata: typing.Mapping[str,
     if kind is None:
         raise ConfigError(f"{key}={value!r} has the wrong type; expected {' or '.join(map(_type_name, allowed))}")
     if kind in (int, float):
-        return _check_number(key, kind(value), metadata.get("bounds"))
+        return _check_number(key, _as_kind(key, kind, value, metadata.get("bounds")), metadata.get("bounds"))
     if typing.get_origin(kind) is list:
         return _listed_choices(key, value, choices)
     if typing.get_origin(kind) is dict:
@@ -280,14 +336,21 @@ def parse_overrides(overrides: list[str]) -> dict[str, dict[str, Any]]:
         section, dot, name = key.strip().partition(".")
         if not sep or not dot or not name:
             raise ConfigError(f"override {item!r} is not of the form section.key=value (e.g. precision.mode=O2)")
-        try:
-            value = parse_yaml(raw) if raw.strip() else None
-        except yaml.YAMLError:
-            value = raw
-        except (_DuplicateKey, _TooBig) as error:
-            raise ConfigError(f"override {item[:80]!r}: {error}") from None
-        nested.setdefault(section, {})[name] = value
+        nested.setdefault(section, {})[name] = _override_value(item, raw)
     return nested
+
+
+def _override_value(item: str, raw: str) -> Any:
+    """An override's value parsed as YAML, keeping all of its text: where YAML would read a comment
+    (``trainer.run_dir=runs/exp #3``: the shell passed it quoted, so the `` #3`` is the user's) the value
+    is the whole text; text that is no YAML stays text."""
+    try:
+        value = parse_yaml(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        return raw
+    except (_DuplicateKey, _TooBig, _Unreadable) as error:
+        raise ConfigError(f"override {item[:80]!r}: {error}") from None
+    return raw.strip() if "#" in raw and _drops_a_comment(raw) else value
 
 
 def read_recipe(path: str | Path) -> dict[str, Any]:
@@ -297,7 +360,7 @@ def read_recipe(path: str | Path) -> dict[str, Any]:
         raw = parse_yaml(_recipe_text(path))
     except yaml.YAMLError as error:
         raise ConfigError(f"{path}: not valid YAML ({_yaml_problem(error)})") from None
-    except (_DuplicateKey, _TooBig) as error:
+    except (_DuplicateKey, _TooBig, _Unreadable) as error:
         raise ConfigError(f"{path}: {error}") from None
     if raw is None:
         return {}

@@ -148,15 +148,21 @@ def read_beneath(root: Path, path: Path, limit: int, what: str) -> bytes:
     return data
 
 
+TEMPORARY_NAME = ".ampddp-{token}.tmp"
+"""A file written whole before it is renamed over its target: a fixed length (28 bytes) whatever the
+target's name, so a target named at the file system's NAME_MAX (255 bytes) is written too (a name made
+from the target's was longer than the target's, and failed with ENAMETOOLONG)."""
+
+
 def replace_beneath(root: Path, path: Path, write: Callable[[BinaryIO], object]) -> None:
     """Write ``path`` whole: ``write`` fills a fresh temporary file beside it (``O_EXCL``, a random
-    name, the usual mode: 0o666 less the umask), which is fsynced and renamed over ``path`` (a link or
-    FIFO there is replaced, never followed or opened); the folder is fsynced so the rename lasts. A
-    crash leaves the old file; a failure removes the temporary."""
+    name of ``TEMPORARY_NAME``'s form, the usual mode: 0o666 less the umask), which is fsynced and renamed
+    over ``path`` (a link or FIFO there is replaced, never followed or opened); the folder is fsynced so
+    the rename lasts. A crash leaves the old file; a failure removes the temporary."""
     path = Path(path)
     with folder_descriptor(root, path.parent) as folder:
         while True:
-            temporary = f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(6)}"
+            temporary = TEMPORARY_NAME.format(token=secrets.token_hex(8))
             try:
                 fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=folder)
                 break

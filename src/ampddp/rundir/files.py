@@ -13,7 +13,6 @@ reads the summary before torch is imported.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import stat
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ampddp.errors import ConfigError, RunIOError
+from ampddp.rundir import strict_json
 from ampddp.rundir.beneath import not_regular, open_beneath, read_beneath, replace_beneath
 
 logger = logging.getLogger("ampddp.observe")
@@ -44,7 +44,7 @@ def read_summary(run_dir: str | Path) -> dict[str, Any]:
     if path.is_symlink():
         return {}
     try:
-        summary = json.loads(read_beneath(Path(run_dir), path, MAX_SUMMARY_BYTES, "a run's summary").decode("utf-8"))
+        summary = strict_json.loads(read_beneath(Path(run_dir), path, MAX_SUMMARY_BYTES, "a run's summary").decode("utf-8"))
     except ConfigError:
         raise
     except (OSError, ValueError):

@@ -14,7 +14,7 @@ from pathlib import Path
 from ampddp.errors import ConfigError
 from ampddp.rundir.files import METRICS_FILE, SUMMARY_FILE, RunDirIdentity
 from ampddp.rundir.lock import RunDirLock
-from ampddp.rundir.paths import refuse_tilde_folder
+from ampddp.rundir.paths import refuse_long_names, refuse_tilde_folder
 
 CHECKPOINTS_DIR = "checkpoints"
 ABANDONED_DIR = "abandoned"
@@ -23,11 +23,12 @@ _PROBE_BYTES = 64 * 1024
 
 
 class RunDir:
-    """The run dir at ``path`` (a ``~`` folder refused, naming ``setting``); nothing is created until
-    the run first writes (:meth:`check`) or :meth:`probe` is asked."""
+    """The run dir at ``path`` (a ``~`` folder or a name past the file system's limits refused, naming
+    ``setting``); nothing is created until the run first writes (:meth:`check`) or :meth:`probe` is asked."""
 
     def __init__(self, path: str | os.PathLike[str], setting: str = "run_dir") -> None:
         refuse_tilde_folder(path, setting)
+        refuse_long_names(path, setting)
         self.path = Path(path)
         self.setting = setting
         self.given = os.fspath(path)

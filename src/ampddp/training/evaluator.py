@@ -15,10 +15,11 @@ from ampddp.checkpoint.rng import capture_rng, restore_rng
 from ampddp.distributed.data import eval_sampler, sum_across_ranks
 from ampddp.distributed.env import DistEnv
 from ampddp.errors import BadSamplesError, ConfigError
+from ampddp.rundir.strict_json import NONFINITE_FIELD
 from ampddp.training.batches import BatchAdapter, LossFn, MetricsFn
 from ampddp.training.loading import DataLoading, LoaderSettings, loader_pass, name_batch_rows
 
-RESERVED_NAMES = ("loss", "samples", "kind", "step", "epoch")
+RESERVED_NAMES = ("loss", "samples", "kind", "step", "epoch", NONFINITE_FIELD)
 """Names an evaluation record already uses: a metric may not take them."""
 
 

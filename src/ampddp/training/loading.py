@@ -26,8 +26,9 @@ import numpy
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from ampddp.choices import MAX_PREFETCH, MAX_PROCESSES
 from ampddp.distributed.data import ResumableSampler
-from ampddp.errors import ConfigError, DataError, listed, spelled
+from ampddp.errors import ConfigError, DataError, listed, shown, spelled
 from ampddp.preemption import blocked_signals
 from ampddp.torch_compat import detach_persistent_workers, loader_worker_shutdown
 
@@ -205,11 +206,13 @@ def stop_workers(iterator: Any) -> None:
             worker.join()
 
 
-def _check_count(name: str, value: Any, low: int, optional: bool) -> None:
+def _check_count(name: str, value: Any, low: int, high: int, optional: bool) -> None:
     if value is None and optional:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ConfigError(f"data.{name}={value!r} is not valid; it must be an integer >= {low}" + (" or null" if optional else ""))
+    if value > high:
+        raise ConfigError(f"data.{name}={shown(value)} is out of range; it must be an integer in [{low}, {high}]")
 
 
 @dataclass(frozen=True)
@@ -225,8 +228,8 @@ class LoaderSettings:
     """None: torch's default (2 batches per worker)."""
 
     def __post_init__(self) -> None:
-        _check_count("num_workers", self.num_workers, 0, optional=False)
-        _check_count("prefetch_factor", self.prefetch_factor, 1, optional=True)
+        _check_count("num_workers", self.num_workers, 0, MAX_PROCESSES, optional=False)
+        _check_count("prefetch_factor", self.prefetch_factor, 1, MAX_PREFETCH, optional=True)
         for name in ("pin_memory", "persistent_workers"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"data.{name}={getattr(self, name)!r} is not valid; it must be true, false or null")

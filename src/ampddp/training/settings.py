@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ampddp.errors import ConfigError
+from ampddp.choices import FLOAT32_MAX, INT64_MAX
+from ampddp.errors import ConfigError, shown
 
 _REQUIRED_COUNTS = ("batch_size", "grad_accum_steps", "max_epochs", "log_every", "max_nonfinite_losses")
 _OPTIONAL_COUNTS = ("max_steps", "checkpoint_every", "eval_every")
@@ -42,13 +42,13 @@ class LoopSettings:
         for name in (*_REQUIRED_COUNTS, *_OPTIONAL_COUNTS):
             _check_count(name, getattr(self, name), optional=name in _OPTIONAL_COUNTS)
         clip = self.clip_grad_norm
-        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not math.isfinite(clip) or clip <= 0):
-            raise ConfigError(f"clip_grad_norm={clip!r} is not valid; it must be a finite number > 0 or None")
+        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not 0 < clip <= FLOAT32_MAX):
+            raise ConfigError(f"clip_grad_norm={clip!r} is not valid; it must be a finite number in (0, {FLOAT32_MAX:g}] or None")
         for name in ("shuffle", "drop_last"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} is not valid; it must be true or false")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ConfigError(f"seed={self.seed!r} is not valid; it must be an integer")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -INT64_MAX - 1 <= self.seed <= INT64_MAX:
+            raise ConfigError(f"seed={self.seed!r} is not valid; it must be an integer in [{-INT64_MAX - 1}, {INT64_MAX}] (torch's int64)")
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -57,8 +57,10 @@ class LoopSettings:
 
 
 def _check_count(name: str, value: Any, optional: bool) -> None:
-    """A count setting: an integer >= 1 (or None where ``optional``)."""
+    """A count setting: an integer in [1, INT64_MAX] (or None where ``optional``): torch reads counts as int64."""
     if value is None and optional:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"{name}={value!r} is not valid; it must be an integer >= 1{' or None' if optional else ''}")
+    if value > INT64_MAX:
+        raise ConfigError(f"{name}={shown(value)} is out of range; it must be an integer in [1, {INT64_MAX}] (torch's int64)")
