@@ -13,8 +13,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,9 +133,7 @@ def block_classes(model: nn.Module, names: tuple[str, ...]) -> list[type[nn.Modu
     return list(dict.fromkeys(next(iter(by_name[name])) for name in names))
 
 
-def shard_model(model: nn.Module, env: DistEnv, options: FSDPOptions, param_dtype: torch.dtype | None,
-                recompute_context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
-                replicas: int = 1) -> nn.Module:  # fmt: skip
+def shard_model(model: nn.Module, env: DistEnv, options: FSDPOptions, param_dtype: torch.dtype | None, replicas: int = 1) -> nn.Module:
     """``model`` sharded in place over every rank of ``env`` (``replicas`` > 1: HSDP, sharded within
     each group of world / replicas ranks and replicated across the groups, on a 2-D mesh): its
     BatchNorm layers, each block, then the root.
@@ -144,11 +141,12 @@ def shard_model(model: nn.Module, env: DistEnv, options: FSDPOptions, param_dtyp
     ``param_dtype``: the dtype FSDP2 gives the params to the forward in (None: as stored). A unit's
     params share one dtype, so BatchNorm layers (kept fp32 beside fp16/bf16 weights, as apex's
     ``keep_batchnorm_fp32``) are units of their own, computing in their stored dtype.
-    ``recompute_context``: called as a checkpointed block's forward runs, the context its recomputation
-    runs in (the precision engine's), so that it computes in the dtypes its forward did. The model
-    keeps its class (FSDP2 adds its own as a base) and its parameter names; rank 0's buffers are given
+    A checkpointed block recomputes in the dtypes its forward computed in: autocast torch's checkpoint
+    replays, ampddp's O1/O4 casting ``ampddp.precision.casting.recompute``. The model keeps its class
+    (FSDP2 adds its own as a base) and its parameter names; rank 0's buffers are given
     to every rank before each training forward, as DDP does.
     """
+    from torch.distributed._composable import checkpoint
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     _refuse_unshardable(model, env)
@@ -166,7 +164,7 @@ def shard_model(model: nn.Module, env: DistEnv, options: FSDPOptions, param_dtyp
     blocks = [m for m in reversed(list(model.modules())) if type(m) in classes and m is not model and id(m) not in own_units]
     for block in blocks:  # innermost first: a block inside another is its own unit
         if options.activation_checkpointing:
-            _recompute_in(block, recompute_context)
+            checkpoint(block)
         shard(block, mp_policy=policy, reshard_after_forward=options.reshard_after_forward)
     # The root's params (embeddings, the head) are needed again at once by the backward: kept gathered.
     shard(model, mp_policy=policy, reshard_after_forward=False)
@@ -226,13 +224,6 @@ def _offload_policy(options: FSDPOptions, env: DistEnv) -> Any:
     if env.device.type == "cpu":
         logger.info("FSDP2 CPU offload on a CPU run: the state is in CPU memory already, nothing moves")
     return CPUOffloadPolicy(pin_memory=env.device.type == "cuda")
-
-
-def _recompute_in(block: nn.Module, recompute_context: Callable[[], AbstractContextManager[Any]]) -> None:
-    """Activation checkpointing of ``block``, its recomputation run in ``recompute_context``."""
-    from torch.distributed._composable import checkpoint
-
-    checkpoint(block, context_fn=lambda: (contextlib.nullcontext(), recompute_context()))
 
 
 def _own_dtype_norms(model: nn.Module, param_dtype: torch.dtype | None) -> list[nn.Module]:

@@ -171,7 +171,7 @@ class FSDP2(Strategy):
                ddp: DDPOptions, fsdp: FSDPOptions, wrap_options: Mapping[str, Any],
                init: InitProgram | None = None) -> tuple[nn.Module, nn.Module, Optimizer]:  # fmt: skip
         engine.convert_storage(model)
-        model = shard_model(model, env, fsdp, engine.sharded_param_dtype, engine.recompute_context, replicas=self.replicas(fsdp, env))
+        model = shard_model(model, env, fsdp, engine.sharded_param_dtype, replicas=self.replicas(fsdp, env))
         if init is not None:
             init.materialise(model, env.device)
         optimizer = make_optimizer(model.parameters())

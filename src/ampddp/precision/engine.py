@@ -6,7 +6,6 @@ never a new branch in the training loop.
 
 from __future__ import annotations
 
-import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -121,12 +120,6 @@ class PrecisionEngine(ABC):
     @abstractmethod
     def forward_context(self) -> AbstractContextManager[Any]:
         """Context for the forward pass and loss computation."""
-
-    def recompute_context(self) -> AbstractContextManager[Any]:
-        """Called as a checkpointed (recomputed) block's forward runs: the context its recomputation in
-        the backward must run in to compute in the same dtypes. Autocast state torch's checkpoint
-        replays itself; engines whose forward context does more say so here."""
-        return contextlib.nullcontext()
 
     @abstractmethod
     def backward(self, loss: torch.Tensor, loss_id: int = 0) -> None:

@@ -218,10 +218,6 @@ class OptLevelEngine(PrecisionEngine):
     def fp8_plan(self) -> list[dict[str, Any]]:
         return [verdict.to_dict() for verdict in self._conversion.verdicts]
 
-    def recompute_context(self) -> AbstractContextManager[Any]:
-        active = self._cast_context is not None and self._cast_context.active  # the forward ran inside it: so does the recompute
-        return self._cast_context if active else contextlib.nullcontext()
-
     def _record(self, optimizer: Optimizer) -> OptimizerGrads:
         record = self._records.get(id(optimizer))
         if record is None:
