@@ -183,3 +183,32 @@ def test_a_batch_row_is_named_by_the_dataset_index_the_loader_put_there(rank, st
     for number, batch in enumerate(DataLoader(Indices(), batch_size=3, sampler=sampler)):
         assert batch_sample_indices(sampler, 3, number, range(len(batch))) == batch.tolist()
         assert batch_sample_indices(sampler, 3, number, [len(batch) - 1, 7]) is None  # row 7 is no sample of it (token rows)
+
+
+def test_a_batch_fetched_at_once_is_the_samples_fetched_one_by_one_and_leaves_the_streams_alone():
+    samples = SeededSamples(Noisy(), seed=7)
+    keys = [(2, 9), (2, 0), (2, 4)]
+    torch.manual_seed(1)
+    expected = torch.rand(4)
+    torch.manual_seed(1)
+    batch = samples.__getitems__(keys)
+    assert torch.equal(torch.rand(4), expected)
+    assert all(torch.equal(a, samples[key]) for a, key in zip(batch, keys, strict=True))
+
+
+def test_only_datasets_that_may_draw_are_seeded():
+    from torch.utils.data import ConcatDataset, Subset, TensorDataset
+
+    from ampddp.training.loading import draws_random
+    from ampddp.zoo.data import TensorImages
+
+    plain = TensorDataset(torch.zeros(4, 2))
+    images = torch.zeros(4, 1, 8, 8), torch.zeros(4, dtype=torch.long)
+    assert not draws_random(plain) and not draws_random(Subset(plain, [0, 1])) and not draws_random(ConcatDataset([plain, plain]))
+    assert draws_random(Noisy()) and draws_random(ConcatDataset([plain, Noisy()]))
+    assert draws_random(TensorImages(*images, augment=True)) and not draws_random(TensorImages(*images, augment=False))
+    torch.manual_seed(1)
+    state = torch.get_rng_state()
+    fetched = SeededSamples(plain, seed=0).__getitems__([(0, 1), (0, 3)])
+    assert [sample[0].tolist() for sample in fetched] == [plain[1][0].tolist(), plain[3][0].tolist()]
+    assert torch.equal(torch.get_rng_state(), state)

@@ -50,6 +50,11 @@ class TensorImages(Dataset):
     def __len__(self) -> int:
         return len(self.labels)
 
+    @property
+    def draws_random(self) -> bool:
+        """Only augmentation draws (the trainer seeds each sample for it, and only then)."""
+        return self.augment
+
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         image = self.images[index]
         if self.augment:

@@ -20,6 +20,9 @@ class ByteWindows(Dataset):
     """Consecutive windows of ``sequence_length`` bytes of ``data`` as ``{"input_ids", "labels"}``,
     the labels being the next byte at each position."""
 
+    draws_random = False
+    """A window is read, never drawn: the trainer need not seed each sample."""
+
     def __init__(self, data: torch.Tensor, sequence_length: int) -> None:
         self.data, self.sequence_length = data, sequence_length
 
