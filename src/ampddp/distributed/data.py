@@ -124,6 +124,27 @@ def sum_across_ranks(value: torch.Tensor | float, group: Any = None) -> torch.Te
     return tensor.cpu()
 
 
+class PendingSum:
+    """``value`` summed over ranks, the all-reduce started now and awaited at the first ``result()``:
+    work the caller does meanwhile (a forward) hides its latency. Identity in a single process."""
+
+    def __init__(self, value: torch.Tensor | float, group: Any = None) -> None:
+        self._tensor = torch.as_tensor(value, dtype=torch.float64).clone()
+        self._work: Any = None
+        if dist.is_available() and dist.is_initialized():
+            backend_device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+            self._tensor = self._tensor.to(backend_device)
+            self._work = dist.all_reduce(self._tensor, group=group, async_op=True)
+        self._result: torch.Tensor | None = None
+
+    def result(self) -> torch.Tensor:
+        if self._result is None:
+            if self._work is not None:
+                self._work.wait()
+            self._result = self._tensor.cpu()
+        return self._result
+
+
 def broadcast_from_main(value: Any, env: DistEnv) -> Any:
     """Rank 0's ``value`` on every rank (a picklable object; identity in a single process)."""
     if not env.distributed or not (dist.is_available() and dist.is_initialized()):

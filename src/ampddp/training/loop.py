@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 from torch.utils.data import Dataset
 
 from ampddp.checkpoint.store import CheckpointRef
-from ampddp.distributed.data import ResumableSampler, gather_objects, sum_across_ranks
+from ampddp.distributed.data import PendingSum, ResumableSampler, gather_objects, sum_across_ranks
 from ampddp.errors import BadSamplesError, ConfigError
 from ampddp.observe.progress import Progress, finished
 from ampddp.precision.engine import PrecisionEngine
@@ -230,9 +230,9 @@ class TrainingLoop:
         """One optimizer step over ``window`` (batches ``first``... of this pass); returns True when
         every rank should stop (a signal)."""
         step = self._step_number()
-        self.phase.enter(AGREEING, step)
-        total, tokens = self._global_counts(window)
-        loss_sum = self._forward_backward(window, first, total)
+        counts = self._global_counts(window)  # in flight while the first forward runs
+        loss_sum = self._forward_backward(window, first, counts)
+        total, tokens = (float(count) for count in counts.result().tolist())
         self.phase.enter(AGREEING, step)
         loss_value, stop_agreed = self._agree(loss_sum, total, stop)
         self.log_window.add(loss_value, tokens)
@@ -249,15 +249,15 @@ class TrainingLoop:
         self._after_step(ends_epoch)
         return stop_agreed
 
-    def _global_counts(self, window: list[Any]) -> tuple[float, float]:
-        """Samples and tokens (0 for data that is not token ids) of the window over every rank: one all-reduce."""
+    def _global_counts(self, window: list[Any]) -> PendingSum:
+        """Samples and tokens (0 for data that is not token ids) of the window over every rank: one
+        all-reduce, started now and awaited by the first backward (which needs the total)."""
         local = [sum(self.batches.count(batch) for batch in window), sum(self.batches.tokens(batch) for batch in window)]
-        samples, tokens = sum_across_ranks(torch.tensor(local, dtype=torch.float64)).tolist() if self.run.env.distributed else local
-        return float(samples), float(tokens)
+        return PendingSum(local)
 
-    def _forward_backward(self, window: list[Any], first: int, total: float) -> torch.Tensor:
+    def _forward_backward(self, window: list[Any], first: int, counts: PendingSum) -> torch.Tensor:
         """Backward of every micro-batch, each weighted by its share of the global batch (exact with
-        uneven counts); returns the local sum of per-sample losses."""
+        uneven counts: ``counts`` summed over the ranks); returns the local sum of per-sample losses."""
         world_size = self.run.env.world_size
         loss_sum: torch.Tensor | None = None
         self.optimizer.zero_grad(set_to_none=True)
@@ -269,7 +269,8 @@ class TrainingLoop:
                     loss, count = self.compute_loss(batch)
                 except BadSamplesError as error:
                     raise error.named(self._samples(first + index, error.rows)) from error
-                weight = count * world_size / total
+                self.phase.enter(AGREEING, step)
+                weight = count * world_size / float(counts.result()[0])
                 self.phase.enter(BACKWARD, step)
                 self.engine.backward(loss * weight if weight != 1.0 else loss)
             share = loss.detach().float() * count
