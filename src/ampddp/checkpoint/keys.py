@@ -58,3 +58,11 @@ RANK_FILE = "rank-{rank:05d}.pt"
 COMPLETE_FILE = "COMPLETE"
 STEP_DIR = "step-{step:09d}"
 STEP_DIR_PREFIX = "step-"
+
+METADATA_FILE = ".metadata"
+"""DCP's metadata file in a sharded checkpoint's step folder (written by rank 0)."""
+
+
+def is_sharded_file(name: str) -> bool:
+    """Whether ``name`` is one of DCP's files of a sharded checkpoint."""
+    return name == METADATA_FILE or (name.startswith("__") and name.endswith(".distcp"))

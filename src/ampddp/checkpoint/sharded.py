@@ -18,34 +18,28 @@ unpickler that knows only DCP's metadata classes, and shard files hold tensors o
 from __future__ import annotations
 
 import contextlib
-import io
-import math
-import pickle
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from ampddp.checkpoint import keys
-from ampddp.checkpoint.manifest import FileDigest, Manifest, hash_open_file, open_checkpoint_file, read_manifest, verify_file
+from ampddp.checkpoint.keys import METADATA_FILE, is_sharded_file
+from ampddp.checkpoint.manifest import FileDigest, Manifest, hash_open_file, read_manifest, verify_file
 from ampddp.distributed.data import gather_objects
 from ampddp.distributed.env import DistEnv
 from ampddp.distributed.full_state import plain_tensor
 from ampddp.errors import CheckpointError, CheckpointWriteError
 from ampddp.precision.dtypes import dtype_name
+from ampddp.torch_compat import is_dtensor
+
+if TYPE_CHECKING:
+    from ampddp.checkpoint.dcp_reader import SafeReader
 
 MODEL_PREFIX, OPTIMIZER_PREFIX = "model/", "optimizer/"
-METADATA_FILE = ".metadata"
-
-
-def is_sharded_file(name: str) -> bool:
-    """Whether ``name`` is one of DCP's files of a sharded checkpoint."""
-    return name == METADATA_FILE or (name.startswith("__") and name.endswith(".distcp"))
 
 
 # ---- saving -------------------------------------------------------------------------------------
@@ -82,14 +76,14 @@ def _holds_tensors(value: Any) -> bool:
 
 def local_shards(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """What this rank holds of each tensor (a DTensor's local shard), for checks that must not gather."""
-    return {name: value.to_local() if isinstance(value, DTensor) else value for name, value in tensors.items()}
+    return {name: value.to_local() if is_dtensor(value) else value for name, value in tensors.items()}
 
 
 def write_shards(folder: Path, tensors: Mapping[str, torch.Tensor], env: DistEnv) -> dict[str, FileDigest]:
     """Write ``tensors`` into ``folder`` collectively (every rank its shards; rank 0 the metadata);
     returns the digests of the files this rank wrote."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
     from torch.distributed.checkpoint.api import CheckpointException
 
     writer = FileSystemWriter(folder, single_file_per_rank=True, sync_files=True)
@@ -112,143 +106,6 @@ def write_shards(folder: Path, tensors: Mapping[str, torch.Tensor], env: DistEnv
 
 
 # ---- reading ------------------------------------------------------------------------------------
-_METADATA_CLASSES = {
-    ("torch.distributed.checkpoint.metadata", name)
-    for name in ("Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata", "StorageMeta", "MetadataIndex",
-                 "_MEM_FORMAT_ENCODING")
-} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
-     ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("collections", "OrderedDict")}  # fmt: skip
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Only DCP's metadata classes and torch's dtypes: anything else (a function to call, a bytes
-    entry we never write) is refused before it is imported."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _METADATA_CLASSES or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        raise CheckpointError(f"sharded checkpoint metadata refers to {module}.{name}, which no ampddp checkpoint holds; refused unread")
-
-
-class _SafeReader(FileSystemReader):
-    """DCP's file reader, with the metadata read by the restricted unpickler and allowed to point
-    only at the shard files the manifest lists (``listed``: name -> size), its chunks checked to fit
-    them; a failure while reading names the shard file it was reading."""
-
-    def __init__(self, path: Path, listed: Mapping[str, int]) -> None:
-        super().__init__(path)
-        self.listed = dict(listed)
-        self.reading: str | None = None
-        opened = self.fs.create_stream
-
-        def recording(where: Any, mode: str) -> Any:
-            self.reading = str(where)
-            return opened(where, mode)
-
-        self.fs.create_stream = recording
-
-    def read_data(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return super().read_data(*args, **kwargs)
-        except Exception as error:  # torch.load's or the stream's, about bytes of one shard file
-            reason = "its bytes are not a tensor as DCP writes one (corrupted)" if isinstance(error, pickle.UnpicklingError) else None
-            raise CheckpointError(f"{self.reading or self.path}: cannot read a chunk: {reason or _first_line(error)}") from None
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        path = Path(self.path) / METADATA_FILE
-        try:
-            with open_checkpoint_file(path) as handle:
-                data = handle.read(self.listed.get(METADATA_FILE, 0) + 1)
-        except OSError as error:
-            raise CheckpointError(f"{path}: cannot read ({error.strerror or error})") from None
-        try:
-            metadata = _MetadataUnpickler(io.BytesIO(data)).load()
-        except CheckpointError as error:
-            raise CheckpointError(f"{path}: {error}") from None
-        except Exception as error:  # a damaged pickle: any of pickle's many errors
-            raise CheckpointError(f"{path}: unreadable sharded checkpoint metadata ({type(error).__name__})") from None
-        if type(metadata).__name__ != "Metadata":
-            raise CheckpointError(f"{path}: not a sharded checkpoint's metadata (found a {type(metadata).__name__})")
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
-        _check_storage(metadata, path, frozenset(self.listed))
-        _check_chunks(metadata, path, self.listed)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-def _check_storage(metadata: Any, path: Path, listed: frozenset[str]) -> None:
-    """Every storage entry must point into a shard file of this folder that the manifest lists
-    (``listed``: so it was verified), at a plain offset and length, untransformed (what ampddp
-    writes): a planted ``../x`` or absolute path would make DCP read any file the process can;
-    tensors only (a bytes entry would be unpickled without restriction)."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    if not all(isinstance(entry, TensorStorageMetadata) for entry in getattr(metadata, "state_dict_metadata", {}).values()):
-        raise CheckpointError(f"{path}: holds entries that are not tensors, which no ampddp checkpoint writes; refused")
-    for info in (getattr(metadata, "storage_data", None) or {}).values():
-        plain = isinstance(info, _StorageInfo) and isinstance(info.relative_path, str) and is_sharded_file(info.relative_path)
-        plain = plain and info.relative_path != METADATA_FILE and info.relative_path in listed
-        plain = plain and all(isinstance(n, int) and n >= 0 for n in (info.offset, info.length))
-        if not plain or getattr(info, "transform_descriptors", None):
-            where = getattr(info, "relative_path", info)
-            raise CheckpointError(f"{path}: points at {str(where)[:120]!r}, not a shard file of this checkpoint; refused unread")
-
-
-def _check_chunks(metadata: Any, path: Path, sizes: Mapping[str, int]) -> None:
-    """Before anything is allocated: each tensor's chunks lie inside its shape and cover it exactly
-    once, and each chunk's bytes are declared inside a listed shard file (``sizes``: name -> bytes)
-    with room for its elements. A planted metadata file declaring a 4 GiB tensor over a few MB of
-    shards, or a truncated shard re-hashed into its manifest, is refused here in one line."""
-    located = {(index.fqn, tuple(index.offset or ())): info for index, info in (metadata.storage_data or {}).items()}
-    for name, entry in metadata.state_dict_metadata.items():
-        shape = tuple(entry.size)
-        boxes = []
-        for chunk in entry.chunks:
-            offsets, lengths = tuple(chunk.offsets), tuple(chunk.sizes)
-            inside = len(offsets) == len(lengths) == len(shape)
-            if not inside or any(o < 0 or n < 0 or o + n > size for o, n, size in zip(offsets, lengths, shape)):
-                raise CheckpointError(f"{path}: a chunk of {name[:120]} at {list(offsets)} of size {list(lengths)} lies outside its "
-                                      f"shape {list(shape)}; refused unread")  # fmt: skip
-            _check_chunk_bytes(path, name, located.get((name, offsets)), math.prod(lengths) * entry.properties.dtype.itemsize, sizes)
-            boxes.append((offsets, lengths))
-        if sum(math.prod(lengths) for _, lengths in boxes) != math.prod(shape) or _overlap(boxes):
-            raise CheckpointError(f"{path}: the chunks of {name[:120]} do not cover its shape {list(shape)} exactly once; refused unread")
-
-
-def _check_chunk_bytes(path: Path, name: str, info: Any, needed: int, sizes: Mapping[str, int]) -> None:
-    if info is None:
-        raise CheckpointError(f"{path}: a chunk of {name[:120]} has no bytes stored for it; refused unread")
-    held = sizes.get(info.relative_path, 0)
-    if info.length < needed or info.offset + info.length > held:
-        raise CheckpointError(
-            f"{path}: a chunk of {name[:120]} needs {needed} bytes, declared as {info.length} bytes at offset {info.offset} of "
-            f"{info.relative_path}, which holds {held}; refused unread (a truncated shard, or metadata not written with it)"
-        )
-
-
-def _overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
-    """Whether two of the boxes (offsets, sizes) share an element: a sweep along the first dimension
-    (shards of FSDP2 never meet there, so each box is compared with its neighbours only)."""
-    solid = sorted((box for box in boxes if box[1] and all(box[1])), key=lambda box: box[0][0])
-    for index, (offsets, lengths) in enumerate(solid):
-        for other, other_lengths in solid[index + 1 :]:
-            if other[0] >= offsets[0] + lengths[0]:
-                break
-            if all(a < b + m and b < a + n for a, n, b, m in zip(offsets, lengths, other, other_lengths)):
-                return True
-    return False
-
-
-def _first_line(error: BaseException) -> str:
-    """``Type: the first line of the message``, cut to 200 characters: what a reader needs of a failure."""
-    text = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
-    return f"{type(error).__name__}: {text}"[:200] if text else type(error).__name__
-
-
 def shard_files(folder: Path, manifest: Manifest) -> list[str]:
     """The shard files the manifest lists, checked to be a sharded checkpoint's (its metadata among
     them, with checksums): a manifest without them cannot vouch for what DCP would read."""
@@ -356,12 +213,14 @@ def whole_view(folder: Path, shared: Mapping[str, Any], manifest: Manifest, veri
     return _merged(shared, tensors)
 
 
-def _reader(folder: Path, manifest: Manifest, record: Mapping[str, Mapping[str, Any]], where: str) -> _SafeReader:
+def _reader(folder: Path, manifest: Manifest, record: Mapping[str, Mapping[str, Any]], where: str) -> SafeReader:
     """DCP's reader of ``folder``, its metadata read (refused in one line, before DCP would wrap the
     error in its own) and agreeing with ``record`` tensor by tensor before anything is allocated."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = _SafeReader(folder, {name: manifest.digests[name].size for name in shard_files(folder, manifest)})
+    from ampddp.checkpoint.dcp_reader import SafeReader
+
+    reader = SafeReader(folder, {name: manifest.digests[name].size for name in shard_files(folder, manifest)})
     saved = reader.read_metadata().state_dict_metadata
     for name, entry in record.items():
         found = saved.get(name)
@@ -391,9 +250,11 @@ def _one_process_quietly(no_dist: bool) -> Iterator[None]:
         yield
 
 
-def _load(reader: _SafeReader, tensors: dict[str, torch.Tensor], folder: Path, no_dist: bool) -> None:
+def _load(reader: SafeReader, tensors: dict[str, torch.Tensor], folder: Path, no_dist: bool) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
+
+    from ampddp.checkpoint.dcp_reader import first_line
 
     try:
         with _one_process_quietly(no_dist):
@@ -402,7 +263,7 @@ def _load(reader: _SafeReader, tensors: dict[str, torch.Tensor], folder: Path, n
         cause = _underlying(error)
         if isinstance(cause, CheckpointError):  # ours: it names the shard file and what is wrong
             raise CheckpointError(str(cause)) from None
-        raise CheckpointError(f"{folder}: cannot read the sharded checkpoint ({_first_line(cause)})") from None
+        raise CheckpointError(f"{folder}: cannot read the sharded checkpoint ({first_line(cause)})") from None
 
 
 def _underlying(error: BaseException) -> BaseException:

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 from ampddp.checkpoint import keys
 from ampddp.checkpoint.files import fsync_directory, load_safely, save_atomic, write_bytes_atomic
+from ampddp.checkpoint.keys import is_sharded_file
 from ampddp.checkpoint.manifest import CHECKSUM, Manifest, complete_folders, read_manifest, step_folders_in, step_of, verify_folder
 from ampddp.distributed.data import broadcast_from_main, gather_objects, sum_across_ranks
 from ampddp.distributed.env import DistEnv
@@ -55,7 +56,6 @@ class CheckpointRef:
     def verify(self, manifest: Manifest | None = None, shards_sized_only: bool = False) -> str:
         """Check every file of the checkpoint against its manifest (see ``manifest.verify_folder``);
         ``shards_sized_only``: a sharded checkpoint's shards by size alone (the ranks hash them together)."""
-        from ampddp.checkpoint.sharded import is_sharded_file
 
         manifest = manifest or self.manifest()
         unlisted = sorted(p.name for p in self.path.iterdir() if is_sharded_file(p.name) and p.name not in manifest.names)

@@ -12,9 +12,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from ampddp.torch_compat import is_dtensor
 
 
 def plain_tensor(value: torch.Tensor) -> torch.Tensor:
@@ -22,7 +23,9 @@ def plain_tensor(value: torch.Tensor) -> torch.Tensor:
     fp8-all-gather weights, with or without the scale they may hold beside it), a DTensor's local
     shard included: a checkpoint holds plain tensors, loadable with ``weights_only`` and without the
     library."""
-    if isinstance(value, DTensor):
+    if is_dtensor(value):
+        from torch.distributed.tensor import DTensor
+
         local = value.to_local()
         inner = plain_tensor(local)
         if inner is local:
@@ -42,7 +45,7 @@ def gathered(state: Any, keep: bool = True) -> Any:
     the CPU (one tensor on the device at a time); a container without DTensors is returned as it is
     (a module's state keeps its ``_metadata``). ``keep=False``: this rank takes part in each gather
     but keeps no copy (None in its place): only the rank that writes a checkpoint needs one."""
-    if isinstance(state, DTensor):
+    if is_dtensor(state):
         whole = plain_tensor(state).full_tensor()
         return whole.cpu() if keep else None
     if isinstance(state, dict):
@@ -61,16 +64,18 @@ def gathered(state: Any, keep: bool = True) -> Any:
 
 def shard_like(value: Any, live: Any) -> Any:
     """``value`` (a whole tensor) cut as ``live`` is sharded when ``live`` is a DTensor; otherwise ``value``."""
-    if not isinstance(live, DTensor) or not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+    if not is_dtensor(live) or not isinstance(value, torch.Tensor) or is_dtensor(value):
         return value
     whole = value.to(device=live.device_mesh.device_type, dtype=live.dtype)
+    from torch.distributed.tensor import distribute_tensor
+
     return distribute_tensor(whole, live.device_mesh, live.placements, src_data_rank=None)
 
 
 def sharded_model_state(state: Mapping[str, Any], live: Mapping[str, Any]) -> Mapping[str, Any]:
     """A whole model state cut as the live model's (``module.state_dict()``) entries are sharded
     (``state`` itself, metadata and all, when nothing is)."""
-    if not any(isinstance(value, DTensor) for value in live.values()):
+    if not any(is_dtensor(value) for value in live.values()):
         return state
     return {key: shard_like(value, live.get(key)) for key, value in state.items()}
 
@@ -79,12 +84,12 @@ def sharded_optimizer_state(state: Mapping[str, Any], optimizer: Optimizer) -> M
     """A whole optimizer state (torch's layout: per-parameter entries by index) with each entry
     shaped like its parameter cut as that (DTensor) parameter is sharded."""
     params = [param for group in optimizer.param_groups for param in group["params"]]
-    if not any(isinstance(param, DTensor) for param in params):
+    if not any(is_dtensor(param) for param in params):
         return state
     per_param = {}
     for index, entries in state["state"].items():
         param = params[index] if isinstance(index, int) and 0 <= index < len(params) else None
-        if not isinstance(param, DTensor) or not isinstance(entries, Mapping):
+        if not is_dtensor(param) or not isinstance(entries, Mapping):
             per_param[index] = entries
             continue
         per_param[index] = {

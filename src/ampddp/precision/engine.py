@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from ampddp.choices import FLOAT32_MAX
@@ -23,6 +22,7 @@ from ampddp.precision.fp8 import fp8_layer_in
 from ampddp.precision.master import OptimizerGrads
 from ampddp.precision.policy import PrecisionPolicy
 from ampddp.precision.state import PrecisionState
+from ampddp.torch_compat import is_dtensor
 
 
 def check_models_and_optimizers(
@@ -88,7 +88,7 @@ def check_loss(loss: Any, api: str) -> None:
 
 def whole(norm: torch.Tensor) -> torch.Tensor:
     """A norm over sharded (FSDP2) gradients comes back as a DTensor: its value as a plain tensor."""
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    return norm.full_tensor() if is_dtensor(norm) else norm
 
 
 def policy_compute_dtype(policy: PrecisionPolicy) -> torch.dtype | None:
