@@ -82,3 +82,8 @@ MAX_TIMEOUT_S = 1e9
 overflow past 9.2e9 s, and a collective then times out at once."""
 MAX_BUCKET_MB = 2**40
 """The largest DDP bucket in MiB: torch keeps its size in int64 bytes (2**63)."""
+
+CIFAR_LAYOUT = "ROOT/cifar-10-batches-py/ (the extracted python version of CIFAR-10)"
+"""What data.root holds for data.name=cifar10 (ampddp never downloads)."""
+IMAGEFOLDER_LAYOUT = "ROOT/train/<class>/<image> and ROOT/val/<class>/<image>"
+"""What data.root holds for data.name=imagefolder."""

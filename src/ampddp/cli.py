@@ -88,6 +88,7 @@ def _train(args: argparse.Namespace, early: EarlySignals) -> int:
     from ampddp.choices import LOG_LEVEL_VARIABLE
     from ampddp.observe.command_console import set_up_command_console
     from ampddp.observe.console_streams import write_line
+    from ampddp.recipe.path_checks import check_paths
     from ampddp.recipe.reading import load_config
     from ampddp.rundir import strict_json
     from ampddp.rundir.finished import finished_run_summary
@@ -96,6 +97,7 @@ def _train(args: argparse.Namespace, early: EarlySignals) -> int:
     if args.verbose:
         os.environ[LOG_LEVEL_VARIABLE] = "DEBUG"  # inherited by the ranks this command starts
     config = load_config(args.recipe, args.overrides)
+    check_paths(config)  # what needs only the file system answers before torch loads
     early.release(keep=config.trainer.stop_signals)  # the others act as if never caught
     summary = finished_run_summary(config)  # a finished run answers before torch is imported
     prints = True

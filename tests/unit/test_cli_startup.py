@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -29,6 +30,27 @@ def test_help_version_and_the_recipe_schema_do_not_import_torch():
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.timeout(180)
+def test_a_run_dir_that_is_a_file_or_a_missing_data_root_is_refused_before_torch_loads(tmp_path):
+    recipe = str(Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml")
+    (tmp_path / "file").write_text("")
+    refusals = [
+        [f"trainer.run_dir={tmp_path / 'file' / 'run'}"],
+        [f"trainer.run_dir={tmp_path / 'run'}", "data.name=cifar10", f"data.root={tmp_path / 'none'}"],
+        [f"trainer.run_dir={tmp_path / 'run'}", f"checkpoint.resume_from={tmp_path / 'none'}"],
+    ]
+    for overrides in refusals:
+        probe = (
+            "import sys\nfrom ampddp.cli import main\n"
+            f"code = main(['train', {recipe!r}, *{overrides!r}])\n"
+            "print(code, sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+        )
+        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+        assert done.stdout.strip() == "2 []", (overrides, done.stdout, done.stderr)
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_version_names_the_installed_distribution(capsys):

@@ -15,11 +15,10 @@ from typing import Any
 import torch
 
 from ampddp.checkpoint.safetensors_weights import check_key_map
-from ampddp.checkpoint.store import resume_source
 from ampddp.choices import FLOAT16_MAX, FLOAT32_MAX, INT64_MAX
 from ampddp.config import RunConfig, is_import_path
 from ampddp.distributed.env import detect_env
-from ampddp.errors import CheckpointError, ConfigError, shown
+from ampddp.errors import ConfigError, shown
 from ampddp.precision.choice import Precision
 from ampddp.preemption import parse_signals
 from ampddp.recipe.factories import (
@@ -33,10 +32,10 @@ from ampddp.recipe.factories import (
     refuse_kwargs,
     reporting_from,
 )
+from ampddp.recipe.path_checks import check_paths
 from ampddp.recipe.reading import check_config
-from ampddp.rundir.paths import refuse_tilde_folder
 from ampddp.training.resume.kept_precision import kept_precision
-from ampddp.zoo.data import CIFAR_LAYOUT, IMAGEFOLDER_LAYOUT, find_classes
+from ampddp.zoo.data import find_classes
 
 IMAGE_OPTIONS = (
     ("crop", "random-resized", ("cifar10", "imagefolder")),
@@ -49,12 +48,13 @@ UNCATCHABLE_SIGNALS = frozenset(getattr(signal, name) for name in ("SIGKILL", "S
 
 
 def _check_data(config: RunConfig) -> None:
-    """A built-in data set's data.root and kwargs, and the image options of any (a user's data set is
-    checked where it is built)."""
+    """A built-in data set's kwargs and class folders (its data.root's layout: ``check_paths``), and
+    the image options of any (a user's data set is checked where it is built)."""
     data = config.data
     if not is_import_path(data.name):
         refuse_kwargs("data", data.name, data.kwargs)
-        _check_data_root(config)
+        if data.name == "imagefolder":
+            find_classes(Path(data_root(config)) / "train")
     _check_image_options(config)
 
 
@@ -80,25 +80,6 @@ def _check_image_options(config: RunConfig) -> None:
     if not torch.cuda.is_available() or config.distributed.device == "cpu":
         where = "distributed.device=cpu" if torch.cuda.is_available() else "CUDA is not available on this machine"
         raise ConfigError(f"data.decode_device=cuda decodes on the training GPU, but {where}; use data.decode_device=cpu")
-
-
-def _check_data_root(config: RunConfig) -> None:
-    data = config.data
-    if data.name == "digits":
-        return
-    layout = CIFAR_LAYOUT if data.name == "cifar10" else IMAGEFOLDER_LAYOUT
-    if data.root is None:
-        raise ConfigError(f"data.name={data.name} needs data.root (ampddp never downloads data); expected layout: {layout}")
-    root = Path(data_root(config))
-    if not root.is_dir():
-        raise ConfigError(f"data.root={data.root}: no such directory; {data.name} expects {layout}")
-    if data.name == "cifar10" and not (root / "cifar-10-batches-py").is_dir():
-        raise ConfigError(f"data.root={data.root}: no cifar-10-batches-py folder inside; expected {CIFAR_LAYOUT} (ampddp never downloads)")
-    for split in ("train", "val") if data.name == "imagefolder" else ():
-        if not (root / split).is_dir():
-            raise ConfigError(f"data.root={data.root}: missing {split}/ folder; expected {IMAGEFOLDER_LAYOUT}")
-    if data.name == "imagefolder":
-        find_classes(root / "train")
 
 
 def _check_stop_signals(names: list[str]) -> None:
@@ -177,14 +158,6 @@ def _numbers_in(key: str, value: Any) -> Iterator[tuple[str, float]]:
             yield from _numbers_in(f"{key}[{index}]", item)
 
 
-def _check_resume_from(config: RunConfig) -> None:
-    """checkpoint.resume_from names something that exists (what it holds is checked where the run
-    reads it, against the parts that train: ``Checkpointer.plan_resume``)."""
-    resume_from = config.checkpoint.resume_from
-    if resume_from is not None and not resume_source(resume_from).path.exists():
-        raise CheckpointError(f"checkpoint.resume_from={resume_from}: no such checkpoint or run directory")
-
-
 def check_recipe(config: RunConfig) -> None:
     """What a run can be checked for before any part of it is built, and all a parent spawning
     workers checks before they exist: values and ranges, precision settings the device cannot run,
@@ -194,7 +167,7 @@ def check_recipe(config: RunConfig) -> None:
     run dir is probed (``RunDir.probe``) and locked after that, before the first write.
     """
     check_config(config)
-    refuse_tilde_folder(config.trainer.run_dir, "trainer.run_dir")
+    check_paths(config)
     loader_settings(config)
     device_settings(config)
     _check_schedule(config)
@@ -208,5 +181,4 @@ def check_recipe(config: RunConfig) -> None:
     _check_stop_signals(config.trainer.stop_signals)
     model_compiler(config)
     reporting_from(config)
-    _check_resume_from(config)
     check_key_map(config.model.key_map)

@@ -70,10 +70,10 @@ class RunDir:
         first process, ``joining`` by each of its others (see :class:`RunDirLock`)."""
         return RunDirLock(self.path, joining=joining)
 
-    def probe(self) -> None:
-        """The run dir is (or can be created as) a writable directory with free space: a small file is
-        created, filled, fsynced and removed. Folders created for the probe are removed again when it
-        fails, so a refused run leaves nothing."""
+    def folders_to_make(self) -> list[Path]:
+        """The folders of the path that do not exist yet, deepest first; ConfigError when the path is,
+        or lies under, a file, a broken link or another non-directory. Reads only: the check of a run
+        dir that needs no torch, made before torch loads."""
         missing = []
         existing = self.path
         while not existing.exists() and not existing.is_symlink() and existing != existing.parent:
@@ -83,6 +83,13 @@ class RunDir:
             kind = "a file" if existing.is_file() else "a broken link" if existing.is_symlink() else "not a directory"
             where = "is" if existing == self.path else f"lies under {existing}, which is"
             raise ConfigError(f"{self.setting}={self.given} {where} {kind}; give a directory (existing or to be created)")
+        return missing
+
+    def probe(self) -> None:
+        """The run dir is (or can be created as) a writable directory with free space: a small file is
+        created, filled, fsynced and removed. Folders created for the probe are removed again when it
+        fails, so a refused run leaves nothing."""
+        missing = self.folders_to_make()
         created: list[Path] = []
         try:
             for folder in reversed(missing):

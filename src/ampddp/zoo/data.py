@@ -17,14 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from ampddp.choices import AUTO_AUGMENTS, CROPS, DECODE_DEVICES, NORMALIZATIONS
+from ampddp.choices import AUTO_AUGMENTS, CIFAR_LAYOUT, CROPS, DECODE_DEVICES, IMAGEFOLDER_LAYOUT, NORMALIZATIONS
 from ampddp.errors import ConfigError, choice_error
 
 if TYPE_CHECKING:
     import numpy
 
-CIFAR_LAYOUT = "ROOT/cifar-10-batches-py/ (the extracted python version of CIFAR-10)"
-IMAGEFOLDER_LAYOUT = "ROOT/train/<class>/<image> and ROOT/val/<class>/<image>"
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")
 """Files an imagefolder class folder contributes (any case); others are skipped, as ImageFolder skips them."""
 DEFAULT_NORMALIZATIONS = {"cifar10": "computed", "imagefolder": "imagenet"}
