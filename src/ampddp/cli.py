@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             if _asks_for_a_section(argv):
                 return _section_help((sys.argv[1:] if argv is None else argv)[2])
             args = build_parser().parse_args(argv)
-            command = f"ampddp {args.command}"
+            command = early.command = f"ampddp {args.command}"
             code = _run(args, early)
             sys.stdout.flush()  # a closed pipe fails here, not in the interpreter's exit-time flush
             return code

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -85,6 +86,18 @@ def raise_when_safe(error: StopRequested, frame: FrameType | None) -> None:
     sys.settrace(after_the_import)
 
 
+def end_now(line: str, exit_code: int) -> None:
+    """End the process at once with ``line`` on stderr and ``exit_code``, from a signal handler that
+    interrupted an import: raising there can abort the interpreter (torch's import: SIGABRT and a C++
+    stack dump), and waiting for the import to finish took 27-36 s on a loaded machine. Only for the
+    command's first phase, where nothing has been written yet (``EarlySignals``)."""
+    with contextlib.suppress(OSError, ValueError):
+        sys.stdout.flush()
+    with contextlib.suppress(OSError):
+        os.write(2, f"{line}\n".encode())
+    os._exit(exit_code)
+
+
 SAME_PRESS_S = 1.0
 """A SIGINT this soon after the first is the same Ctrl-C arriving twice (a terminal sends it to every
 process of the job, and a launching process forwards it too), not a second press."""
@@ -139,16 +152,22 @@ class EarlySignals:
 
     The handler raises ``StopRequested`` (``Interrupted`` for SIGINT), so a signal ends recipe
     parsing, the start-up checks or a blocking open at once, with exit status 75 (130), where the
-    default disposition would kill without a word and Ctrl-C would print a traceback.
+    default disposition would kill without a word and Ctrl-C would print a traceback; one that lands
+    inside an import (torch's takes seconds) ends the process there, with the same line and status.
     ``StopSignals(..., early=this)`` takes over the signals it configures; ``release`` (and leaving
     the block) gives every other signal its previous disposition back.
     """
 
     def __init__(self) -> None:
         self._previous: dict[signal.Signals, Any] = {}
+        self.command = "ampddp"
+        """The command, for the line a signal inside an import ends it with (``ampddp train``, once known)."""
 
     def _stop(self, signum: int, frame: FrameType | None) -> None:
-        raise_when_safe(stopped_at_once(signal.Signals(signum), BEFORE_TRAINING), frame)
+        error = stopped_at_once(signal.Signals(signum), BEFORE_TRAINING)
+        if _importing(frame):
+            end_now(f"{self.command}: {error}", error.exit_code)
+        raise error
 
     def __enter__(self) -> EarlySignals:
         if _in_main_thread():
