@@ -23,6 +23,7 @@ from ampddp.distributed.env import DistEnv, detect_env, seed_everything
 from ampddp.distributed.meta_init import ModelSource
 from ampddp.distributed.parallel import Parallel
 from ampddp.errors import ConfigError
+from ampddp.observe.console import library_console
 from ampddp.observe.observer import LOGGERS_NEED_A_RUN_DIR, Reporting, RunObserver
 from ampddp.observe.run_plan import RunPlan
 from ampddp.precision.choice import Precision
@@ -172,10 +173,12 @@ class Trainer(TrainingLoop):
         self.compiler = compile if isinstance(compile, ModelCompiler) else ModelCompiler.from_setting(compile)
         env = env or detect_env(device="auto")
         device = device or DeviceSettings()
-        if not isinstance(precision, PrecisionEngine):
-            precision = kept_precision(Precision.of(precision), checkpoints.run_dir, checkpoints.resume, env)
-        setup = RunSetup(precision, parallel or Parallel(), self.compiler, checkpoints.init_from, device)
-        run = setup.build(model, make_optimizer, env, on_compiled=self._compiled)
+        self._notes_shown = report is not None
+        with library_console(env, self._notes_shown):  # the precision chosen, as the command line says it
+            if not isinstance(precision, PrecisionEngine):
+                precision = kept_precision(Precision.of(precision), checkpoints.run_dir, checkpoints.resume, env)
+            setup = RunSetup(precision, parallel or Parallel(), self.compiler, checkpoints.init_from, device)
+            run = setup.build(model, make_optimizer, env, on_compiled=self._compiled)
         state = TrainingState(
             run.module, run.optimizer, run.engine, make_scheduler(run.optimizer) if make_scheduler is not None else None,
             ResumableSampler(train_set, env, shuffle=loop.shuffle, seed=loop.seed, drop_last=loop.drop_last),
@@ -197,6 +200,12 @@ class Trainer(TrainingLoop):
             stop_signals=stop_signals, device=device,
         )  # fmt: skip
         seed_everything(env.rank_seed(loop.seed))  # the one seeding point of the training streams, per rank
+
+    def fit(self) -> dict[str, Any]:
+        """See ``TrainingLoop.fit``; what the run says (where it writes, "already complete") is shown
+        when the application has not configured logging (``library_console``)."""
+        with library_console(self.run.env, self._notes_shown):
+            return super().fit()
 
     def _observer(self, report: Reporting | None, place: RunDir | None, checkpoints: CheckpointSettings, env: DistEnv,
                   loop: LoopSettings, samples: int, eval_samples: int | None, state: TrainingState) -> list[Callback]:  # fmt: skip

@@ -148,3 +148,36 @@ def test_a_closed_stdout_and_a_full_stderr_end_the_console_not_the_run(tmp_path)
     assert "the console's stdout cannot be written (Broken pipe, errno 32): nothing more is shown there; the run goes on" in log
     if Path("/dev/full").exists():
         assert "the console's stderr cannot be written (No space left on device, errno 28)" in log
+
+
+LIBRARY_RUN = """
+import logging, sys, torch
+from torch import nn
+from torch.utils.data import TensorDataset
+from ampddp import Trainer
+if sys.argv[2] == "configured":
+    logging.basicConfig(level=logging.WARNING)
+data = TensorDataset(torch.randn(64, 8), torch.randint(0, 3, (64,)))
+for _ in range(2):  # the second start finds the run complete
+    Trainer(nn.Linear(8, 3), lambda p: torch.optim.SGD(p, lr=0.1), data, batch_size=16, max_steps=2, precision="O0",
+            run_dir=sys.argv[1], report=None if sys.argv[2] == "silent" else Trainer.__init__.__kwdefaults__["report"]).fit()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_script_using_the_trainer_is_told_what_the_command_line_says_unless_it_configured_logging_or_asked_for_silence(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(QUICKSTART.parents[1] / "src")}
+    said = {}
+    for how in ("default", "configured", "silent"):
+        done = subprocess.run([sys.executable, "-c", LIBRARY_RUN, str(tmp_path / how), how], capture_output=True, text=True, timeout=120,
+                              env=env)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        said[how] = done.stderr
+    assert "precision O0: fp32 throughout" in said["default"] and f"run dir {tmp_path / 'default'}: " in said["default"]
+    assert "already complete at step 2" in said["default"]
+    assert "precision O0" not in said["configured"] and "already complete" not in said["configured"]
+    assert said["silent"].strip() == ""

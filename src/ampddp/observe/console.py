@@ -121,3 +121,28 @@ def notes_held_until_done() -> Iterator[None]:
         for handler in handlers:
             if record.levelno >= handler.level:
                 handler.handle(record)
+
+
+@contextlib.contextmanager
+def library_console(env: DistEnv, shown: bool = True) -> Iterator[None]:
+    """ampddp's own notes (the precision it chose, where a run writes, "already complete") on stderr
+    for the block, when the application has not configured logging: Python would otherwise drop every
+    record below WARNING, and a script using the Trainer would learn nothing the command line says.
+    Nothing changes when the application configured logging (a root handler, or handlers or a level
+    on the ``ampddp`` logger: theirs decides), or when ``shown`` is False (``report=None``: silent).
+    Other ranks than 0 show only errors, as under ``rank_console``."""
+    ours = logging.getLogger("ampddp")
+    configured = logging.getLogger().handlers or ours.handlers or ours.level != logging.NOTSET
+    if not shown or configured:
+        yield
+        return
+    handler = console_handler(sys.stderr, verbose=False)
+    if env.distributed and env.rank != 0:
+        handler.addFilter(OtherRankFilter(env.rank))
+    ours.addHandler(handler)
+    ours.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        ours.removeHandler(handler)
+        ours.setLevel(logging.NOTSET)
