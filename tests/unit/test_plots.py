@@ -86,3 +86,35 @@ def test_ampddp_plot_overlays_runs_on_one_page_and_keeps_an_existing_file(tmp_pa
     assert f"{tmp_path}: no metrics.jsonl here" in capsys.readouterr().err
     assert main(["plot", str(tmp_path / "o2")]) == 0
     assert (tmp_path / "o2" / "report.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_a_colour_means_one_run_on_a_page_and_red_only_skipped_steps(tmp_path):
+    from ampddp.observe.plots import _draw_panel
+
+    class Axes:
+        def __init__(self) -> None:
+            self.drawn: list[tuple[str, str, str]] = []
+
+        def plot(self, steps, values, **style):
+            self.drawn.append((style["label"], style["color"], style["linestyle"]))
+
+        def scatter(self, steps, values, **style):
+            self.drawn.append((style["label"], style["color"], "x"))
+
+        def __getattr__(self, name):
+            return lambda *args, **kwargs: None
+
+    drawn = []
+    for run, name in enumerate(("a", "b")):
+        (tmp_path / name).mkdir()
+        records = [{"kind": "train", "step": s, "loss": 1.0 / s, "lr": 0.1, "loss_scale": 2.0**s, "skipped": s == 2} for s in (1, 2, 3)]
+        records += [{"kind": "eval", "step": 3, "loss": 0.5, "accuracy": 0.9, "samples": 4}]
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        for panel in RunHistory.of(tmp_path / name).panels(run=run):
+            axes = Axes()
+            _draw_panel(axes, panel)
+            drawn += [(run, *line) for line in axes.drawn]
+    colours = {run: {colour for r, label, colour, _ in drawn if r == run and not label.endswith("skipped step")} for run in (0, 1)}
+    assert len(colours[0]) == len(colours[1]) == 1 and colours[0] != colours[1] and "red" not in colours[0] | colours[1]
+    assert {colour for _, label, colour, _ in drawn if label.endswith("skipped step")} == {"red"}
+    assert {style for _, label, _, style in drawn if label.endswith("evaluation")} == {"--"}

@@ -30,13 +30,21 @@ EVAL_FIELDS = ("kind", "step", "epoch", "loss", "samples")
 """Fields of an eval record that are not a metric of its own panel (the eval loss is drawn with the training loss)."""
 
 
+RUN_COLOURS = ("C0", "C1", "C2", "C4", "C5", "C6", "C7", "C8", "C9")
+"""One colour per run on a page, in every panel alike (matplotlib's cycle without its red, C3: red marks
+skipped steps only). Within a run, evaluation curves are dashed."""
+
+
 @dataclass(frozen=True)
 class Curve:
-    """One line of a panel: its label and the (step, value) points."""
+    """One line of a panel: its label, the (step, value) points, the run it belongs to on the page
+    (its colour) and whether it is an evaluation (dashed)."""
 
     label: str
     steps: list[int]
     values: list[float]
+    run: int = 0
+    evaluation: bool = False
 
 
 @dataclass(frozen=True)
@@ -69,35 +77,36 @@ class RunHistory:
     def label(self) -> str:
         return f"{self.name} ({self.mode})" if self.mode else self.name
 
-    def panels(self, own_labels: bool = False) -> list[Panel]:
+    def panels(self, own_labels: bool = False, run: int = 0) -> list[Panel]:
         """loss, eval_<metric> for each evaluation metric, lr and (when the scale moved) loss_scale;
-        ``own_labels``: curves named by their kind alone (one run), else by the run (overlays)."""
+        ``own_labels``: curves named by their kind alone (one run), else by the run (overlays); ``run``:
+        this run's place on the page (its colour)."""
         train = [r for r in self.records if r.get("kind") == "train"]
         evals = [r for r in self.records if r.get("kind") == "eval"]
         name = (lambda kind: kind) if own_labels else (lambda kind: f"{self.label} {kind}")
-        windows = _curve(name("training (mean over each logging window)"), train, "loss_mean", "loss")
-        panels = [Panel("loss.png", "loss", "loss", [windows, _curve(name("evaluation"), evals, "loss")])]
+        windows = _curve(name("training (mean over each logging window)"), train, "loss_mean", run, fallback="loss")
+        panels = [Panel("loss.png", "loss", "loss", [windows, _curve(name("evaluation"), evals, "loss", run, evaluation=True)])]
         for key in _eval_metrics(evals):
-            panels.append(Panel(f"eval_{key}.png", f"held-out {key}", key, [_curve(name("evaluation"), evals, key)]))
-        panels.append(Panel("lr.png", "learning rate", "learning rate", [_curve(name("lr"), train, "lr")]))
+            panels.append(Panel(f"eval_{key}.png", f"held-out {key}", key, [_curve(name("evaluation"), evals, key, run, evaluation=True)]))
+        panels.append(Panel("lr.png", "learning rate", "learning rate", [_curve(name("lr"), train, "lr", run)]))
         if len({r.get("loss_scale") for r in train}) > 1 or any(r.get("skipped") for r in train):
-            panels.append(_loss_scale_panel(train, name))
+            panels.append(_loss_scale_panel(train, name, run))
         return [panel for panel in panels if any(curve.steps for curve in panel.curves)]
 
 
-def _loss_scale_panel(train: list[dict[str, Any]], name: Callable[[str], str]) -> Panel:
+def _loss_scale_panel(train: list[dict[str, Any]], name: Callable[[str], str], run: int) -> Panel:
     """The loss scale on a log2 axis (where it stayed positive), its skipped steps marked."""
-    scale = _curve(name("loss scale"), train, "loss_scale")
+    scale = _curve(name("loss scale"), train, "loss_scale", run)
     skipped = [r for r in train if r.get("skipped") and isinstance(r.get("loss_scale"), (int, float))]
-    marks = Curve(name("skipped step"), [r["step"] for r in skipped], [r["loss_scale"] for r in skipped])
+    marks = Curve(name("skipped step"), [r["step"] for r in skipped], [r["loss_scale"] for r in skipped], run)
     return Panel("loss_scale.png", "loss scale", "loss scale (log2)", [scale, marks], log2=_all_positive(scale))
 
 
-def _curve(label: str, records: list[dict[str, Any]], key: str, fallback: str | None = None) -> Curve:
+def _curve(label: str, records: list[dict[str, Any]], key: str, run: int, fallback: str | None = None, evaluation: bool = False) -> Curve:
     """``key`` (or ``fallback`` where a record lacks it: a run written before it existed) against the step."""
     points = [(r["step"], r.get(key, r.get(fallback) if fallback else None)) for r in records]
     kept = [(step, float(value)) for step, value in points if isinstance(value, (int, float)) and not isinstance(value, bool)]
-    return Curve(label, [step for step, _ in kept], [value for _, value in kept])
+    return Curve(label, [step for step, _ in kept], [value for _, value in kept], run, evaluation)
 
 
 def _all_positive(curve: Curve) -> bool:
@@ -133,8 +142,8 @@ def plot_comparison(run_dirs: Sequence[str | Path], out: str | Path) -> Path | N
         return None
     histories = [RunHistory.of(run_dir) for run_dir in run_dirs]
     by_file: dict[str, Panel] = {}
-    for history in histories:
-        for panel in history.panels():
+    for run, history in enumerate(histories):
+        for panel in history.panels(run=run):
             kept = by_file.get(panel.file)
             by_file[panel.file] = panel if kept is None else Panel(kept.file, kept.title, kept.ylabel, kept.curves + panel.curves,
                                                                    kept.log2 and panel.log2)  # fmt: skip
@@ -178,7 +187,8 @@ def _draw_panel(axes: Any, panel: Panel) -> None:
         if curve.label.endswith("skipped step"):
             axes.scatter(curve.steps, curve.values, color="red", marker="x", label=curve.label, zorder=3)
         else:
-            axes.plot(curve.steps, curve.values, marker="." if len(curve.steps) < 50 else None, label=curve.label)
+            axes.plot(curve.steps, curve.values, marker="." if len(curve.steps) < 50 else None, label=curve.label,
+                      color=RUN_COLOURS[curve.run % len(RUN_COLOURS)], linestyle="--" if curve.evaluation else "-")  # fmt: skip
     if panel.log2:
         axes.set_yscale("log", base=2)
     axes.set_xlabel("optimizer step")
