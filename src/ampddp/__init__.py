@@ -13,21 +13,24 @@ can catch stop signals before its slow imports (see ``ampddp.preemption.EarlySig
 from __future__ import annotations
 
 import importlib
+import sys
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 __version__ = "0.1.0"
 
-_PRECISION_NAMES = (
-    "NATIVE_MODES", "OPT_LEVELS", "PRECISION_MODES", "LossScaler", "OpRegistry", "PrecisionEngine", "PrecisionPolicy", "PrecisionState",
-    "bfloat16_function", "build_engine", "float_function", "half_function", "promote_function", "resolve_policy",
-)  # fmt: skip
+_REGISTRY_NAMES = ("OpRegistry", "bfloat16_function", "float_function", "half_function", "promote_function")
 _HOMES = {
     "amp": "ampddp.amp", "AmpUsageError": "ampddp.errors", "ConfigError": "ampddp.errors",
     "Precision": "ampddp.precision.choice", "Parallel": "ampddp.distributed.parallel",
     "Trainer": "ampddp.trainer", "prepare": "ampddp.prepare", "Prepared": "ampddp.prepare",
     "CheckpointSettings": "ampddp.training.checkpoint_settings", "LoopSettings": "ampddp.training.settings",
     "Reporting": "ampddp.observe.observer", "RunDir": "ampddp.rundir.run_dir",
-} | dict.fromkeys(_PRECISION_NAMES, "ampddp.precision")  # fmt: skip
+    "NATIVE_MODES": "ampddp.precision.modes", "OPT_LEVELS": "ampddp.precision.modes", "PRECISION_MODES": "ampddp.choices",
+    "build_engine": "ampddp.precision.modes", "resolve_policy": "ampddp.precision.modes", "LossScaler": "ampddp.precision.scaler",
+    "PrecisionEngine": "ampddp.precision.engine", "PrecisionPolicy": "ampddp.precision.policy",
+    "PrecisionState": "ampddp.precision.state",
+} | dict.fromkeys(_REGISTRY_NAMES, "ampddp.precision.casting")  # fmt: skip
 
 _MODULES = ("amp", "prepare")
 """Names whose value is their module: the facade, and ``prepare`` (a module that calls as the function)."""
@@ -63,15 +66,26 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """Import a public name's module when the name is first used (PEP 562)."""
-    if name not in _HOMES:
-        raise AttributeError(f"module 'ampddp' has no attribute {name!r}")
-    module = importlib.import_module(_HOMES[name])
-    value = module if name in _MODULES else getattr(module, name)
-    globals()[name] = value
-    return value
+def lazy_names(
+    package: str, homes: Mapping[str, str], modules: Collection[str] = ()
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """A package's ``__getattr__`` and ``__dir__`` (PEP 562) that import a public name's module when the
+    name is first used, so that importing the package imports no torch: ``homes`` maps each name to its
+    module; a name in ``modules`` is that module itself. For ampddp's packages (not a public name)."""
+    namespace = sys.modules[package].__dict__
+
+    def __getattr__(name: str) -> Any:
+        if name not in homes:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        module = importlib.import_module(homes[name])
+        value = module if name in modules else getattr(module, name)
+        namespace[name] = value
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted({*namespace, *homes})
+
+    return __getattr__, __dir__
 
 
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_names(__name__, _HOMES, _MODULES)

@@ -28,8 +28,6 @@ row with the weight gradient in high precision. O6 keeps fp32 weights: bf16 weig
 scaling produced NaNs in torchao (pytorch/ao#3171)."""
 
 STRATEGIES = ("ddp", "apex-ddp", "fsdp2", "hsdp", "dp", "none")
-SHARDING_STRATEGIES = ("fsdp2", "hsdp")
-"""The strategies that shard params with FSDP2 (on a 1-D mesh, or HSDP's 2-D one): FSDP2's settings apply to them."""
 """How a model is spread over processes: torch DDP, apex's DDP, FSDP2 sharding (``fully_shard``),
 nn.DataParallel (one process), or not at all."""
 COMM_HOOKS = ("none", "fp16", "bf16")

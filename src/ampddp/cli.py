@@ -3,7 +3,7 @@
 
 Only light modules are imported at the top: ``main`` catches the stop signals before torch loads, and
 ``--help`` / ``--version`` answer without importing torch at all (the choices they list live in
-``ampddp.choices``), and so does ``train`` of a run that has already finished (``ampddp.rundir.finished``).
+``ampddp.choices``), and so does ``train`` of a run that has already finished (``ampddp.recipe.finished``).
 """
 
 from __future__ import annotations
@@ -88,10 +88,10 @@ def _train(args: argparse.Namespace, early: EarlySignals) -> int:
     from ampddp.choices import LOG_LEVEL_VARIABLE
     from ampddp.observe.command_console import set_up_command_console
     from ampddp.observe.console_streams import write_line
+    from ampddp.recipe.finished import finished_run_summary
     from ampddp.recipe.path_checks import check_paths
     from ampddp.recipe.reading import load_config
     from ampddp.rundir import strict_json
-    from ampddp.rundir.finished import finished_run_summary
 
     set_up_command_console(args.verbose)
     if args.verbose:

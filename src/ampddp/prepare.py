@@ -25,10 +25,12 @@ from torch.optim import Optimizer
 
 from ampddp.choices import AUTO_PRECISION
 from ampddp.distributed.env import DistEnv
+from ampddp.distributed.mesh import DataShard, ParallelDims
 from ampddp.distributed.meta_init import ModelBuild, ModelSource
 from ampddp.distributed.model_agreement import check_models_agree
 from ampddp.distributed.parallel import Parallel
-from ampddp.distributed.strategies import Strategy, strategy_named
+from ampddp.distributed.schedule import MicroBatches, StepSchedule
+from ampddp.distributed.strategies import Strategy, Unwrapped
 from ampddp.distributed.wrap import GradSync
 from ampddp.errors import ConfigError, wrong_type
 from ampddp.precision.auto import auto_choice
@@ -42,8 +44,9 @@ logger = logging.getLogger("ampddp.precision")
 
 @dataclass
 class Prepared:
-    """What a training loop needs: the (wrapped) model, the bare module, optimizer, engine, sync, and
-    the strategy that set them up (its checkpoint layout, whether forwards are collective, what compiles)."""
+    """What a training loop needs: the (wrapped) model, the bare module, optimizer, engine, sync, the
+    strategy that set them up (its checkpoint layout, whether forwards are collective, what compiles)
+    and the mesh its ranks form (``dims``: where each rank reads data)."""
 
     model: nn.Module
     module: nn.Module
@@ -51,7 +54,21 @@ class Prepared:
     engine: PrecisionEngine
     grad_sync: GradSync
     env: DistEnv
-    strategy: Strategy = field(default_factory=lambda: strategy_named("none"))
+    strategy: Strategy = field(default_factory=Unwrapped)
+    dims: ParallelDims | None = None
+    """The mesh's dimensions; None: data parallelism over every rank of ``env``."""
+    schedule: StepSchedule | None = None
+    """Who runs a window's forwards and backwards; None: each micro-batch in turn (``MicroBatches``)."""
+
+    def __post_init__(self) -> None:
+        if self.schedule is None:
+            self.schedule = MicroBatches(self.grad_sync)
+
+    @property
+    def data_shard(self) -> DataShard:
+        """Where this rank reads data: its data-parallel coordinates (with data parallelism alone, its
+        rank and the world size)."""
+        return DataShard.of(self.env) if self.dims is None else self.dims.data_shard(self.env.rank)
 
 
 @torch.no_grad()
@@ -170,13 +187,16 @@ def prepare(
         broadcast_from_main(model, env)
     else:
         built.init.place_and_agree(model, env)
+    dims = parallel.dims(env)  # checked before anything is placed; the mesh itself is made when a strategy asks for it
     wrapped, module, optimizer = parallel.set_up(model, make_optimizer, env, engine, built.init)
     warn_if_slower_than_fp32(engine.mode, engine.compute_dtype, env.device, [module])
     if env.device.type == "cpu" and env.is_main:
         note = cuda_build_note(torch.version.cuda, nvidia_gpu_present(), cuda_build_bytes() if torch.version.cuda else 0)
         if note is not None:  # a note among the run's first lines, not a warning: the run itself is fine
             logger.info(note)
-    return Prepared(wrapped, module, optimizer, engine, parallel.plan.grad_sync(wrapped), env, parallel.plan)
+    plan = parallel.plan
+    sync = plan.grad_sync(wrapped)
+    return Prepared(wrapped, module, optimizer, engine, sync, env, plan, dims, plan.schedule(wrapped, sync))
 
 
 def _engine(precision: str | Precision | PrecisionEngine, parallel: Parallel, env: DistEnv) -> PrecisionEngine:

@@ -218,6 +218,23 @@ def detach_persistent_workers(loader: Any) -> Any:
     return iterator
 
 
+# ---- GradScaler's verdict (precision/native.py) ---------------------------------------------------------
+
+
+def grad_scaler_found_infs(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+    """The per-device non-finite flags ``scaler.unscale_(optimizer)`` left for its ``step`` (skip or not) and ``update``
+    (back off or not) to read: written into, they change both decisions. GradScaler keeps them private."""
+    states = getattr(scaler, "_per_optimizer_states", None)
+    found = states.get(id(optimizer), {}).get("found_inf_per_device") if isinstance(states, dict) else None
+    if not isinstance(found, dict):
+        raise UnsupportedTorchError(
+            f"torch {torch.__version__}'s GradScaler keeps no per-device found_inf flags after unscale_ (ampddp reads "
+            "_per_optimizer_states[id(optimizer)]['found_inf_per_device']), so native-fp16 cannot agree its loss-scale verdict "
+            "across ranks here: use opt level O1 (float16 ops, the same dynamic loss scale) or a torch ampddp supports"
+        )
+    return found
+
+
 # ---- DTensor, asked about without importing it -----------------------------------------------------------
 
 

@@ -29,7 +29,7 @@ from ampddp.observe.run_plan import RunPlan
 from ampddp.precision.choice import Precision
 from ampddp.precision.engine import PrecisionEngine
 from ampddp.preemption import DEFAULT_STOP_SIGNALS, StopSignals, parse_signals
-from ampddp.prepare import MOVED_ARGUMENTS, PREPARE_TAKES, Takes, check_arguments, refuse_moved_arguments
+from ampddp.prepare import MOVED_ARGUMENTS, PREPARE_TAKES, Prepared, Takes, check_arguments, refuse_moved_arguments
 from ampddp.rundir.run_dir import RunDir
 from ampddp.training.assemble import RunSetup
 from ampddp.training.batches import BatchAdapter, LossFn, MetricsFn, accuracy, cross_entropy
@@ -114,31 +114,44 @@ def loop_settings(loop: LoopSettings | None, settings: dict[str, Any]) -> LoopSe
 
 
 class Trainer(TrainingLoop):
-    """Train ``model`` on ``train_set``; evaluate on ``eval_set``. ``model``: a module, or a function that
-    builds one (under FSDP2 it runs on the meta device and each rank materialises only its shards).
+    """Train ``model`` on ``train_set``; evaluate on ``eval_set``. It takes these arguments, and no others:
 
-    ``make_optimizer(params)`` and ``make_scheduler(optimizer)`` build the optimizer and LR scheduler
-    after the model is prepared. ``loss_fn(outputs, batch)`` and ``metrics(outputs, batch)`` serve
-    training and evaluation alike; batches are ``(inputs, targets)``, dicts (``model(**batch)``) or
-    whatever ``batches`` (a ``BatchAdapter``) understands. ``compile``: False (eager), True or a
-    torch.compile mode, or a ``ModelCompiler``; checkpoints hold the bare module either way.
-    ``precision``: a mode's name, a ``Precision`` (mode, impl, the mode's settings, registered
-    functions) or a fresh ``PrecisionEngine`` of your own (used as it is); ``"auto"`` (the default)
-    picks the fastest numerically safe mode of the device and says which (bf16 where it is native,
-    fp16 on GPUs before compute capability 8.0, else fp32);
-    ``parallel``: a ``Parallel`` (strategy, sync-BN, torch DDP's settings; None: torch DDP without
-    sync-BN). ``loading``: loader workers, pinned memory, prefetching (batches do not depend on them:
-    each sample is fetched under its own seed). ``device``: channels_last, cuDNN
-    benchmark, TF32. ``run_dir``: where the run writes (checkpoints, metrics.jsonl,
-    summary.json, plots, the loggers' folders): a path or a ``RunDir``, made once and shared by the
-    checkpoint store and the observer; None: nothing on disk. ``checkpoints``: a ``CheckpointSettings``
-    (keep_last, resume, init_from, config, layout; its run_dir is the older spelling of ``run_dir``).
-    ``report``: a ``Reporting`` (console progress; metrics.jsonl, summary.json, plots and loggers
-    such as W&B or MLflow in the run dir), by default progress and the run dir's files; None: silent.
-    ``callbacks``: your ``Callback`` objects, called in order after
-    the reporting. ``loop``: a ``LoopSettings`` (batch_size, grad_accum_steps, clip_grad_norm,
-    max_epochs, max_steps, seed, shuffle, drop_last, checkpoint_every, eval_every, log_every,
-    max_nonfinite_losses), or those fields as keywords (``**settings``), not both.
+    - ``model``: a module, or a function that builds one (under FSDP2 it runs on the meta device and
+      each rank materialises only its shards), or a ``ModelBuild``;
+    - ``make_optimizer(params)``, ``make_scheduler(optimizer)``: build the optimizer and LR scheduler
+      after the model is prepared (``params``: the model's, or its fp32 masters under O2/O5);
+    - ``train_set``, ``eval_set``: map-style data sets (``len()`` and ``[index]``); batches are
+      ``(inputs, targets)``, dicts (``model(**batch)``) or whatever ``batches`` (a ``BatchAdapter``)
+      understands;
+    - ``env``: a ``DistEnv`` (None: detected from the launcher's environment);
+    - ``precision``: a mode's name, a ``Precision`` (mode, impl, the mode's settings, registered
+      functions) or a fresh ``PrecisionEngine`` of your own (used as it is); ``"auto"`` (the default)
+      picks the fastest numerically safe mode of the device and says which (bf16 where it is native,
+      fp16 on GPUs before compute capability 8.0, else fp32);
+    - ``parallel``: a ``Parallel`` (strategy, sync-BN, DDP's and FSDP2's settings; None: torch DDP
+      without sync-BN);
+    - ``compile``: False (eager), True or a torch.compile mode, or a ``ModelCompiler``; checkpoints
+      hold the bare module either way;
+    - ``loss_fn(outputs, batch)``, ``metrics(outputs, batch)``: used by training and evaluation alike;
+    - ``batches``: a ``BatchAdapter`` (to the device, counting samples, calling the model);
+    - ``loading``: a ``LoaderSettings`` (loader workers, pinned memory, prefetching; batches do not
+      depend on them: each sample is fetched under its own seed);
+    - ``device``: a ``DeviceSettings`` (channels_last, cuDNN benchmark, TF32);
+    - ``checkpoints``: a ``CheckpointSettings`` (keep_last, resume, init_from, config, layout; its
+      run_dir is the older spelling of ``run_dir``);
+    - ``run_dir``: where the run writes (checkpoints, metrics.jsonl, summary.json, plots, the loggers'
+      folders): a path or a ``RunDir``, made once and shared by the checkpoint store and the observer;
+      None: nothing on disk;
+    - ``report``: a ``Reporting`` (console progress; metrics.jsonl, summary.json, plots and loggers
+      such as W&B or MLflow in the run dir), by default progress and the run dir's files; None: silent;
+    - ``callbacks``: your ``Callback`` objects, called in order after the reporting;
+    - ``stop_signals``: signal names (SIGTERM, SIGINT, SIGHUP, SIGUSR1 by default) or a ``StopSignals``: a
+      signal during training ends the step on every rank, checkpoints it and stops the run;
+    - ``loop``: a ``LoopSettings``, or instead its fields as keywords (``**settings``, not both):
+      ``batch_size``, ``grad_accum_steps``, ``clip_grad_norm``, ``max_epochs``, ``max_steps``, ``seed``,
+      ``shuffle``, ``drop_last``, ``checkpoint_every``, ``eval_every``, ``log_every``,
+      ``max_nonfinite_losses``. Any other keyword is refused, naming these; why the keywords stay
+      beside ``loop=``: docs/trainer.md.
     """
 
     def __init__(
@@ -181,21 +194,21 @@ class Trainer(TrainingLoop):
             run = setup.build(model, make_optimizer, env, on_compiled=self._compiled)
         state = TrainingState(
             run.module, run.optimizer, run.engine, make_scheduler(run.optimizer) if make_scheduler is not None else None,
-            ResumableSampler(train_set, env, shuffle=loop.shuffle, seed=loop.seed, drop_last=loop.drop_last),
+            ResumableSampler(train_set, run.data_shard, shuffle=loop.shuffle, seed=loop.seed, drop_last=loop.drop_last),
         )  # fmt: skip
         store = checkpoints.store(place)  # the run dir, made once: the store and the observer share it
         batches = batches or BatchAdapter(images=device.memory_format)
         data = DataLoading(loading or LoaderSettings(), env.device, loop.seed, worker_seed=env.rank_seed(loop.seed))
         scoring = {"loss_fn": loss_fn, "metrics": metrics, "batches": batches, "loading": data}
-        evaluator = None if eval_set is None else Evaluator(eval_set, loop.batch_size, env, **scoring,
-                                                            collective_forward=run.strategy.collective_forward)  # fmt: skip
+        placed = {"shard": run.data_shard, "schedule": run.schedule, "collective_forward": run.strategy.collective_forward}
+        evaluator = None if eval_set is None else Evaluator(eval_set, loop.batch_size, env, **scoring, **placed)
         super().__init__(
             run, train_set, loop,
             checkpointer=Checkpointer(state, store, env, resume=checkpoints.resume, config=checkpoints.config, seed=loop.seed,
                                       layout=run.strategy.checkpoint_layout if checkpoints.layout == "auto" else checkpoints.layout),
             loss_fn=loss_fn, batches=batches, loading=data,
             evaluator=evaluator,
-            callbacks=Callbacks([*self._observer(report, place, checkpoints, env, loop, len(train_set),
+            callbacks=Callbacks([*self._observer(report, place, checkpoints, run, loop, len(train_set),
                                                  None if eval_set is None else len(eval_set), state), *hooks]),
             stop_signals=stop_signals, device=device,
         )  # fmt: skip
@@ -207,14 +220,15 @@ class Trainer(TrainingLoop):
         with library_console(self.run.env, self._notes_shown):
             return super().fit()
 
-    def _observer(self, report: Reporting | None, place: RunDir | None, checkpoints: CheckpointSettings, env: DistEnv,
+    def _observer(self, report: Reporting | None, place: RunDir | None, checkpoints: CheckpointSettings, run: Prepared,
                   loop: LoopSettings, samples: int, eval_samples: int | None, state: TrainingState) -> list[Callback]:  # fmt: skip
         """What the run reports (see ``Reporting``), as a callback: none when ``report`` is None."""
         if report is None:
             return []
-        plan = RunPlan(samples, eval_samples, loop.batch_size, env.world_size, loop.grad_accum_steps, loop.max_epochs, loop.max_steps)
+        data_ranks = run.data_shard.size
+        plan = RunPlan(samples, eval_samples, loop.batch_size, data_ranks, loop.grad_accum_steps, loop.max_epochs, loop.max_steps)
         observer = RunObserver(
-            place, env, progress=report.progress, loggers=report.loggers, plots=report.plots, plan=plan, config=checkpoints.config,
+            place, run.env, progress=report.progress, loggers=report.loggers, plots=report.plots, plan=plan, config=checkpoints.config,
             tracked_runs=state.tracked_runs, scales_loss=state.engine.scales_loss, fp8_layers=state.engine.fp8_plan(),
             precision=state.engine.mode,
         )  # fmt: skip

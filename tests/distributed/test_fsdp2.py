@@ -596,7 +596,7 @@ def hsdp_worker(env, run_dir: str) -> dict[str, object]:
 @pytest.mark.timeout(600)
 def test_hsdp_trains_as_fsdp2_on_a_two_by_two_mesh_and_its_checkpoints_resume_under_fsdp2_and_ddp(tmp_path):
     first = launch_local(hsdp_worker, 4, (str(tmp_path),), device="cpu", timeout_s=300, job_timeout_s=560)[0]
-    assert first["mesh"] == ((2, 2), ("replicate", "shard"))
+    assert first["mesh"] == ((2, 2), ("dp_replicate", "dp_shard"))  # the named mesh's data-parallel dimensions
     hsdp, fsdp2 = first["losses"]["hsdp"], first["losses"]["fsdp2"]
     gap = largest_gap(fsdp2, hsdp)
     assert gap <= SAME_MODE["O5"], f"HSDP strays {gap:.3g} from FSDP2 on the same 4 ranks (allowed {SAME_MODE['O5']})"

@@ -23,10 +23,10 @@ from ampddp.checkpoint import keys
 from ampddp.cli import EXIT_BROKEN_PIPE, EXIT_NONFINITE, main
 from ampddp.distributed.env import DistEnv
 from ampddp.errors import NonFiniteGradientsError
-from ampddp.observe.progress import Progress
 from ampddp.precision.modes import build_engine
 from ampddp.recipe.reading import load_config, parse_overrides
 from ampddp.rundir.run_dir import RunDir
+from ampddp.training.progress import Progress
 from ampddp.zoo.models import build_model
 
 ROOT = Path(__file__).resolve().parents[2]

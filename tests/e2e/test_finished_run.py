@@ -15,8 +15,8 @@ import pytest
 from ampddp.checkpoint import keys
 from ampddp.cli import main
 from ampddp.errors import ConfigError
+from ampddp.recipe.finished import finished_run_summary
 from ampddp.recipe.reading import load_config
-from ampddp.rundir.finished import finished_run_summary
 from ampddp.rundir.lock import RunDirLock
 
 REPO = Path(__file__).resolve().parents[2]

@@ -14,8 +14,8 @@ from torch import nn
 from ampddp import ConfigError
 from ampddp.distributed.env import DistEnv
 from ampddp.precision import auto, hardware
+from ampddp.precision.casting.registry import FP32, OpRegistry
 from ampddp.precision.choice import Precision
-from ampddp.precision.registry import FP32, OpRegistry
 from ampddp.prepare import prepare
 from ampddp.recipe.build import build_run
 from ampddp.recipe.checks import check_recipe

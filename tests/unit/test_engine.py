@@ -197,3 +197,85 @@ def test_apex_backend_delegates_to_apex_amp(monkeypatch):
     engine.load_state_dict({"scalers": [{"loss_scale": 2.0, "unskipped": 3}]})
     assert fake.calls[-1] == ("load_state_dict", {"loss_scaler0": {"loss_scale": 2.0, "unskipped": 3}})
     assert engine.state_dict()["impl"] == "apex"
+    # The two halves open and close one of apex's scale_loss blocks; a stage without a loss has none to close.
+    fake.scale = 8.0
+    engine.scale_for_backward(F.cross_entropy(model(x), y)).backward()
+    engine.backward_done()
+    assert engine.step(optimizer) is False and engine.skipped_steps == 1  # counted from the loaded state (0)
+    with pytest.raises(AmpUsageError, match=r"backward_done without scale_for_backward: NVIDIA apex's amp unscales in the scale_loss"):
+        engine.backward_done()
+    with pytest.raises(ConfigError, match=r"impl=apex cannot agree its loss-scale verdict over a process group"):
+        engine.agree_over(object())
+
+
+@pytest.mark.parametrize("mode", ["O0", "O1", "O2", "O3", "O5", "native-fp16", "native-bf16"])
+def test_the_backward_in_two_halves_is_the_backward(mode):
+    x, y = make_batches(1, batch=32)[0]
+    trained = []
+    for halves in (False, True):
+        engine, model, optimizer = setup(mode)
+        optimizer.zero_grad()
+        for chunk_x, chunk_y in zip(x.chunk(2), y.chunk(2)):
+            with engine.forward_context():
+                loss = F.cross_entropy(model(chunk_x), chunk_y) / 2
+            if halves:
+                engine.scale_for_backward(loss).backward()
+                engine.backward_done()
+            else:
+                engine.backward(loss)
+        assert engine.step(optimizer)
+        trained.append((model.state_dict(), engine.state_dict()))
+    (whole, whole_state), (split, split_state) = trained
+    assert whole_state == split_state and all(torch.equal(whole[key], split[key]) for key in whole)
+
+
+@pytest.mark.parametrize("mode", ["O1", "native-fp16"])
+def test_a_pipeline_stage_without_a_loss_only_says_its_backward_is_done(mode):
+    """Two stages, an engine each: the last scales its loss; the first's backward starts from the gradients the
+    last sent back (scaled already), and it only says when that backward is done. Both step as the whole model."""
+    x, y = make_batches(1)[0]
+    engine, model, optimizer = setup(mode)
+    assert step(engine, model, optimizer, x, y)
+    layers = list(make_mlp())
+    stages = [torch.nn.Sequential(*layers[:3]), torch.nn.Sequential(*layers[3:])]
+    optimizers = [torch.optim.SGD(stage.parameters(), lr=0.1, momentum=0.9) for stage in stages]
+    engines = [build_engine(mode) for _ in stages]
+    for stage_engine, stage, stage_optimizer in zip(engines, stages, optimizers):
+        stage_engine.setup([stage], [stage_optimizer])
+    with engines[0].forward_context():
+        sent = stages[0](x)
+    received = sent.detach().requires_grad_()
+    with engines[1].forward_context():
+        loss = F.cross_entropy(stages[1](received), y)
+    engines[1].scale_for_backward(loss).backward()
+    engines[1].backward_done()
+    sent.backward(received.grad)
+    engines[0].backward_done()
+    assert all(stage_engine.step(stage_optimizer) for stage_engine, stage_optimizer in zip(engines, optimizers))
+    pipelined = [param for stage in stages for param in stage.parameters()]
+    assert all(torch.equal(whole, stage_param) for whole, stage_param in zip(model.parameters(), pipelined))
+
+
+@pytest.mark.parametrize(("mode", "skips"), [("O1", True), ("O2", True), ("native-fp16", True), ("O5", False), ("native-bf16", False)])
+def test_a_non_finite_gradient_norm_counts_as_an_overflow(mode, skips):
+    """A gradient finite in itself whose square is not (1e30): only the norm says overflow, and a dynamic loss
+    scale skips the step on it (a static one never skips, as in apex)."""
+    engine, model, optimizer = setup(mode, **({"verbosity": 0} if mode.startswith("O") else {}))
+    x, y = make_batches(1)[0]
+    with engine.forward_context():
+        loss = F.cross_entropy(model(x), y)
+    engine.backward(loss)
+    engine.unscale_(optimizer)
+    next(iter(engine.master_params(optimizer))).grad.view(-1)[0] = 1e30
+    scale = engine.loss_scale()
+    assert engine.grad_norm([optimizer]).item() == float("inf")
+    assert engine.step(optimizer) is not skips
+    assert engine.loss_scale() == (scale / 2 if skips else scale) and engine.skipped_steps == int(skips)
+
+
+def test_the_verdict_is_agreed_over_a_process_group_or_none():
+    engine, _, _ = setup("O1", verbosity=0)
+    assert engine.verdict_group is None
+    engine.agree_over(None)
+    with pytest.raises(ConfigError, match=r"agree_over\('world'\) is not valid: give the torch.distributed.ProcessGroup of every rank"):
+        engine.agree_over("world")

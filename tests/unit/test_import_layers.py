@@ -1,8 +1,8 @@
 """The package's import structure: every module imports only its own layer and the layers below.
 
-Lowest first: foundations (errors, preemption, the zoo, the run dir's files and lock, progress, loggers) ->
-precision -> distributed (with observe) -> prepare -> checkpoint -> training (the loop and its parts,
-trainer) -> application (config, recipe, the finished-run check, cli, amp facade, apex).
+Lowest first: foundations (errors, preemption, the zoo, the run dir, loggers) -> precision ->
+distributed (with observe) -> prepare -> checkpoint -> training (the loop and its parts, progress,
+trainer) -> application (config, recipe and its finished-run check, cli, amp facade, apex).
 The set-up data flows config -> precision -> distributed -> prepare -> loop -> checkpoint; no lower
 layer reaches back into one above it, neither by an import statement nor by a module name imported at
 run time (``importlib.import_module("ampddp...")``), and no two modules import each other in a circle.
@@ -29,7 +29,6 @@ LAYERS = [
             "ampddp.models",
             "ampddp.text",
             "ampddp.rundir",
-            "ampddp.observe.progress",
             "ampddp.observe.loggers",
             "ampddp.loggers",
         ),
@@ -44,7 +43,6 @@ LAYERS = [
         (
             "ampddp.config",
             "ampddp.recipe",
-            "ampddp.rundir.finished",
             "ampddp.cli",
             "ampddp.__main__",
             "ampddp.amp",
@@ -52,8 +50,7 @@ LAYERS = [
         ),
     ),
 ]
-"""Each module's layer is that of the longest name here it falls under (``ampddp.rundir.finished`` is an
-application module in a foundations package)."""
+"""Each module's layer is that of the longest name here it falls under."""
 PACKAGE = Path(ampddp.__file__).parent
 
 

@@ -14,7 +14,7 @@ from torch import nn
 from ampddp import OpRegistry, build_engine, float_function, half_function, promote_function
 from ampddp.precision.casting.cast_context import OpCastContext
 from ampddp.precision.casting.op_table import build_op_table
-from ampddp.precision.registry import bfloat16_function
+from ampddp.precision.casting.registry import bfloat16_function
 
 LEVELS = {"O1": torch.float16, "O4": torch.bfloat16}
 

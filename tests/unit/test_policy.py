@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ampddp import ConfigError
-from ampddp.precision.modes import OPT_LEVELS, resolve_policy
+from ampddp import ConfigError, Precision, build_engine
+from ampddp.precision.modes import MODES, OPT_LEVELS, check_settings, resolve_policy
 from ampddp.precision.policy import DYNAMIC
 
 EXPECTED = {
@@ -139,3 +139,23 @@ def test_policy_is_frozen_and_describes_itself_as_plain_data():
 )
 def test_a_set_up_is_logged_as_one_line_saying_what_the_level_does(level, line):
     assert resolve_policy(level).summary() == line
+
+
+def test_a_mode_row_names_its_engine_and_the_settings_that_one_check_takes():
+    for name, spec in MODES.items():
+        if not spec.runs_fp8:  # O6's engine converts its layers with torchao, an optional package
+            assert isinstance(build_engine(name), spec.engine), name
+    # One check, for every door: build_engine, Precision (when it is made) and a recipe's keys (their names).
+    said = "hysteresis applies to the O0-O6 opt levels, not to native-fp16: use one of them or remove it; valid for native-fp16: "
+    valid = "loss_scale, init_loss_scale, growth_factor, backoff_factor, growth_interval, enabled"
+    for attempt in (lambda: build_engine("native-fp16", hysteresis=2), lambda: Precision("native-fp16", overrides={"hysteresis": 2})):
+        with pytest.raises(ConfigError, match=said + valid):
+            attempt()
+    with pytest.raises(ConfigError, match=r"precision.hysteresis applies to the O0-O6 opt levels, not to native-fp16: .*growth_interval$"):
+        check_settings("native-fp16", {"hysteresis": 2}, prefix="precision.", offered=("loss_scale", "growth_interval", "hysteresis"))
+    with pytest.raises(ConfigError, match=r"precision mode auto picks a mode per device and takes no mode settings; got hysteresis=2"):
+        check_settings("auto", {"hysteresis": 2})
+    with pytest.raises(ConfigError, match=r"unknown precision setting 'bogus'; valid for native-fp16: loss_scale,"):
+        build_engine("native-fp16", hysteresis=2, bogus=1)  # an unknown name first: another mode's can wait
+    with pytest.raises(ConfigError, match=r"fp8_recipe, hysteresis apply to opt level O6 \(fp8 matmuls\), not to native-fp16: use O6"):
+        build_engine("native-fp16", fp8_recipe="rowwise", hysteresis=2)

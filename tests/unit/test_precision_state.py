@@ -15,8 +15,7 @@ from ampddp import PRECISION_MODES, ConfigError, build_engine
 from ampddp.amp import Amp
 from ampddp.checkpoint.restore import apply_precision, precision_conversion, restore_precision
 from ampddp.errors import CheckpointError
-from ampddp.precision import STATE_VERSION, PrecisionState, ScalerState
-from ampddp.precision.state import convert
+from ampddp.precision.state import STATE_VERSION, PrecisionState, ScalerState, convert
 
 PACKAGE = Path(__file__).resolve().parents[2] / "src" / "ampddp"
 

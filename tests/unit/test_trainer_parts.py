@@ -272,6 +272,15 @@ def test_loop_settings_come_as_one_object_or_as_keywords_not_both():
         Trainer(TinyTextClassifier(), sgd, TokenDataset(8), loop={"batch_size": 4})
 
 
+def test_the_trainers_docstring_names_everything_it_takes():
+    """The door says what it takes: each named argument and each loop setting its ``**settings`` accepts."""
+    import inspect
+
+    named = [name for name in inspect.signature(Trainer.__init__).parameters if name not in ("self", "settings")]
+    missing = [name for name in (*named, *LoopSettings.names()) if f"``{name}" not in Trainer.__doc__]
+    assert not missing, f"Trainer's docstring does not name: {missing}"
+
+
 def test_a_custom_metric_is_logged_and_printed_by_the_run_observer(tmp_path, capsys):
     from ampddp.distributed.env import detect_env
     from ampddp.observe import Reporting

@@ -43,24 +43,27 @@ from ampddp.amp.state_io import load_amp_state
 from ampddp.distributed.env import launched_rank_without_a_group
 from ampddp.errors import AmpUsageError
 from ampddp.precision import (
-    BFLOAT16,
-    FP32,
-    LOW,
     MODES,
-    PROMOTE,
-    OpRegistry,
     PrecisionEngine,
-    bfloat16_function,
     build_engine,
     check_loss,
     check_models_and_optimizers,
     check_opt_level,
+    warn_if_slower_than_fp32,
+)
+from ampddp.precision.casting import (
+    BFLOAT16,
+    FP32,
+    LOW,
+    PROMOTE,
+    OpRegistry,
+    bfloat16_function,
+    end_thread_casts,
     float_function,
     half_function,
     promote_function,
-    warn_if_slower_than_fp32,
+    suspend_thread_casts,
 )
-from ampddp.precision.casting import end_thread_casts, suspend_thread_casts
 
 
 def _as_list(value: Any, kind: type, name: str) -> tuple[list[Any], bool]:

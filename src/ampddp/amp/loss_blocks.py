@@ -16,7 +16,7 @@ import torch
 from torch.optim import Optimizer
 
 from ampddp.errors import AmpUsageError
-from ampddp.precision import ApexEngine, GradPhase, LossScaler, OptimizerGrads, OptLevelEngine, PrecisionEngine, check_loss
+from ampddp.precision import ApexEngine, OptLevelEngine, PrecisionEngine, check_loss
 
 
 def loss_blocks(engine: PrecisionEngine) -> OptLevelLossBlocks | ApexEngine:
@@ -26,14 +26,6 @@ def loss_blocks(engine: PrecisionEngine) -> OptLevelLossBlocks | ApexEngine:
     if isinstance(engine, ApexEngine):
         return engine
     raise AmpUsageError(f"scale_loss is apex's API for opt levels O0-O5; {engine.mode} uses engine.backward(loss) and engine.step")
-
-
-def _defer_overflow(records: Sequence[OptimizerGrads], scaler: LossScaler) -> None:
-    """Keep the records' non-finite flags on the scaler for the caller's ``update_scale`` (no host read)."""
-    found = [record.found_inf for record in records if record.found_inf is not None]
-    if found:
-        pending = sum(found[1:], found[0])
-        scaler.deferred_found_inf = pending if scaler.deferred_found_inf is None else scaler.deferred_found_inf + pending
 
 
 class OptLevelLossBlocks:
@@ -84,21 +76,6 @@ class OptLevelLossBlocks:
                 record.discard_new_grads()
             raise
         if delay_unscale:
-            for record in records:
-                record.phase = GradPhase.SCALED
+            engine.mark_scaled(records)
             return
-        for record in records:
-            record.unscale_(scaler)
-        skip = self._verdict(loss_id, records, delay_overflow_check)
-        for record in records:
-            record.found_inf, record.phase = None, GradPhase.READY
-            record.skip_pending = record.skip_pending or skip
-
-    def _verdict(self, loss_id: int, records: Sequence[OptimizerGrads], deferred: bool) -> bool:
-        """Update the scale now and say whether to skip, or (``deferred``) leave the flags for ``update_scale``."""
-        scaler = self.engine.scalers[loss_id]
-        if deferred:
-            _defer_overflow(records, scaler)
-            return False
-        scaler.deferred_found_inf = None  # this check covers those grads too (they accumulated into these)
-        return self.engine.decide_skip(loss_id, records)
+        engine.unscale_block(loss_id, records, defer_verdict=delay_overflow_check)

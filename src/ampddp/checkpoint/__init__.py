@@ -6,8 +6,7 @@ without torch: ``ampddp train`` reads a finished run's manifest before it import
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ampddp import lazy_names
 
 _HOMES = {
     "CheckpointRef": "ampddp.checkpoint.store",
@@ -23,15 +22,4 @@ _HOMES = {
 
 __all__ = sorted(_HOMES)
 
-
-def __getattr__(name: str) -> Any:
-    """Import a public name's module when the name is first used (PEP 562)."""
-    if name not in _HOMES:
-        raise AttributeError(f"module 'ampddp.checkpoint' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_HOMES[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_names(__name__, _HOMES)

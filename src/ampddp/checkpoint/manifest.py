@@ -2,7 +2,7 @@
 
 Reading a manifest and verifying the files it lists (size and XXH3-128 checksum) needs no torch, so
 ``ampddp train`` can tell a finished run from its last checkpoint before importing torch (see
-``ampddp.rundir.finished``); the checkpoint store and loader use the same functions.
+``ampddp.recipe.finished``); the checkpoint store and loader use the same functions.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import logging
 import math
 import re
 import stat
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampddp.checkpoint.restore import check_model_state, initial_weights, load_model_state
-from ampddp.distributed.meta_init import ModelBuild, ModelSource, whole_model
+from ampddp.checkpoint.restore import check_model_state, load_model_state
+from ampddp.distributed.meta_init import ModelBuild
 from ampddp.errors import CheckpointError, ConfigError
 
 logger = logging.getLogger("ampddp.checkpoint")
@@ -270,18 +270,4 @@ def weights_into(built: ModelBuild, weights: SafetensorsWeights) -> ModelBuild:
         return dataclasses.replace(built, init=dataclasses.replace(built.init, weights=weights))
     load_model_state(weights.whole(), built.module, str(weights.path))
     logger.info("weights from %s: %d tensors", weights.path, len(weights.entries))
-    return built
-
-
-def built_with_weights(model: ModelSource, build: Callable[[ModelSource], ModelBuild],
-                       init_from: str | Path | SafetensorsWeights | None) -> ModelBuild:  # fmt: skip
-    """``model`` as ``build`` makes it (a strategy's build: FSDP2's on the meta device), starting from
-    ``init_from``'s weights: safetensors go through :func:`weights_into`; any other checkpoint is loaded
-    into the model built whole; None: as built."""
-    if init_from is None:
-        return build(model)
-    if isinstance(init_from, SafetensorsWeights) or is_safetensors_source(init_from):
-        return weights_into(build(model), init_from if isinstance(init_from, SafetensorsWeights) else SafetensorsWeights(init_from))
-    built = ModelBuild(whole_model(model))
-    load_model_state(initial_weights(init_from), built.module, str(init_from))
     return built

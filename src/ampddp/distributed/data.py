@@ -16,6 +16,16 @@ import torch.distributed as dist
 from torch.utils.data import Sampler, SequentialSampler
 
 from ampddp.distributed.env import DistEnv
+from ampddp.distributed.mesh import DataShard
+
+DataPlace = DistEnv | DataShard
+"""Where a rank reads data: a ``DataShard`` (its data-parallel coordinates), or a ``DistEnv`` whose
+every rank is a data rank (data parallelism alone)."""
+
+
+def data_shard(place: DataPlace) -> DataShard:
+    """``place`` as data coordinates."""
+    return place if isinstance(place, DataShard) else DataShard.of(place)
 
 
 def shard_bounds(length: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -28,8 +38,9 @@ def shard_bounds(length: int, rank: int, world_size: int) -> tuple[int, int]:
 class EvalShardSampler(Sampler[int]):
     """Contiguous, unpadded shard of a dataset for evaluation: every index on exactly one rank."""
 
-    def __init__(self, dataset: Sized, env: DistEnv) -> None:
-        self.start, self.end = shard_bounds(len(dataset), env.rank, env.world_size)
+    def __init__(self, dataset: Sized, place: DataPlace) -> None:
+        shard = data_shard(place)
+        self.start, self.end = shard_bounds(len(dataset), shard.rank, shard.size)
 
     def __iter__(self) -> Iterator[int]:
         return iter(range(self.start, self.end))
@@ -45,12 +56,14 @@ class ResumableSampler(Sampler[int]):
     drops the first ``start`` samples of it (those consumed before a resume), pads the rest to a
     multiple of the world size by repeating its last samples (or trims it with ``drop_last``), and
     gives rank r every world_size-th sample from r. Ranks consume the order front to back, so the
-    consumed part is always a prefix, whatever the world size before and after.
+    consumed part is always a prefix, whatever the world size before and after. The ranks and world
+    are the data-parallel ones of ``place`` (ranks of one model-parallel group read the same samples).
     """
 
-    def __init__(self, dataset: Sized, env: DistEnv, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
+    def __init__(self, dataset: Sized, place: DataPlace, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
         self.length = len(dataset)
-        self.rank, self.world_size = env.rank, env.world_size
+        shard = data_shard(place)
+        self.rank, self.world_size = shard.rank, shard.size
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.epoch, self.start = 0, 0
 
@@ -89,8 +102,9 @@ class ResumableSampler(Sampler[int]):
         return {"epoch": self.epoch, "start": self.start, "seed": self.seed, "shuffle": self.shuffle, "drop_last": self.drop_last}
 
 
-def eval_sampler(dataset: Sized, env: DistEnv) -> Sampler[int]:
-    return EvalShardSampler(dataset, env) if env.distributed else SequentialSampler(dataset)
+def eval_sampler(dataset: Sized, place: DataPlace) -> Sampler[int]:
+    """Each data rank's contiguous, unpadded shard of ``dataset`` (the whole of it for one)."""
+    return EvalShardSampler(dataset, place) if data_shard(place).distributed else SequentialSampler(dataset)
 
 
 def all_gather_ragged(tensor: torch.Tensor, group: Any = None) -> list[torch.Tensor]:

@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ampddp.choices import SHARDING_STRATEGIES
 from ampddp.distributed.env import DistEnv
+from ampddp.distributed.mesh import ParallelDims
 from ampddp.errors import ConfigError, closest
 
 logger = logging.getLogger("ampddp.distributed")
@@ -69,14 +69,9 @@ class FSDPOptions:
         ):
             raise ConfigError(f"fsdp shard_size={self.shard_size!r} is not valid; it must be an integer >= 1 or null (a node's ranks)")
 
-    def check_strategy(self, strategy: str, where: str = "") -> None:
-        """Refuse these settings unless ``strategy`` shards with FSDP2 (shard_size: HSDP only);
-        ``where``: their prefix in messages."""
-        changed = [f"{where}{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]
-        if strategy not in SHARDING_STRATEGIES and changed:
-            raise ConfigError(f"{', '.join(changed)}: FSDP2 settings, but strategy={strategy}; unset them or use strategy fsdp2 or hsdp")
-        if strategy != "hsdp" and self.shard_size is not None:
-            raise ConfigError(f"{where}shard_size={self.shard_size}: the replicas' shard size of strategy hsdp, but strategy={strategy}")
+    def changed(self, where: str = "") -> list[str]:
+        """The settings given other values than their defaults, as ``{where}name=value``."""
+        return [f"{where}{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]
 
     def replicas(self, env: DistEnv) -> int:
         """HSDP's replica count on ``env``: the world size over ``shard_size`` (a node's ranks when None)."""
@@ -133,10 +128,12 @@ def block_classes(model: nn.Module, names: tuple[str, ...]) -> list[type[nn.Modu
     return list(dict.fromkeys(next(iter(by_name[name])) for name in names))
 
 
-def shard_model(model: nn.Module, env: DistEnv, options: FSDPOptions, param_dtype: torch.dtype | None, replicas: int = 1) -> nn.Module:
-    """``model`` sharded in place over every rank of ``env`` (``replicas`` > 1: HSDP, sharded within
-    each group of world / replicas ranks and replicated across the groups, on a 2-D mesh): its
-    BatchNorm layers, each block, then the root.
+def shard_model(model: nn.Module, env: DistEnv, options: FSDPOptions, param_dtype: torch.dtype | None,
+                mesh: Callable[[], Any] | None = None) -> nn.Module:  # fmt: skip
+    """``model`` sharded in place over the device mesh ``mesh()`` gives (default: every rank of
+    ``env``, one dimension; HSDP's is 2-D, (replicas, shard): sharded within each group, replicated
+    across the groups): its BatchNorm layers, each block, then the root. The mesh is asked for once
+    the process group is known to exist.
 
     ``param_dtype``: the dtype FSDP2 gives the params to the forward in (None: as stored). A unit's
     params share one dtype, so BatchNorm layers (kept fp32 beside fp16/bf16 weights, as apex's
@@ -151,7 +148,7 @@ def shard_model(model: nn.Module, env: DistEnv, options: FSDPOptions, param_dtyp
 
     _refuse_unshardable(model, env)
     classes = block_classes(model, options.blocks)
-    mesh = _device_mesh(env, replicas)
+    mesh = (mesh or (lambda: ParallelDims.data_parallel(env, replicas=1).submesh("dp_shard")))()
     reduce_dtype = torch.float32 if options.reduce_in_fp32 else None
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     as_stored = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype)
@@ -170,7 +167,7 @@ def shard_model(model: nn.Module, env: DistEnv, options: FSDPOptions, param_dtyp
     shard(model, mp_policy=policy, reshard_after_forward=False)
     if any(True for _ in model.buffers()):
         MainBuffers().install(model)
-    _log_units(env, replicas, blocks, norms)
+    _log_units(env, mesh.shape[0] if mesh.ndim == 2 else 1, blocks, norms)
     return model
 
 
@@ -194,18 +191,6 @@ def _refuse_unshardable(model: nn.Module, env: DistEnv) -> None:
             "process, make a group of it first (torch.distributed.init_process_group('gloo', store=torch.distributed.HashStore(), "
             "rank=0, world_size=1); ampddp train does this itself), launch 2 or more processes, or use strategy ddp or none"
         )
-
-
-def _device_mesh(env: DistEnv, replicas: int = 1) -> Any:
-    """The ranks as FSDP2's mesh: one dimension, or (replicas, shard) for HSDP (a rank's shard group is
-    its node's ranks when the shard size is a node's: the all-gathers stay inside the node)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    shape, names = ((env.world_size,), None) if replicas == 1 else ((replicas, env.world_size // replicas), ("replicate", "shard"))
-    try:
-        return init_device_mesh(env.device.type, shape, mesh_dim_names=names)
-    except (RuntimeError, ValueError) as error:
-        raise ConfigError(f"FSDP2 cannot build a device mesh of shape {shape} on {env.device.type}: {error}") from error
 
 
 def _offload_policy(options: FSDPOptions, env: DistEnv) -> Any:
@@ -268,13 +253,6 @@ class MainBuffers:
     def install(self, model: nn.Module) -> None:
         model.register_forward_pre_hook(self.before)
         model.register_forward_hook(self.after, always_call=True)
-
-
-def is_sharded(model: nn.Module) -> bool:
-    """Whether FSDP2 shards ``model`` (its class gained FSDP2's base)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
 
 
 def sharded_blocks(model: nn.Module) -> list[nn.Module]:

@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim import Optimizer
 
 from ampddp.choices import SYNC_BN_CHOICES
 from ampddp.distributed.env import DistEnv
 from ampddp.distributed.fsdp2 import FSDPOptions
+from ampddp.distributed.mesh import ParallelDims
 from ampddp.distributed.meta_init import InitProgram, ModelBuild, ModelSource
-from ampddp.distributed.strategies import MakeOptimizer, Strategy, strategy_named
+from ampddp.distributed.strategies import MakeOptimizer, SetUp, Strategy, make_strategy
 from ampddp.distributed.sync_bn import convert_sync_batchnorm
 from ampddp.distributed.wrap import DDPOptions
 from ampddp.errors import ConfigError, choice_error
@@ -30,8 +30,8 @@ from ampddp.precision.engine import PrecisionEngine
 
 @dataclass(frozen=True)
 class Parallel:
-    """``strategy``: ddp | apex-ddp | fsdp2 | dp | none (``ddp`` and ``apex-ddp`` leave a single
-    process's model bare; ``fsdp2`` needs 2+ processes). ``sync_bn``: off | auto | torch | apex |
+    """``strategy``: ddp | apex-ddp | fsdp2 | hsdp | dp | none (``ddp`` and ``apex-ddp`` leave a single
+    process's model bare; ``fsdp2`` on one process needs a process group of that one rank). ``sync_bn``: off | auto | torch | apex |
     portable. ``ddp``: torch DDP's settings (refused with another strategy). ``fsdp``: FSDP2's
     settings (refused with another strategy). ``wrap_options``: the wrapper's other keyword
     arguments (apex-ddp's own, nn.DataParallel's, torch DDP's others). ``where``: the settings'
@@ -45,7 +45,6 @@ class Parallel:
     where: InitVar[str] = ""
 
     def __post_init__(self, where: str) -> None:
-        plan = strategy_named(self.strategy)
         if self.sync_bn not in SYNC_BN_CHOICES:
             raise choice_error("sync_bn", self.sync_bn, SYNC_BN_CHOICES)
         if not isinstance(self.ddp, DDPOptions):
@@ -54,13 +53,19 @@ class Parallel:
             raise ConfigError(f"Parallel wrap_options={self.wrap_options!r} is not valid; it must be a mapping of keyword arguments")
         if not isinstance(self.fsdp, FSDPOptions):
             raise ConfigError(f"Parallel fsdp={self.fsdp!r} is not valid; it must be an FSDPOptions")
-        plan.check_settings(self.ddp, self.fsdp, self.wrap_options, where)
         object.__setattr__(self, "wrap_options", dict(self.wrap_options))
+        plan = make_strategy(self.strategy, ddp=self.ddp, fsdp=self.fsdp, wrap_options=self.wrap_options, where=where)
+        object.__setattr__(self, "_plan", plan)
 
     @property
     def plan(self) -> Strategy:
-        """The strategy object: its set-up order, gradient sync, checkpoint layout, process count."""
-        return strategy_named(self.strategy)
+        """The strategy object, holding its own settings: its set-up order, gradient sync, checkpoint
+        layout, the mesh its ranks form."""
+        return self._plan  # type: ignore[attr-defined]
+
+    def dims(self, env: DistEnv) -> ParallelDims:
+        """The mesh the strategy's ranks form on ``env`` (sizes checked; the mesh itself made on first use)."""
+        return self.plan.dims(env)
 
     def synchronise_batchnorm(self, model: nn.Module, device: torch.device) -> nn.Module:
         """``model`` with its BatchNorms synchronised as ``sync_bn`` says (itself when ``off``)."""
@@ -79,10 +84,10 @@ class Parallel:
             return ModelBuild(model)
         if not callable(model):
             raise ConfigError(f"model={type(model).__name__} is not valid; give a torch.nn.Module or a function that builds one")
-        return self.plan.build(model, self.fsdp)
+        return self.plan.build(model)
 
     def set_up(self, model: nn.Module, make_optimizer: MakeOptimizer, env: DistEnv, engine: PrecisionEngine,
-               init: InitProgram | None = None) -> tuple[nn.Module, nn.Module, Optimizer]:  # fmt: skip
+               init: InitProgram | None = None) -> SetUp:  # fmt: skip
         """The placed ``model`` under the strategy with ``engine``: (the model the loop calls, the bare
         module, its optimizer); ``init``: a meta build's initialisation, run once the strategy placed it."""
-        return self.plan.set_up(model, make_optimizer, env, engine, self.ddp, self.fsdp, self.wrap_options, init)
+        return self.plan.set_up(model, make_optimizer, env, engine, init)

@@ -14,8 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ampddp.choices import COMM_HOOKS
-from ampddp.distributed.data import sum_across_ranks
-from ampddp.distributed.env import DistEnv
+from ampddp.distributed.data import DataPlace, data_shard, sum_across_ranks
 from ampddp.errors import ConfigError, choice_error
 
 
@@ -47,12 +46,9 @@ class DDPOptions:
         if self.comm_hook not in COMM_HOOKS:
             raise choice_error("comm_hook", self.comm_hook, COMM_HOOKS)
 
-    def check_strategy(self, strategy: str, where: str = "") -> None:
-        """Refuse settings that the wrapper of ``strategy`` would not use (they belong to torch DDP);
-        ``where``: the settings' prefix in messages (``distributed.`` for a recipe)."""
-        changed = [f"{where}{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]
-        if strategy != "ddp" and changed:
-            raise ConfigError(f"{', '.join(changed)}: torch DDP settings, but {where}strategy={strategy}; unset them or use strategy ddp")
+    def changed(self, where: str = "") -> list[str]:
+        """The settings given other values than their defaults, as ``{where}name=value``."""
+        return [f"{where}{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]
 
     def wrap(self, model: nn.Module, device_ids: list[int] | None, **options: Any) -> DistributedDataParallel:
         """``model`` in torch DDP with these settings (and ``options``, torch DDP's other arguments)."""
@@ -97,16 +93,18 @@ class GradSync:
         return contextlib.nullcontext() if no_sync is None else no_sync()
 
 
-def global_batch_loss_weight(local_samples: int, env: DistEnv) -> float:
+def global_batch_loss_weight(local_samples: int, place: DataPlace) -> float:
     """Factor for the local mean loss so that DDP's mean over ranks is the global-batch gradient.
 
     DDP averages rank gradients with equal weight 1/k. When rank j holds m_j of the step's n
     samples, the true gradient weights rank j by m_j/n, so the local loss is scaled by m_j*k/n
-    (1.0 when every rank holds the same count). Costs one small all-reduce.
+    (1.0 when every rank holds the same count). Costs one small all-reduce over the data ranks
+    (``place``: a ``DistEnv``, every rank one, or a ``DataShard``).
     """
-    if not env.distributed:
+    shard = data_shard(place)
+    if not shard.distributed:
         return 1.0
-    total = float(sum_across_ranks(float(local_samples)).item())
+    total = float(sum_across_ranks(float(local_samples), shard.group).item())
     if total <= 0:
         raise ValueError("global batch is empty on every rank")
-    return local_samples * env.world_size / total
+    return local_samples * shard.size / total

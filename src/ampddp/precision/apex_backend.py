@@ -18,9 +18,9 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from ampddp.errors import ConfigError
+from ampddp.errors import AmpUsageError, ConfigError
+from ampddp.precision.casting.registry import OpRegistry
 from ampddp.precision.engine import PrecisionEngine, check_loss
-from ampddp.precision.registry import OpRegistry
 from ampddp.precision.state import PrecisionState
 
 APEX_MISSING = (
@@ -62,6 +62,7 @@ class ApexEngine(PrecisionEngine):
         self._optimizers: list[Optimizer] = []
         self._skipped = 0
         self._skip_pending = False
+        self._open_block: contextlib.ExitStack | None = None
 
     def setup(self, models: list[nn.Module], optimizers: list[Optimizer]) -> tuple[list[nn.Module], list[Optimizer]]:
         for entry in self._registrations:
@@ -78,6 +79,32 @@ class ApexEngine(PrecisionEngine):
     def backward(self, loss: torch.Tensor, loss_id: int = 0) -> None:
         with self.scale_loss(loss, self._optimizers, loss_id=loss_id) as scaled:
             scaled.backward()
+
+    def scale_for_backward(self, loss: torch.Tensor, loss_id: int = 0) -> torch.Tensor:
+        """apex's ``scale_loss`` block, opened here and closed by :meth:`backward_done` (apex unscales as it closes)."""
+        if self._open_block is not None:
+            raise AmpUsageError("scale_for_backward twice without backward_done: apex's scale_loss blocks do not nest")
+        block = contextlib.ExitStack()
+        scaled = block.enter_context(self.scale_loss(loss, self._optimizers, loss_id=loss_id))
+        self._open_block = block
+        return scaled
+
+    def backward_done(self, loss_id: int = 0) -> None:
+        block, self._open_block = self._open_block, None
+        if block is None:
+            raise AmpUsageError(
+                "backward_done without scale_for_backward: NVIDIA apex's amp unscales in the scale_loss block that scaled the "
+                "loss, so every backward under impl='apex' needs its loss (use impl='builtin' for a stage without one)"
+            )
+        block.close()
+
+    def agree_over(self, group: Any) -> None:
+        """NVIDIA apex's amp decides its skips itself: it cannot agree them over a group (it predates FSDP2)."""
+        if group is not None:
+            raise ConfigError(
+                "precision impl=apex cannot agree its loss-scale verdict over a process group: NVIDIA apex's amp decides each "
+                "rank's skips itself; use impl builtin where the ranks' gradients differ (fsdp2, hsdp)"
+            )
 
     @contextlib.contextmanager
     def scale_loss(
@@ -104,6 +131,7 @@ class ApexEngine(PrecisionEngine):
     def step(self, *optimizers: Optimizer) -> bool:
         for optimizer in optimizers:
             optimizer.step()
+        self._take_norm_overflow()  # NVIDIA apex decided this step's skip as its scale_loss block closed
         stepped, self._skip_pending = not self._skip_pending, False
         return stepped
 

@@ -2,9 +2,8 @@
 
 The mode, the implementation, the mode's settings and the registered functions used to cross the
 Trainer, the run's set-up and ``prepare`` as four loose arguments each; as one value they are made
-once (by a recipe, by a user's code) and every layer below passes the object on. The mode and the
-implementation are checked when it is made; the mode's settings when its engine is built (which
-settings a mode takes is the engine's knowledge).
+once (by a recipe, by a user's code) and every layer below passes the object on. All of it is checked
+when it is made: which settings a mode takes is its row's to say (``ampddp.precision.modes.check_settings``).
 """
 
 from __future__ import annotations
@@ -18,9 +17,9 @@ import torch
 from ampddp.choices import AUTO_PRECISION, IMPLS, PRECISION_CHOICES
 from ampddp.errors import ConfigError, choice_error
 from ampddp.precision.auto import auto_choice
+from ampddp.precision.casting.registry import OpRegistry
 from ampddp.precision.engine import PrecisionEngine
-from ampddp.precision.modes import MODES, ModeSpec
-from ampddp.precision.registry import OpRegistry
+from ampddp.precision.modes import MODES, ModeSpec, check_settings
 
 
 @dataclass(frozen=True)
@@ -57,20 +56,9 @@ class Precision:
                 f"the mode a checkpoint trained in: {', '.join(CONCRETE_MODES)}"
             )
         object.__setattr__(self, "overrides", dict(self.overrides))
-        if self.mode == AUTO_PRECISION:
-            self._check_auto()
-
-    def _check_auto(self) -> None:
-        """``auto`` picks a mode per device, so settings that belong to one mode cannot come with it."""
-        given = [*(f"{key}={value!r}" for key, value in self.overrides.items())]
-        given += ["registered functions (float/half/promote)"] if self.registry is not None and self.registry.entries() else []
-        given += [f"fp32_islands={self.fp32_islands}"] if self.fp32_islands is not None else []
-        given += [f"impl={self.impl}"] if self.impl != "builtin" else []
-        if given:
-            raise ConfigError(
-                f"precision mode auto picks a mode per device and takes no mode settings; got {', '.join(given)}: "
-                "name the mode they belong to (O0-O6, native-fp16, native-bf16)"
-            )
+        extras = ["registered functions (float/half/promote)"] if self.registry is not None and self.registry.entries() else []
+        extras += [f"fp32_islands={self.fp32_islands}"] if self.fp32_islands is not None else []
+        check_settings(self.mode, self.overrides, self.impl, extras=extras)
 
     def continuing(self, mode: str | None) -> Precision:
         """``auto`` resuming a checkpoint that trained in ``mode`` (None: one that does not say)."""

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ampddp.precision.casting.tensors import map_tensors
+from ampddp.torch_compat import is_dtensor
 
 
 def _non_finite(value: Any) -> bool:
@@ -62,8 +63,12 @@ def first_non_finite_module(module: nn.Module, forward: Callable[[], Any], conte
 
 
 def overflow_origin(named_params: Iterable[tuple[str, nn.Parameter]]) -> str | None:
-    """The parameter nearest the output whose gradient is non-finite: where a backward overflow began."""
+    """The parameter nearest the output whose gradient is non-finite on this rank: where a backward overflow
+    began. A sharded gradient is read in this rank's shard: its whole would be a collective per parameter,
+    which the ranks, stopping at different parameters, would not all join."""
     for name, param in reversed(list(named_params)):
-        if param.grad is not None and not bool(torch.isfinite(param.grad).all()):
+        grad = param.grad
+        local = grad.to_local() if is_dtensor(grad) else grad
+        if local is not None and not bool(torch.isfinite(local).all()):
             return name
     return None

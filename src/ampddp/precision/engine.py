@@ -19,10 +19,11 @@ from ampddp.choices import FLOAT32_MAX
 from ampddp.errors import AmpUsageError, ConfigError
 from ampddp.precision.casting.tensors import first_non_fp32_param
 from ampddp.precision.fp8 import fp8_layer_in
+from ampddp.precision.grad_norm import clip_total_norm_, total_norm
 from ampddp.precision.master import OptimizerGrads
 from ampddp.precision.policy import PrecisionPolicy
 from ampddp.precision.state import PrecisionState
-from ampddp.torch_compat import is_dtensor
+from ampddp.precision.verdict import check_group, non_finite_flag
 
 
 def check_models_and_optimizers(
@@ -86,11 +87,6 @@ def check_loss(loss: Any, api: str) -> None:
         )
 
 
-def whole(norm: torch.Tensor) -> torch.Tensor:
-    """A norm over sharded (FSDP2) gradients comes back as a DTensor: its value as a plain tensor."""
-    return norm.full_tensor() if is_dtensor(norm) else norm
-
-
 def policy_compute_dtype(policy: PrecisionPolicy) -> torch.dtype | None:
     """The low-precision dtype an opt level computes in: its model cast, else its op casts (None: fp32)."""
     if not policy.enabled:
@@ -108,6 +104,9 @@ class PrecisionEngine(ABC):
     mode: str
     last_overflow: str | None = None
     """Parameter where the gradients of the last skipped step first became non-finite."""
+    _verdict_group: Any = None
+    _norm_overflow: torch.Tensor | None = None
+    """This step's gradient norm was inf or NaN (a device flag, read with the verdict): an overflow."""
 
     @abstractmethod
     def setup(self, models: list[nn.Module], optimizers: list[Optimizer]) -> tuple[list[nn.Module], list[Optimizer]]:
@@ -121,9 +120,40 @@ class PrecisionEngine(ABC):
     def forward_context(self) -> AbstractContextManager[Any]:
         """Context for the forward pass and loss computation."""
 
-    @abstractmethod
     def backward(self, loss: torch.Tensor, loss_id: int = 0) -> None:
-        """Backward of the (scaled) loss; call it once per micro-batch when accumulating."""
+        """Backward of the (scaled) loss; call it once per micro-batch when accumulating. The two halves,
+        for a schedule that runs the backward itself: :meth:`scale_for_backward`, then :meth:`backward_done`."""
+        self.scale_for_backward(loss, loss_id).backward()
+        self.backward_done(loss_id)
+
+    def scale_for_backward(self, loss: torch.Tensor, loss_id: int = 0) -> torch.Tensor:
+        """The tensor to run the backward of ``loss`` on (scaled where this mode scales it); refuses a backward
+        that would mix with gradients this step cannot take (after ``unscale_``, another loss's pending ones).
+        Every engine of ampddp's has it; an engine of a user's own that overrides only ``backward`` (as the
+        interface asked before the halves existed) still trains, but not under a schedule that needs the halves."""
+        raise NotImplementedError(f"{type(self).__name__} overrides backward() only: a schedule that runs the backward itself "
+                                  "needs scale_for_backward() and backward_done()")  # fmt: skip
+
+    def backward_done(self, loss_id: int = 0) -> None:
+        """Say that a backward of loss ``loss_id``'s scale ran (its gradients are now scaled and pending). A
+        pipeline stage without a loss of its own (its backward starts from the next stage's gradients) calls
+        only this."""
+        raise NotImplementedError(f"{type(self).__name__} overrides backward() only: a schedule that runs the backward itself "
+                                  "needs scale_for_backward() and backward_done()")  # fmt: skip
+
+    def agree_over(self, group: Any) -> None:
+        """Agree the loss-scale verdict (skip or step) over ``group`` from now on: one small MAX all-reduce of the
+        non-finite flags after unscaling, before stepping (``ampddp.precision.verdict``). Whoever sets the engine up
+        names the ranks whose gradients can differ (FSDP2, tensor parallelism: every rank of the mesh); None, the
+        default, agrees nothing (one process, or DDP, whose all-reduce already made every rank's gradients equal).
+        Every rank of ``group`` must then step together."""
+        check_group(group)
+        self._verdict_group = group
+
+    @property
+    def verdict_group(self) -> Any:
+        """The process group the loss-scale verdict is agreed over (None: each rank decides alone)."""
+        return self._verdict_group
 
     @abstractmethod
     def unscale_(self, optimizer: Optimizer) -> None:
@@ -234,19 +264,32 @@ class PrecisionEngine(ABC):
         """Clear the optimizers' gradients (and any pending gradient state the engine keeps)."""
         for optimizer in optimizers:
             optimizer.zero_grad(set_to_none=True)
+        self._norm_overflow = None
 
     def teardown(self) -> None:  # noqa: B027 - optional for engines that install nothing
         """Remove hooks this engine installed; the models keep their converted dtypes."""
 
     def clip_grad_norm_(self, optimizers: Iterable[Optimizer], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Unscale, then clip the global norm over the params the optimizers step."""
-        return whole(torch.nn.utils.clip_grad_norm_(self._unscaled_params(optimizers), max_norm, norm_type=norm_type, foreach=True))
+        """Unscale, then clip the global norm over the params the optimizers step; a non-finite norm counts as
+        an overflow in this step's verdict (a dynamic loss scale skips the step, on every rank)."""
+        return self._counted(clip_total_norm_(self._unscaled_params(optimizers), max_norm, norm_type))
 
     def grad_norm(self, optimizers: Iterable[Optimizer], norm_type: float = 2.0) -> torch.Tensor:
         """Unscale, then measure the global gradient norm without touching the gradients (for logging:
-        clipping at an infinite limit would still rewrite every gradient)."""
-        grads = [p.grad for p in self._unscaled_params(optimizers)]
-        return whole(torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=True))
+        clipping at an infinite limit would still rewrite every gradient); a non-finite norm counts as an
+        overflow, as in :meth:`clip_grad_norm_`."""
+        return self._counted(total_norm(self._unscaled_params(optimizers), norm_type))
+
+    def _counted(self, norm: torch.Tensor) -> torch.Tensor:
+        """Keep whether ``norm`` is finite for this step's verdict (no host read now)."""
+        flag = non_finite_flag(norm)
+        self._norm_overflow = flag if self._norm_overflow is None else self._norm_overflow + flag
+        return norm
+
+    def _take_norm_overflow(self) -> list[torch.Tensor]:
+        """This step's gradient-norm flag, for the verdict, forgotten as it is taken."""
+        flag, self._norm_overflow = self._norm_overflow, None
+        return [] if flag is None else [flag]
 
     def _unscaled_params(self, optimizers: Iterable[Optimizer]) -> list[nn.Parameter]:
         params = []

@@ -229,6 +229,12 @@ class OptimizerGrads:
         for master in self.masters:
             master.grad = None
 
+    def close_block(self, skip: bool) -> None:
+        """A ``scale_loss`` block's gradients are unscaled and judged: nothing scaled pends, and a skip found now holds
+        until the step (apex decided a step's fate as each block closed, and kept it through the step's later blocks)."""
+        self.found_inf, self.phase = None, GradPhase.READY
+        self.skip_pending = self.skip_pending or skip
+
     def reset_step_state(self) -> None:
         """A step ended (taken or skipped): the next one starts from nothing pending."""
         self.phase = GradPhase.READY

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -12,14 +12,17 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from ampddp.errors import AmpUsageError, ConfigError, closest
+from ampddp.errors import AmpUsageError, ConfigError
 from ampddp.precision.buffer_guard import BufferGuard
 from ampddp.precision.casting.device_autocast import DeviceAutocast
+from ampddp.precision.casting.registry import OpRegistry
 from ampddp.precision.casting.tensors import device_types
 from ampddp.precision.diagnostics import overflow_origin
 from ampddp.precision.engine import PrecisionEngine, check_loss, check_models_and_optimizers
 from ampddp.precision.policy import DYNAMIC, parse_setting
 from ampddp.precision.state import PrecisionState, ScalerState
+from ampddp.precision.verdict import agreed_flag
+from ampddp.torch_compat import grad_scaler_found_infs
 
 logger = logging.getLogger("ampddp.precision")
 NATIVE_SETTINGS = ("loss_scale", "init_loss_scale", "growth_factor", "backoff_factor", "growth_interval", "enabled")
@@ -32,23 +35,28 @@ class NativeAmpEngine(PrecisionEngine):
     ``loss_scale``: "dynamic" (default for float16) or None (default for bfloat16: no scaling).
     """
 
-    def __init__(self, mode: str, dtype: torch.dtype, **settings: Any) -> None:
-        unknown = [key for key in settings if key not in NATIVE_SETTINGS]
-        if unknown:
-            raise ConfigError(
-                f"unknown native AMP setting {unknown[0]!r}{closest(unknown[0], NATIVE_SETTINGS)}; valid: {', '.join(NATIVE_SETTINGS)}"
-            )
+    def __init__(
+        self,
+        mode: str,
+        dtype: torch.dtype,
+        *,
+        loss_scale: str | None,
+        init_loss_scale: Any = 2.0**16,
+        growth_factor: Any = 2.0,
+        backoff_factor: Any = 0.5,
+        growth_interval: Any = 2000,
+        enabled: Any = True,
+    ) -> None:
         self.dtype = dtype
         self.mode = mode
-        loss_scale = settings.get("loss_scale", DYNAMIC if dtype == torch.float16 else None)
         if loss_scale not in (DYNAMIC, None, "none"):
             raise ConfigError(f"loss_scale={loss_scale!r} is not valid for {self.mode}; valid: 'dynamic' or None (no scaling)")
-        self.enabled = parse_setting("enabled", settings.get("enabled", True))
+        self.enabled = parse_setting("enabled", enabled)
         self._scaler_args = {
-            "init_scale": parse_setting("init_loss_scale", settings.get("init_loss_scale", 2.0**16)),
-            "growth_factor": parse_setting("growth_factor", settings.get("growth_factor", 2.0)),
-            "backoff_factor": parse_setting("backoff_factor", settings.get("backoff_factor", 0.5)),
-            "growth_interval": parse_setting("growth_interval", settings.get("growth_interval", 2000)),
+            "init_scale": parse_setting("init_loss_scale", init_loss_scale),
+            "growth_factor": parse_setting("growth_factor", growth_factor),
+            "backoff_factor": parse_setting("backoff_factor", backoff_factor),
+            "growth_interval": parse_setting("growth_interval", growth_interval),
             "enabled": self.enabled and loss_scale == DYNAMIC,
         }
         self._device_types: tuple[str, ...] = ("cpu",)
@@ -61,10 +69,23 @@ class NativeAmpEngine(PrecisionEngine):
         self._buffer_guard: BufferGuard | None = None
         self._handles: list[RemovableHandle] = []
 
+    @classmethod
+    def for_mode(
+        cls, spec: Any, settings: Mapping[str, Any], registry: OpRegistry | None = None, allow_low_precision_models: bool = False
+    ) -> NativeAmpEngine:
+        """The engine of the mode table's row ``spec`` (its name and dtype) with ``settings`` (the row's checked names;
+        ``loss_scale`` defaults to "dynamic" for float16, None for bfloat16). torch.autocast applies no registered
+        functions and casts no models' params, so ``registry`` and ``allow_low_precision_models`` decide nothing here."""
+        return cls(spec.name, spec.compute_dtype, **{"loss_scale": DYNAMIC if spec.compute_dtype == torch.float16 else None, **settings})
+
     def setup(self, models: list[nn.Module], optimizers: list[Optimizer]) -> tuple[list[nn.Module], list[Optimizer]]:
         check_models_and_optimizers(models, optimizers)
         self._device_types = device_types(models)
         self.scaler = torch.amp.GradScaler(self._device_types[0], **self._scaler_args)
+        first = next((param for model in models for param in model.parameters()), None)
+        if self.scaler.is_enabled() and first is not None:
+            # GradScaler makes its scale at its first scale(): a pipeline stage without a loss never calls it.
+            self.scaler.scale(torch.ones((), device=first.device))
         self._optimizers = list(optimizers)
         self._named_params = [(f"models[{i}].{name}", p) for i, model in enumerate(models) for name, p in model.named_parameters()]
         self.teardown()
@@ -91,12 +112,18 @@ class NativeAmpEngine(PrecisionEngine):
     def forward_context(self) -> AbstractContextManager[Any]:
         return DeviceAutocast(self._device_types, self.dtype, self.enabled)
 
-    def backward(self, loss: torch.Tensor, loss_id: int = 0) -> None:
+    def scale_for_backward(self, loss: torch.Tensor, loss_id: int = 0) -> torch.Tensor:
         check_loss(loss, "engine.backward")
+        self._check_loss_id(loss_id)
+        return self.scaler.scale(loss)
+
+    def backward_done(self, loss_id: int = 0) -> None:
+        self._check_loss_id(loss_id)
+        self._stepped = False
+
+    def _check_loss_id(self, loss_id: int) -> None:
         if loss_id != 0:
             raise ConfigError(f"loss_id={loss_id!r} is not valid for {self.mode}: native AMP has one scaler (loss_id 0)")
-        self.scaler.scale(loss).backward()
-        self._stepped = False
 
     def _check_known(self, optimizer: Optimizer) -> None:
         if not any(optimizer is known for known in self._optimizers):
@@ -119,6 +146,7 @@ class NativeAmpEngine(PrecisionEngine):
         for optimizer in optimizers:
             self._check_known(optimizer)
         before = self.scaler.get_scale()
+        self._agree_verdict(optimizers)
         for optimizer in optimizers:
             self.scaler.step(optimizer)
         self.scaler.update()
@@ -135,6 +163,24 @@ class NativeAmpEngine(PrecisionEngine):
             else:
                 self._buffer_guard.commit()
         return not skipped
+
+    def _agree_verdict(self, optimizers: tuple[Optimizer, ...]) -> None:
+        """Unscale, then make GradScaler's per-device non-finite flags say what every rank of the verdict group found
+        (and a non-finite gradient norm), so that its ``step`` skips and its ``update`` backs off on all of them alike.
+        Without a group or a norm check GradScaler decides alone, as it always did."""
+        norm_flags = self._take_norm_overflow()
+        if not self.scaler.is_enabled() or not (norm_flags or self._verdict_group is not None):
+            return
+        for optimizer in optimizers:
+            self.unscale_(optimizer)
+        found = [grad_scaler_found_infs(self.scaler, optimizer) for optimizer in optimizers]
+        flags = [flag for per_device in found for flag in per_device.values()] + norm_flags
+        agreed = agreed_flag(flags, self._verdict_group, self._device_types[0])
+        for per_device in found:
+            for flag in per_device.values():
+                flag.copy_(agreed.reshape(flag.shape))
+            if not per_device:  # no gradients here: the step still follows the ranks that had some
+                per_device[agreed.device] = agreed.reshape(())
 
     def master_params(self, optimizer: Optimizer) -> Iterator[nn.Parameter]:
         self._check_known(optimizer)

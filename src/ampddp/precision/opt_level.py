@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +25,7 @@ from ampddp.precision.buffer_guard import BufferGuard
 from ampddp.precision.casting.cast_context import OpCastContext
 from ampddp.precision.casting.model_hooks import ForwardHooks, install_fp32_state_hooks
 from ampddp.precision.casting.op_table import build_op_table
+from ampddp.precision.casting.registry import OpRegistry
 from ampddp.precision.casting.tensors import convert_model, device_types
 from ampddp.precision.compile_support import run_eagerly_as_own_frame
 from ampddp.precision.diagnostics import overflow_origin
@@ -33,17 +34,16 @@ from ampddp.precision.fp8_conversion import model_conversion
 from ampddp.precision.master import GradPhase, OptimizerGrads
 from ampddp.precision.master_sync import DdpForwards, reconcile_masters
 from ampddp.precision.policy import PrecisionPolicy
-from ampddp.precision.registry import OpRegistry
 from ampddp.precision.scaler import LossScaler
 from ampddp.precision.state import PrecisionState
+from ampddp.precision.verdict import agreed_flag
 
 logger = logging.getLogger("ampddp.precision")
 
 
-def _overflowed(records: Sequence[OptimizerGrads], scaler: LossScaler) -> bool:
-    """Read the found-inf flags of all records with one host synchronisation."""
-    found = [record.found_inf for record in records if record.found_inf is not None]
-    return scaler.dynamic and bool(found) and bool(sum(found[1:], found[0]).item())
+def _device_of(records: Sequence[OptimizerGrads]) -> torch.device:
+    """Where the records' params live: a rank without gradients joins the verdict's collective from there."""
+    return next((param.device for record in records for param in record.master_params()), torch.device("cpu"))
 
 
 @dataclass
@@ -73,6 +73,13 @@ class OptLevelEngine(PrecisionEngine):
         self._pending: _PendingStep | None = None
         self._conversion = model_conversion(policy)
         """O6's fp8 layers (every other level: no conversion)."""
+
+    @classmethod
+    def for_mode(
+        cls, spec: Any, settings: Mapping[str, Any], registry: OpRegistry | None = None, allow_low_precision_models: bool = False
+    ) -> OptLevelEngine:
+        """The engine of the mode table's row ``spec`` (an opt level) with its checked ``settings`` applied to the level's policy."""
+        return cls(spec.policy_with(settings), registry, allow_low_precision_models)
 
     # ---- set-up -------------------------------------------------------------------------------
     def convert_storage(self, model: nn.Module) -> None:
@@ -188,6 +195,7 @@ class OptLevelEngine(PrecisionEngine):
                 if self._buffer_guard is not None:
                     self._buffer_guard.commit()
             record.reset_step_state()
+            self._norm_overflow = None  # a step the facade took without engine.step: its verdict came at its blocks' ends
 
         return post_step
 
@@ -247,7 +255,7 @@ class OptLevelEngine(PrecisionEngine):
             return True
         return not scaler.dynamic and scaler.loss_scale == 1.0 and not self.policy.uses_master_weights
 
-    def backward(self, loss: torch.Tensor, loss_id: int = 0) -> None:
+    def scale_for_backward(self, loss: torch.Tensor, loss_id: int = 0) -> torch.Tensor:
         check_loss(loss, "engine.backward")
         scaler = self.scaler_for(loss_id)
         if any(record.phase is GradPhase.UNSCALED for record in self._records.values()):
@@ -261,13 +269,37 @@ class OptLevelEngine(PrecisionEngine):
                 f"backward with loss_id={loss_id} while the grads of loss_id={pending.loss_id} are not yet stepped; "
                 "call engine.step between losses, or use amp.scale_loss, which unscales per loss"
             )
-        identity = self.passes_through(scaler)
-        (loss if identity else scaler.scale_loss(loss)).backward()
+        return loss if self.passes_through(scaler) else scaler.scale_loss(loss)
+
+    def backward_done(self, loss_id: int = 0) -> None:
+        scaler = self.scaler_for(loss_id)
+        pending = self._pending
         if pending is None or pending.stepped:
             self._pending = _PendingStep(loss_id)
-        if not identity:
-            for record in self._records.values():
-                record.phase = GradPhase.SCALED
+        if not self.passes_through(scaler):
+            self.mark_scaled(self._records.values())
+
+    def mark_scaled(self, records: Iterable[OptimizerGrads]) -> None:
+        """A backward left scaled gradients in ``records`` that no unscale has seen yet (``engine.backward``, or a
+        ``scale_loss`` block that delays its unscale): a step must unscale them first."""
+        for record in records:
+            record.phase = GradPhase.SCALED
+
+    def unscale_block(self, loss_id: int, records: Sequence[OptimizerGrads], defer_verdict: bool = False) -> None:
+        """An apex ``scale_loss`` block closed: unscale the gradients its backward added to ``records`` and decide now
+        whether their next step skips (held by the records until that step), or, with ``defer_verdict`` (apex's
+        ``delay_overflow_check``), leave the non-finite flags on the scaler for the caller's ``update_scale``."""
+        scaler = self.scaler_for(loss_id)
+        for record in records:
+            record.unscale_(scaler)
+        skip = False
+        if defer_verdict:
+            scaler.defer([record.found_inf for record in records if record.found_inf is not None])
+        else:
+            scaler.deferred_found_inf = None  # this check covers those grads too (they accumulated into these)
+            skip = self.decide_skip(loss_id, records)
+        for record in records:
+            record.close_block(skip)
 
     def unscale_(self, optimizer: Optimizer) -> None:
         record = self._record(optimizer)
@@ -313,12 +345,13 @@ class OptLevelEngine(PrecisionEngine):
             optimizer.zero_grad(set_to_none=True)
             record.discard_grads()
         self._pending = None
+        self._norm_overflow = None
 
     def decide_skip(self, loss_id: int, records: Sequence[OptimizerGrads]) -> bool:
         """Update scaler ``loss_id`` from the records' non-finite flags (one host read); True: skip the step."""
         scaler = self.scalers[loss_id]
         try:
-            skip = scaler.update(_overflowed(records, scaler))
+            skip = scaler.update(self._overflowed(records, scaler))
         except NonFiniteGradientsError as error:
             raise NonFiniteGradientsError(f"{error} Non-finite gradients start at: {self._overflow_origin(records)}.") from None
         if skip:
@@ -332,10 +365,18 @@ class OptLevelEngine(PrecisionEngine):
                 )
         return skip
 
+    def _overflowed(self, records: Sequence[OptimizerGrads], scaler: LossScaler) -> bool:
+        """Whether the records' gradients (or this step's gradient norm) were non-finite on any rank of the verdict
+        group: one host read, after the group's one MAX all-reduce. A static scale never skips, so never asks."""
+        flags = [record.found_inf for record in records if record.found_inf is not None] + self._take_norm_overflow()
+        if not scaler.dynamic or self.passes_through(scaler) or not (flags or self._verdict_group is not None):
+            return False
+        return bool(agreed_flag(flags, self._verdict_group, _device_of(records)).item())
+
     def _overflow_origin(self, records: Sequence[OptimizerGrads]) -> str:
         stepped = {id(model_param): param for record in records for model_param, param in record.param_pairs()}
         named = [(name, stepped[key]) for key, name in self._param_names.items() if key in stepped]
-        return overflow_origin(named) or "no parameter (the gradients are finite now)"
+        return overflow_origin(named) or "no parameter of this rank (the gradients are finite here: another rank's, or the norm, were not)"
 
     def master_params(self, optimizer: Optimizer) -> Iterator[nn.Parameter]:
         return self._record(optimizer).master_params()

@@ -129,6 +129,12 @@ class LossScaler:
         first = found[0]
         return sum((f.to(first.device) for f in found[1:]), first)
 
+    def defer(self, flags: Sequence[torch.Tensor]) -> None:
+        """Keep non-finite flags for an ``update`` the caller makes later (apex's ``delay_overflow_check``), no host read now."""
+        if flags:
+            pending = sum(flags[1:], flags[0])
+            self.deferred_found_inf = pending if self.deferred_found_inf is None else self.deferred_found_inf + pending
+
     def update(self, found_inf: bool) -> bool:
         """Advance the counters after one backward (apex) or one step; return True to skip the step."""
         if found_inf and self.dynamic:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ampddp.checkpoint.safetensors_weights import SafetensorsWeights, built_with_weights, is_safetensors_source
+from ampddp.checkpoint.safetensors_weights import SafetensorsWeights, is_safetensors_source
 from ampddp.config import RunConfig, is_import_path
 from ampddp.distributed.env import DistEnv
 from ampddp.distributed.meta_init import ModelBuild
@@ -42,6 +42,7 @@ from ampddp.recipe.factories import (
 from ampddp.rundir.run_dir import RunDir
 from ampddp.trainer import Trainer
 from ampddp.training.callbacks import Callback
+from ampddp.training.model_build import built_model
 from ampddp.training.settings import LoopSettings
 from ampddp.zoo.data import find_classes
 
@@ -58,7 +59,7 @@ def build_run(config: RunConfig, env: DistEnv, stop_signals: tuple[str, ...] | S
     train_set, eval_set = build_datasets_from(config, augment=data.augment)
     parallel = parallel_from(config)
     model = checked_model(config, parallel)
-    epoch_steps = steps_per_epoch(config, len(train_set), env.world_size)
+    epoch_steps = steps_per_epoch(config, len(train_set), parallel.dims(env).dp_size)
     loop = LoopSettings(
         batch_size=data.batch_size, grad_accum_steps=trainer_cfg.grad_accum_steps, clip_grad_norm=trainer_cfg.clip_grad_norm,
         max_epochs=trainer_cfg.max_epochs, max_steps=trainer_cfg.max_steps, seed=trainer_cfg.seed, shuffle=SHUFFLE,
@@ -132,7 +133,7 @@ def _built_from_weights(config: RunConfig, parallel: Parallel) -> ModelBuild:
         )
     try:
         source = SafetensorsWeights(init_from, key_map) if init_from is not None and is_safetensors_source(init_from) else init_from
-        return built_with_weights(lambda: build_model_from(config), parallel.build, source)
+        return built_model(lambda: build_model_from(config), parallel, source)
     except CheckpointError as error:
         raise CheckpointError(f"checkpoint.init_from: {error}") from None
 

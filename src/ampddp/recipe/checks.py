@@ -161,10 +161,10 @@ def _numbers_in(key: str, value: Any) -> Iterator[tuple[str, float]]:
 def check_recipe(config: RunConfig) -> None:
     """What a run can be checked for before any part of it is built, and all a parent spawning
     workers checks before they exist: values and ranges, precision settings the device cannot run,
-    dotted names, data paths and image options, the LR schedule and strategy settings, the processes
-    the strategy needs, stop signals, the torch.compile backend, reporting, and that a checkpoint to
-    resume from exists. Each built part is checked where it is built (``ampddp.recipe.build``); the
-    run dir is probed (``RunDir.probe``) and locked after that, before the first write.
+    dotted names, data paths and image options, the LR schedule and strategy settings, stop signals,
+    the torch.compile backend, reporting, and that a checkpoint to resume from exists. Each built part
+    is checked where it is built (``ampddp.recipe.build``); the run dir is probed (``RunDir.probe``)
+    and locked after that, before the first write.
     """
     check_config(config)
     check_paths(config)

@@ -22,7 +22,6 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import Dataset
 
-from ampddp.choices import AUTO_PRECISION
 from ampddp.config import IMPORT_PATH_FORM, PrecisionConfig, RunConfig, is_import_path
 from ampddp.distributed.env import HOST_AND_CUDA, seed_everything
 from ampddp.distributed.fsdp2 import FSDPOptions
@@ -31,11 +30,9 @@ from ampddp.distributed.wrap import DDPOptions
 from ampddp.errors import ConfigError, closest, spelled
 from ampddp.observe.loggers import MlflowLogger, WandbLogger
 from ampddp.observe.observer import Reporting
+from ampddp.precision.casting import FP32, LOW, PROMOTE, OpRegistry
 from ampddp.precision.choice import Precision
-from ampddp.precision.modes import NATIVE_MODES
-from ampddp.precision.native import NATIVE_SETTINGS
-from ampddp.precision.policy import FP8_SETTINGS
-from ampddp.precision.registry import FP32, LOW, PROMOTE, OpRegistry
+from ampddp.precision.modes import check_settings
 from ampddp.recipe.schedule import LRSchedule, lr_scheduler
 from ampddp.rundir.paths import expand_path
 from ampddp.training.checkpoint_settings import CheckpointSettings
@@ -45,8 +42,8 @@ from ampddp.training.loading import LoaderSettings
 from ampddp.zoo.data import build_datasets
 from ampddp.zoo.models import build_model
 
-NATIVE_KEYS = tuple(key for key in NATIVE_SETTINGS if key in {f.name for f in dataclasses.fields(PrecisionConfig)})
-"""The precision.* keys that native-fp16 / native-bf16 accept."""
+PRECISION_KEYS = frozenset(field.name for field in dataclasses.fields(PrecisionConfig))
+"""The precision.* keys a recipe can set (of the settings a mode takes, these are the ones a recipe names)."""
 REGISTRATION_KEYS = {"float_functions": FP32, "half_functions": LOW, "promote_functions": PROMOTE}
 SHUFFLE, DROP_LAST = True, False
 """How ``train`` samples batches; a checkpoint to resume must have been written with the same."""
@@ -55,37 +52,14 @@ LAMB = "lamb"
 
 
 def precision_overrides(config: RunConfig) -> dict[str, Any]:
-    """The precision.* keys the user set, checked against what the chosen mode accepts."""
-    values = dataclasses.asdict(config.precision)
+    """The precision.* keys the user set, checked against what the chosen mode takes (the mode table's one check)."""
+    precision = config.precision
+    values = dataclasses.asdict(precision)
     set_keys = {k: v for k, v in values.items() if k not in ("mode", "impl", "fp32_islands", *REGISTRATION_KEYS) and v is not None}
-    if config.precision.mode == AUTO_PRECISION:
-        _refuse_settings_under_auto(config.precision, set_keys)
-    if config.precision.mode in NATIVE_MODES:
-        _check_native_settings(config.precision.mode, set_keys)
+    extras = [f"precision.{key}" for key in REGISTRATION_KEYS if getattr(precision, key)]
+    extras += ["precision.fp32_islands"] if precision.fp32_islands is not None else []
+    check_settings(precision.mode, set_keys, precision.impl, "precision.", extras, offered=PRECISION_KEYS)
     return set_keys
-
-
-def _refuse_settings_under_auto(precision: PrecisionConfig, set_keys: dict[str, Any]) -> None:
-    """auto picks a mode per device: a mode's own settings have none to apply to."""
-    given = [f"precision.{key}" for key in set_keys]
-    given += [f"precision.{key}" for key in REGISTRATION_KEYS if getattr(precision, key)]
-    given += ["precision.impl"] if precision.impl != "builtin" else []
-    given += ["precision.fp32_islands"] if precision.fp32_islands is not None else []
-    if given:
-        raise ConfigError(
-            f"precision.mode is auto (the default), which picks a mode per device, so {', '.join(given)} has no mode to "
-            "apply to: set precision.mode to the mode it belongs to (O0-O6, native-fp16, native-bf16)"
-        )
-
-
-def _check_native_settings(mode: str, set_keys: dict[str, Any]) -> None:
-    fp8 = [f"precision.{key}" for key in set_keys if key in FP8_SETTINGS]
-    if fp8:
-        verb = "applies" if len(fp8) == 1 else "apply"
-        raise ConfigError(f"{', '.join(fp8)} {verb} to opt level O6 (fp8 matmuls), not to {mode}; use O6 or remove it")
-    for key in set_keys:
-        if key not in NATIVE_KEYS:
-            raise ConfigError(f"precision.{key} applies to the O0-O6 opt levels, not to {mode}; valid here: {', '.join(NATIVE_KEYS)}")
 
 
 def resolve_function(dotted: str, key: str = "a function name") -> tuple[Any, str]:
@@ -315,9 +289,9 @@ def _optimizer_maker(name: str, make: Callable[..., Optimizer]) -> Callable[[Ite
     return make_optimizer
 
 
-def steps_per_epoch(config: RunConfig, train_samples: int, world_size: int) -> int:
-    """Optimizer steps in one epoch of ``train_samples`` over ``world_size`` ranks."""
-    return max(1, math.ceil(train_samples / (config.data.batch_size * world_size * config.trainer.grad_accum_steps)))
+def steps_per_epoch(config: RunConfig, train_samples: int, data_ranks: int) -> int:
+    """Optimizer steps in one epoch of ``train_samples`` read by ``data_ranks`` data-parallel ranks."""
+    return max(1, math.ceil(train_samples / (config.data.batch_size * data_ranks * config.trainer.grad_accum_steps)))
 
 
 def scheduler_factory(config: RunConfig, epoch_steps: int) -> Callable[[Optimizer], LRScheduler | None]:

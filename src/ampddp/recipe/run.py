@@ -16,11 +16,10 @@ from ampddp.config import RunConfig
 from ampddp.distributed.data import gather_objects
 from ampddp.distributed.env import DistEnv, detect_env, init_one_rank_group, setup_distributed, shutdown_distributed
 from ampddp.distributed.launch import launch_local
-from ampddp.distributed.strategies import strategy_named
+from ampddp.distributed.strategies import strategy_class
 from ampddp.distributed.watch import PeerWatch
 from ampddp.errors import ConfigError
 from ampddp.observe.console import notes_held_until_done, rank_console
-from ampddp.observe.progress import Progress
 from ampddp.observe.run_log import RunLog
 from ampddp.preemption import EarlySignals, StopSignals
 from ampddp.recipe.build import build_run
@@ -29,6 +28,7 @@ from ampddp.recipe.factories import process_group_backend
 from ampddp.recipe.rank_agreement import check_ranks_agree
 from ampddp.rundir.run_dir import RunDir
 from ampddp.training.callbacks import Callback
+from ampddp.training.progress import Progress
 
 __all__ = ["check_recipe", "launch", "train"]
 
@@ -103,7 +103,7 @@ def _joined(config: RunConfig) -> Iterator[DistEnv]:
     dist_cfg = config.distributed
     env = setup_distributed(device=dist_cfg.device, backend=process_group_backend(config), timeout_s=dist_cfg.timeout_s)
     try:
-        if strategy_named(dist_cfg.strategy).needs_process_group:
+        if strategy_class(dist_cfg.strategy).needs_process_group:
             init_one_rank_group(env, process_group_backend(config))  # FSDP2 on one process: a mesh of one rank
         check_ranks_agree(config, env)
         yield env

@@ -11,7 +11,7 @@ from pathlib import Path
 from torch import nn
 from torch.optim import Optimizer
 
-from ampddp.checkpoint.safetensors_weights import SafetensorsWeights, built_with_weights
+from ampddp.checkpoint.safetensors_weights import SafetensorsWeights
 from ampddp.distributed.env import DistEnv
 from ampddp.distributed.meta_init import ModelSource
 from ampddp.distributed.parallel import Parallel
@@ -20,6 +20,7 @@ from ampddp.precision.engine import PrecisionEngine
 from ampddp.prepare import Prepared, prepare
 from ampddp.training.compile_model import ModelCompiler
 from ampddp.training.device import DeviceSettings
+from ampddp.training.model_build import built_model
 
 logger = logging.getLogger("ampddp.trainer")
 
@@ -46,7 +47,7 @@ class RunSetup:
         checkpoint; safetensors go into a meta build's shards as they are materialised), then
         ``prepare`` (sync-BN, device, optimizer, precision, DDP), then compile: the set-up (cast, masters,
         DDP) is what gets compiled."""
-        built = built_with_weights(model, self.parallel.build, self.init_from)
+        built = built_model(model, self.parallel, self.init_from)
         built = dataclasses.replace(built, module=self.device.convert(built.module))
         run = prepare(built, make_optimizer, env, precision=self.precision, parallel=self.parallel)
         if self.compiler is not None:

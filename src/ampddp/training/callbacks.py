@@ -11,7 +11,7 @@ from typing import Any
 
 from ampddp.errors import ConfigError
 from ampddp.observe.observer import RunObserver
-from ampddp.observe.progress import Progress
+from ampddp.training.progress import Progress
 
 
 class Callback:

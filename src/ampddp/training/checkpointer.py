@@ -33,16 +33,16 @@ from ampddp.checkpoint.restore import (
 )
 from ampddp.checkpoint.rng import capture_rng, derive_rng, restore_rng
 from ampddp.checkpoint.sharded import local_shards, read_into_live, shape_view, shard_files, shards_problem, split_state, verify_shards
-from ampddp.checkpoint.store import CheckpointRef, CheckpointStore, plan_resume, set_aside_newer
+from ampddp.checkpoint.store import CheckpointRef, CheckpointStore
 from ampddp.distributed.data import ResumableSampler, broadcast_from_main, sum_across_ranks
 from ampddp.distributed.env import DistEnv
 from ampddp.distributed.full_state import gathered, sharded_model_state, sharded_optimizer_state
 from ampddp.errors import CheckpointError, ConfigError
 from ampddp.observe.observer import TrackedRuns
-from ampddp.observe.progress import Progress
 from ampddp.precision.engine import PrecisionEngine
 from ampddp.precision.state import Conversion
-from ampddp.training.resume import SchedulePlan, check_resume_settings, plan_schedule
+from ampddp.training.progress import Progress
+from ampddp.training.resume import SchedulePlan, check_resume_settings, plan_resume, plan_schedule, set_aside_newer
 
 logger = logging.getLogger("ampddp.trainer")
 EXTRA = "extra"

@@ -14,6 +14,9 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from ampddp.checkpoint.rng import capture_rng, restore_rng
 from ampddp.distributed.data import eval_sampler, sum_across_ranks
 from ampddp.distributed.env import DistEnv
+from ampddp.distributed.mesh import DataShard
+from ampddp.distributed.schedule import MicroBatches, StepSchedule
+from ampddp.distributed.wrap import GradSync
 from ampddp.errors import BadSamplesError, ConfigError
 from ampddp.rundir.strict_json import NONFINITE_FIELD
 from ampddp.training.batches import BatchAdapter, LossFn, MetricsFn
@@ -36,8 +39,13 @@ class Evaluator:
     """
 
     def __init__(self, eval_set: Dataset, batch_size: int, env: DistEnv, *, loss_fn: LossFn, metrics: MetricsFn | None,
-                 batches: BatchAdapter, loading: DataLoading | None = None, collective_forward: bool = False) -> None:  # fmt: skip
+                 batches: BatchAdapter, loading: DataLoading | None = None, collective_forward: bool = False,
+                 shard: DataShard | None = None, schedule: StepSchedule | None = None) -> None:  # fmt: skip
         self.eval_set, self.batch_size, self.env = eval_set, batch_size, env
+        self.shard = shard if shard is not None else DataShard.of(env)
+        """Where this rank reads the split: its data-parallel coordinates (sums add up over their group)."""
+        self.schedule = schedule if schedule is not None else MicroBatches(GradSync(nn.Identity()))
+        """Runs each forward as the step's schedule runs a whole-model forward (a pipeline's, through its stages)."""
         self.collective_forward = collective_forward
         """Every forward gathers with every rank (the strategy's word: FSDP2), so each rank runs as many."""
         self.loss_fn, self.metrics, self.batches = loss_fn, metrics, batches
@@ -60,14 +68,14 @@ class Evaluator:
                 module.training = training
             restore_rng(rng)  # evaluation must not shift the training run's random streams
         names = self._names_on_every_rank(list(sums))
-        totals = sum_across_ranks(torch.tensor([*(sums.get(name, 0.0) for name in names), seen], dtype=torch.float64))
+        totals = sum_across_ranks(torch.tensor([*(sums.get(name, 0.0) for name in names), seen], dtype=torch.float64), self.shard.group)
         count = totals[-1]
         return {**{name: (total / count).item() for name, total in zip(names, totals[:-1])}, "samples": int(count)}
 
     def _sums(self, model: nn.Module, forward_context: Callable[[], AbstractContextManager[Any]],
               stop: Callable[[], bool] | None) -> tuple[dict[str, float], float]:  # fmt: skip
         if self._loader is None:  # built once; its workers (if any) start and stop with each evaluation
-            self._sampler = eval_sampler(self.eval_set, self.env)
+            self._sampler = eval_sampler(self.eval_set, self.shard)
             self._loader = self.loading.eval_loader(self.eval_set, self._sampler, self.batch_size)
         sums: dict[str, float] = {}
         seen = 0.0
@@ -83,7 +91,7 @@ class Evaluator:
                         filler = batch if batch is not None else self.batches.to_device(self._loader.collate_fn([self.eval_set[0]]),
                                                                                          self.env.device)  # fmt: skip
                         with forward_context():  # counted nowhere: only to take part in the sharded model's gathers
-                            self.batches.forward(model, filler)
+                            self._forward(model, filler)
                     continue
                 batch = self.batches.to_device(loaded, self.env.device)
                 for name, value in self._values(model, forward_context, batch, number).items():
@@ -91,12 +99,15 @@ class Evaluator:
                 seen += self.batches.count(batch)
         return sums, seen
 
+    def _forward(self, model: nn.Module, batch: Any) -> Any:
+        return self.schedule.forward(lambda: self.batches.forward(model, batch))
+
     def _values(self, model: nn.Module, forward_context: Callable[[], AbstractContextManager[Any]], batch: Any,
                 number: int) -> dict[str, Any]:  # fmt: skip
         """Loss (times the batch's sample count) and metric sums of batch ``number``."""
         count = self.batches.count(batch)
         with forward_context():
-            outputs = self.batches.forward(model, batch)
+            outputs = self._forward(model, batch)
             try:
                 values = {"loss": self.loss_fn(outputs, batch).detach().double() * count}
             except BadSamplesError as error:

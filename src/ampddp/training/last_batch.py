@@ -24,7 +24,7 @@ from ampddp.checkpoint.rng import capture_rng, restore_rng
 from ampddp.distributed.data import ResumableSampler, sum_across_ranks
 from ampddp.distributed.env import DistEnv
 from ampddp.errors import BadSamplesError, ConfigError, PeerFailureError
-from ampddp.observe.progress import Progress
+from ampddp.training.progress import Progress
 from ampddp.training.settings import LoopSettings
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import signal
 from typing import Any
 
 import torch
@@ -21,9 +20,8 @@ from torch.utils.data import Dataset
 from ampddp.checkpoint.store import CheckpointRef
 from ampddp.distributed.data import PendingSum, ResumableSampler, gather_objects, sum_across_ranks
 from ampddp.errors import BadSamplesError, ConfigError
-from ampddp.observe.progress import Progress, finished
 from ampddp.precision.engine import PrecisionEngine
-from ampddp.preemption import StopSignals, stopped_at_once
+from ampddp.preemption import StopSignals
 from ampddp.prepare import Prepared
 from ampddp.training.batches import BatchAdapter, LossFn
 from ampddp.training.callbacks import Callbacks
@@ -35,7 +33,9 @@ from ampddp.training.loading import DataLoading, InputTimer, LoaderSettings, nam
 from ampddp.training.log_window import LogWindow
 from ampddp.training.nonfinite import NonFiniteGuard, blame_inputs, non_finite_rows
 from ampddp.training.phase import AGREEING, BACKWARD, CHECKPOINT, EVALUATION, FORWARD, OPTIMIZER, StepPhase, out_of_memory
+from ampddp.training.progress import Progress, finished
 from ampddp.training.settings import LoopSettings
+from ampddp.training.stopping import StopAgreement
 
 logger = logging.getLogger("ampddp.trainer")
 
@@ -59,13 +59,11 @@ class TrainingLoop:
         self._first_step_logged = False
         self.device = device or DeviceSettings()
         self.callbacks = callbacks or Callbacks()
-        self.stop_signals = stop_signals
+        self.stopping = StopAgreement(stop_signals)
+        """The run's stop signals: caught while training runs, voted on in the step's all-reduce."""
         self.guard = NonFiniteGuard(settings.max_nonfinite_losses)
         self.last_eval: dict[str, float] = {}
         self._evaluated_step: int | None = None
-        self._stop: StopSignals | None = None
-        """The stop signals while training runs: an evaluation then stops with them."""
-        self._evaluation_stopped = False
         self.phase = StepPhase()
         """Where this rank is in its step (read by the peer watch, named by an out-of-memory error)."""
 
@@ -110,14 +108,9 @@ class TrainingLoop:
             return self._already_complete()
         self._check_last_batch()
         self.callbacks.on_start(self.progress)
-        own = not isinstance(self.stop_signals, StopSignals)
-        stop = StopSignals(self.stop_signals) if own else self.stop_signals
         with self.device.backend_flags(self.run.env.device):  # the final evaluation too
-            with stop if own else contextlib.nullcontext():
-                try:
-                    preempted = self._train_until_done(stop)
-                finally:
-                    self._stop = None
+            with self.stopping.training():
+                preempted = self._train_until_done()
             if not preempted and self.evaluator is not None and self._evaluated_step != self.progress.global_step:
                 self._evaluate_and_report()  # a run that ended without a step (max_steps=0); the last step evaluates itself
         if self.checkpointer.saved_step != self.progress.global_step:
@@ -131,7 +124,11 @@ class TrainingLoop:
         """An epoch ending in a batch the training step cannot take fails now, not an epoch in."""
         epochs = epochs_to_finish(self.progress, self.sampler, self.settings)
         with torch.no_grad():
-            check_single_sample_batch(self.train_set, epochs, self.settings.batch_size, self.compute_loss, self.run.module, self.run.env)
+            check_single_sample_batch(self.train_set, epochs, self.settings.batch_size, self._forward_loss, self.run.module, self.run.env)
+
+    def _forward_loss(self, batch: Any) -> tuple[torch.Tensor, int]:
+        """``compute_loss`` of ``batch`` as the step's schedule runs a whole-model forward."""
+        return self.run.schedule.forward(lambda: self.compute_loss(batch))
 
     def _already_complete(self) -> dict[str, Any]:
         """A re-run of a finished run: say so, change nothing (no evaluation, no summary rewrite)."""
@@ -139,9 +136,7 @@ class TrainingLoop:
         summary = self.callbacks.on_already_complete(self.progress)
         return {"progress": self.progress.state_dict(), "eval": {}, "summary": {**summary, "already_complete": True, "preempted": None}}
 
-    def _train_until_done(self, stop: StopSignals) -> str | None:
-        stop.begin_training()  # a signal from here on checkpoints after the step; before, it ended the set-up at once
-        self._stop = stop
+    def _train_until_done(self) -> str | None:
         settings = self.settings
         loader = self.loading.train_loader(self.train_set, self.sampler, settings.batch_size)  # once: workers persist
         while not self._finished():
@@ -155,11 +150,11 @@ class TrainingLoop:
                 for index, batch in enumerate(self.phase.loading(batches, self._step_number)):
                     window.append(batch)
                     if len(window) == settings.grad_accum_steps or index == last:
-                        stop_agreed = self._optimizer_step(window, index + 1 - len(window), ends_epoch=index == last, stop=stop)
+                        stop_agreed = self._optimizer_step(window, index + 1 - len(window), ends_epoch=index == last)
                         if self._finished():
                             break  # a stop on the last step: the run ended (evaluated) as it would have anyway
-                        if stop_agreed or self._evaluation_stopped:
-                            return stop.received or "a stop signal on another rank"
+                        if stop_agreed or self.stopping.evaluation_stopped:
+                            return self.stopping.reason()
                         window = []
         return None
 
@@ -190,34 +185,16 @@ class TrainingLoop:
         if self.evaluator is None:
             raise ConfigError("evaluate() needs an eval_set")
         self.phase.enter(EVALUATION, self.progress.global_step)
-        stop = self._stop
-        asked = None
-        if stop is not None:  # the final evaluation stops for a signal during it; one before it let the run end evaluated
-            before = stop.requests if self._finished() else 0
-            asked = lambda: stop.requests > before  # noqa: E731 - read at every batch
         try:
-            self.last_eval = self.evaluator.evaluate(self.run.model, self.engine.forward_context, asked)
+            self.last_eval = self.evaluator.evaluate(
+                self.run.model, self.engine.forward_context, self.stopping.evaluation_asks(self._finished())
+            )
         except EvaluationStopped:
-            self._stop_evaluating(stop)
+            self.stopping.stop_evaluating(self.progress.global_step, self._finished(), self.checkpointer.saved_step)
             return
         self._evaluated_step = self.progress.global_step
         logger.debug("step %d epoch %d: %s", self.progress.global_step, self.progress.epoch, self.last_eval)
         self.callbacks.on_evaluation(self.progress, self.last_eval)
-
-    def _stop_evaluating(self, stop: StopSignals | None) -> None:
-        """A stop signal cut an evaluation short: training stops after this step, with its checkpoint;
-        the final evaluation instead ends the run at once, keeping the newest checkpoint, which a
-        resume evaluates from (a finished run's checkpoint always follows its final evaluation)."""
-        name = stop.received if stop is not None and stop.received else "SIGTERM"
-        step = self.progress.global_step
-        if self._finished():
-            kept = self.checkpointer.saved_step
-            raise stopped_at_once(signal.Signals[name], (
-                f"during the final evaluation (step {step}): the newest checkpoint (step {kept}) is kept and the same "
-                "command resumes from it and evaluates" if kept is not None else
-                f"during the final evaluation (step {step}), before any checkpoint: the same command trains the run again"))  # fmt: skip
-        logger.warning("evaluation at step %d stopped by %s (not recorded); checkpointing this step and stopping", step, name)
-        self._evaluation_stopped = True
 
     def evaluate(self) -> dict[str, float]:
         """Loss and metrics over the whole eval set, every sample counted exactly once."""
@@ -226,7 +203,7 @@ class TrainingLoop:
         return self.evaluator.evaluate(self.run.model, self.engine.forward_context)
 
     # ---- one optimizer step -----------------------------------------------------------------------
-    def _optimizer_step(self, window: list[Any], first: int, ends_epoch: bool, stop: StopSignals | None = None) -> bool:
+    def _optimizer_step(self, window: list[Any], first: int, ends_epoch: bool) -> bool:
         """One optimizer step over ``window`` (batches ``first``... of this pass); returns True when
         every rank should stop (a signal)."""
         step = self._step_number()
@@ -234,7 +211,7 @@ class TrainingLoop:
         loss_sum = self._forward_backward(window, first, counts)
         total, tokens = (float(count) for count in counts.result().tolist())
         self.phase.enter(AGREEING, step)
-        loss_value, stop_agreed = self._agree(loss_sum, total, stop)
+        loss_value, stop_agreed = self._agree(loss_sum, total)
         self.log_window.add(loss_value, tokens)
         self.guard.check(loss_value, self.progress.global_step + 1, lambda: self._diagnose(window, first))
         logging_step = (self.progress.global_step + 1) % self.settings.log_every == 0 or not self._first_step_logged
@@ -253,35 +230,36 @@ class TrainingLoop:
         """Samples and tokens (0 for data that is not token ids) of the window over every rank: one
         all-reduce, started now and awaited by the first backward (which needs the total)."""
         local = [sum(self.batches.count(batch) for batch in window), sum(self.batches.tokens(batch) for batch in window)]
-        return PendingSum(local)
+        return PendingSum(local, self.run.data_shard.group)
 
     def _forward_backward(self, window: list[Any], first: int, counts: PendingSum) -> torch.Tensor:
-        """Backward of every micro-batch, each weighted by its share of the global batch (exact with
-        uneven counts: ``counts`` summed over the ranks); returns the local sum of per-sample losses."""
-        world_size = self.run.env.world_size
-        loss_sum: torch.Tensor | None = None
+        """The window's gradients, run by the step's schedule (the strategy's: ``run.schedule``), each
+        micro-batch's loss weighted by its share of the global batch (exact with uneven counts:
+        ``counts`` summed over the data ranks); returns the local sum of per-sample losses."""
+        data_ranks = self.run.data_shard.size
         self.optimizer.zero_grad(set_to_none=True)
         step = self._step_number()
-        for index, batch in enumerate(window):
-            with self.run.grad_sync.micro_step(is_last=index == len(window) - 1):
-                self.phase.enter(FORWARD, step)
-                try:
-                    loss, count = self.compute_loss(batch)
-                except BadSamplesError as error:
-                    raise error.named(self._samples(first + index, error.rows)) from error
-                self.phase.enter(AGREEING, step)
-                weight = count * world_size / float(counts.result()[0])
-                self.phase.enter(BACKWARD, step)
-                self.engine.backward(loss * weight if weight != 1.0 else loss)
-            share = loss.detach().float() * count
-            loss_sum = share if loss_sum is None else loss_sum + share
-        return loss_sum
 
-    def _agree(self, loss_sum: torch.Tensor, total: float, stop: StopSignals | None) -> tuple[float, bool]:
-        """The global mean loss and whether any rank received a stop signal, in one all-reduce, read
-        before the step: every rank takes the same decisions, and a non-finite loss is traced to its
-        module while the weights are still those that made it."""
-        local_stop = float(stop is not None and stop.received is not None)
+        def loss_of(index: int, batch: Any) -> tuple[torch.Tensor, int]:
+            self.phase.enter(FORWARD, step)
+            try:
+                return self.compute_loss(batch)
+            except BadSamplesError as error:
+                raise error.named(self._samples(first + index, error.rows)) from error
+
+        def backward(loss: torch.Tensor, count: int) -> None:
+            self.phase.enter(AGREEING, step)
+            weight = count * data_ranks / float(counts.result()[0])
+            self.phase.enter(BACKWARD, step)
+            self.engine.backward(loss * weight if weight != 1.0 else loss)
+
+        return self.run.schedule.forward_backward(window, loss_of, backward)
+
+    def _agree(self, loss_sum: torch.Tensor, total: float) -> tuple[float, bool]:
+        """The global mean loss and whether any rank received a stop signal (the stop part's vote), in
+        one all-reduce, read before the step: every rank takes the same decisions, and a non-finite
+        loss is traced to its module while the weights are still those that made it."""
+        local_stop = self.stopping.vote()
         if self.run.env.distributed:
             reduced = sum_across_ranks(torch.tensor([loss_sum.item(), local_stop], dtype=torch.float64))
             loss_total, stop_agreed = float(reduced[0]), bool(reduced[1] > 0)
@@ -328,7 +306,7 @@ class TrainingLoop:
             self._end_epoch()
         elif self.evaluator is not None and (self._finished() or (every.eval_every and step % every.eval_every == 0)):
             self._evaluate_and_report()
-        if every.checkpoint_every and step % every.checkpoint_every == 0 and not self._evaluation_stopped:
+        if every.checkpoint_every and step % every.checkpoint_every == 0 and not self.stopping.evaluation_stopped:
             self.save_checkpoint()
 
     def _diagnose(self, window: list[Any], first: int) -> str:
@@ -342,7 +320,7 @@ class TrainingLoop:
             named = [f"rank {rank}: {samples}" for rank, on_rank in enumerate(everywhere) for samples in on_rank]
         batch = self.batches.to_device(window[-1], self.run.env.device)
         module = self.run.module
-        forward = lambda: self.batches.forward(module, batch)  # noqa: E731 - re-run by the diagnosis
+        forward = lambda: self.run.schedule.forward(lambda: self.batches.forward(module, batch))  # noqa: E731 - re-run by the diagnosis
         return self.guard.diagnose(module, forward, self.engine.forward_context(), self.engine.last_overflow, blame_inputs(named))
 
     def _samples(self, batch_number: int, rows: list[int] | tuple[int, ...]) -> str:

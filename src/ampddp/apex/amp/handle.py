@@ -23,8 +23,8 @@ from torch.optim import Optimizer
 from ampddp.amp import default
 from ampddp.amp.loss_blocks import OptLevelLossBlocks
 from ampddp.errors import AmpUsageError, ConfigError
-from ampddp.precision import FP32, OpRegistry, OptLevelEngine, resolve_policy
-from ampddp.precision.casting import OpCastContext, op_lists, suspend_thread_casts
+from ampddp.precision import OptLevelEngine, resolve_policy
+from ampddp.precision.casting import FP32, OpCastContext, OpRegistry, op_lists, suspend_thread_casts
 
 LEVEL_FOR_PATCH_TYPE = {torch.float16: "O1", torch.bfloat16: "O4"}
 

@@ -46,7 +46,7 @@ from ampddp.precision.casting.cast_rules import (
     remove_entered_casts,
     target_dtype,
 )
-from ampddp.precision.registry import Registration
+from ampddp.precision.casting.registry import Registration
 from ampddp.torch_compat import dispatcher_op_names, excluding_key, has_kernel_for_key
 
 TO_HOST = "to-host-fp32"

@@ -48,9 +48,9 @@ from ampddp.precision.casting.function_swaps import ORIGINAL_ATTRIBUTE, Dispatch
 from ampddp.precision.casting.mode_stack import push_below_others, remove_mode
 from ampddp.precision.casting.op_table import OpTable
 from ampddp.precision.casting.recompute import CheckpointStandIns, Reapply
+from ampddp.precision.casting.registry import CAST_ATTRIBUTE, FP32
 from ampddp.precision.casting.rnn_inputs import RnnInputAlignment
 from ampddp.precision.compile_support import run_eagerly_as_own_frame
-from ampddp.precision.registry import CAST_ATTRIBUTE, FP32
 from ampddp.torch_compat import push_function_mode
 
 _WINDOW = threading.local()

@@ -14,7 +14,7 @@ from typing import Any
 
 from torch.overrides import handle_torch_function, has_torch_function
 
-from ampddp.precision.registry import tensors_in
+from ampddp.precision.casting.registry import tensors_in
 
 ORIGINAL_ATTRIBUTE = "__ampddp_original__"
 

@@ -14,7 +14,7 @@ from torch.overrides import get_overridable_functions
 from ampddp.precision.casting import op_lists
 from ampddp.precision.casting.cast_rules import BANNED, INPLACE_FP32
 from ampddp.precision.casting.function_swaps import ORIGINAL_ATTRIBUTE
-from ampddp.precision.registry import FP32, LOW, PROMOTE, Registration
+from ampddp.precision.casting.registry import FP32, LOW, PROMOTE, Registration
 
 NAMESPACES = (torch, F, torch.Tensor)
 

@@ -13,12 +13,12 @@ from pathlib import Path
 
 from ampddp.checkpoint import keys
 from ampddp.checkpoint.manifest import read_manifest
-from ampddp.checkpoint.store import resume_candidates
 from ampddp.choices import AUTO_PRECISION
 from ampddp.distributed.data import broadcast_from_main
 from ampddp.distributed.env import DistEnv
 from ampddp.errors import CheckpointError
 from ampddp.precision.choice import CONCRETE_MODES, Precision
+from ampddp.training.resume.source import resume_candidates
 
 
 def checkpoint_precision_mode(run_dir: str | Path | None, resume: str | Path) -> str | None:

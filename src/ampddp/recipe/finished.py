@@ -22,9 +22,9 @@ from typing import Any
 from ampddp.checkpoint.manifest import complete_folders, config_digest, read_manifest, verify_folder
 from ampddp.config import RunConfig
 from ampddp.errors import CheckpointError
-from ampddp.observe.progress import Progress, finished
 from ampddp.rundir.files import read_summary
 from ampddp.rundir.run_dir import RunDir
+from ampddp.training.progress import Progress, finished
 
 logger = logging.getLogger("ampddp.trainer")
 

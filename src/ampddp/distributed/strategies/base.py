@@ -1,0 +1,95 @@
+"""What every strategy is: a way of spreading a model over processes, holding its own settings.
+
+A strategy says how many of the mesh's dimensions it uses (``dims``), the precision engine it runs a
+mode with, its set-up order (model -> [stored dtypes -> sharding] -> optimizer -> engine [-> wrapper]),
+how gradient sync is skipped inside an accumulation window, what the checkpoint layout ``auto`` means
+under it, whether every forward is a collective, and what ``compile`` compiles. Code outside
+``ampddp.distributed`` asks the strategy, never which strategy it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import ClassVar, NamedTuple
+
+from torch import nn
+from torch.optim import Optimizer
+
+from ampddp.distributed.env import DistEnv
+from ampddp.distributed.mesh import ParallelDims
+from ampddp.distributed.meta_init import InitProgram, ModelBuild, model_from
+from ampddp.distributed.schedule import MicroBatches, StepSchedule
+from ampddp.distributed.wrap import GradSync
+from ampddp.precision.choice import Precision
+from ampddp.precision.engine import PrecisionEngine
+
+MakeOptimizer = Callable[[Iterable[nn.Parameter]], Optimizer]
+
+
+class SetUp(NamedTuple):
+    """A model set up under its strategy: the model the loop calls (wrapped), the bare module, its optimizer."""
+
+    model: nn.Module
+    module: nn.Module
+    optimizer: Optimizer
+
+
+class Strategy:
+    """A whole-model strategy: the engine sets up the placed model and its optimizer (cast, masters),
+    then the wrapper takes the model. Subclasses give ``name``, ``takes`` and what differs."""
+
+    name: ClassVar[str]
+    takes: ClassVar[tuple[str, ...]] = ()
+    """The settings its constructor takes, by ``Parallel``'s field names (``ddp``, ``fsdp``, ``wrap_options``)."""
+    shards_params: ClassVar[bool] = False
+    """Whether the params are sharded over the ranks (the engine then maps its mode onto the sharding)."""
+    needs_process_group: ClassVar[bool] = False
+    """Whether a process group must exist even on one process (FSDP2's device mesh is built over one):
+    ``ampddp train`` then makes a group of its one rank for the run."""
+    checkpoint_layout: ClassVar[str] = "whole"
+    """What ``checkpoint.layout: auto`` writes under this strategy."""
+    collective_forward: ClassVar[bool] = False
+    """Whether every forward gathers with every rank (evaluation then runs as many forwards on each)."""
+
+    def check_settings(self, where: str = "") -> None:
+        """Refuse settings of its own it cannot use together; ``where``: their prefix in messages
+        (``distributed.`` for a recipe). Settings of another strategy never reach it (``make_strategy``)."""
+
+    def dims(self, env: DistEnv) -> ParallelDims:
+        """The mesh its ranks form: data parallelism over every rank, each a replica."""
+        return ParallelDims.data_parallel(env)
+
+    def engine_for(self, precision: Precision) -> PrecisionEngine:
+        """A fresh engine running ``precision`` (resolved) under this strategy."""
+        return precision.build_engine()
+
+    def build(self, factory: Callable[[], nn.Module]) -> ModelBuild:
+        """The model ``factory`` makes, built as this strategy wants it (whole models: eagerly)."""
+        return ModelBuild(model_from(factory))
+
+    def set_up(self, model: nn.Module, make_optimizer: MakeOptimizer, env: DistEnv, engine: PrecisionEngine,
+               init: InitProgram | None = None) -> SetUp:  # fmt: skip
+        """The placed ``model`` trained under this strategy. ``init``: a meta-built model's
+        initialisation (materialised whole here)."""
+        if init is not None:
+            init.materialise(model, env.device)
+        optimizer = make_optimizer(model.parameters())
+        engine.setup([model], [optimizer])
+        return SetUp(self.wrap(model, env), model, optimizer)
+
+    def wrap(self, model: nn.Module, env: DistEnv) -> nn.Module:
+        """``model`` (placed, cast and bound to its optimizer) in this strategy's wrapper."""
+        return model
+
+    def grad_sync(self, model: nn.Module) -> GradSync:
+        """Gradient sync skipped on an accumulation window's micro-steps but the last."""
+        return GradSync(model)
+
+    def schedule(self, model: nn.Module, grad_sync: GradSync) -> StepSchedule:
+        """Who runs a window's forwards and backwards of ``model`` (``ampddp.distributed.schedule``): each
+        micro-batch in turn on this rank, the gradients synced on the last (``grad_sync``)."""
+        return MicroBatches(grad_sync)
+
+    def compile_units(self, module: nn.Module) -> list[nn.Module]:
+        """The parts ``compile`` compiles one by one (empty: the whole model as one)."""
+        return []

@@ -1,0 +1,68 @@
+"""Every strategy by the name a recipe gives, and the one place settings reach their strategy.
+
+``make_strategy`` hands each strategy the settings it takes (``Strategy.takes``) and refuses, in one
+line, settings given for another strategy, naming the strategies that take them. A new strategy is a
+class in this package and one entry of :data:`STRATEGY_TABLE` (its name in ``ampddp.choices.STRATEGIES``,
+where the command line lists it without importing torch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+from ampddp.choices import STRATEGIES
+from ampddp.distributed.fsdp2 import FSDPOptions
+from ampddp.distributed.strategies.base import Strategy
+from ampddp.distributed.strategies.replicated import ApexDDP, DataParallel, TorchDDP, Unwrapped
+from ampddp.distributed.strategies.sharded import FSDP2, HSDP
+from ampddp.distributed.wrap import DDPOptions
+from ampddp.errors import ConfigError, choice_error
+
+STRATEGY_TABLE: Mapping[str, type[Strategy]] = MappingProxyType(
+    {kind.name: kind for kind in (TorchDDP, ApexDDP, FSDP2, HSDP, DataParallel, Unwrapped)}
+)
+"""Each strategy class by the name a recipe gives (``choices.STRATEGIES`` lists the same names without torch)."""
+
+
+def strategy_class(name: str) -> type[Strategy]:
+    """The strategy called ``name``, or one line naming the valid ones."""
+    if name not in STRATEGY_TABLE:
+        raise choice_error("distributed strategy", name, STRATEGIES)
+    return STRATEGY_TABLE[name]
+
+
+def takers(setting: str) -> list[str]:
+    """The strategies that take ``setting`` (``ddp``, ``fsdp``, ``wrap_options``)."""
+    return [name for name, kind in STRATEGY_TABLE.items() if setting in kind.takes]
+
+
+def make_strategy(name: str, *, ddp: DDPOptions | None = None, fsdp: FSDPOptions | None = None,
+                  wrap_options: Mapping[str, Any] | None = None, where: str = "") -> Strategy:  # fmt: skip
+    """The strategy ``name`` holding the settings it takes; settings given for another strategy are a
+    ConfigError naming them and the strategies that take them. ``where``: the settings' prefix in
+    messages (``distributed.`` for a recipe)."""
+    kind = strategy_class(name)
+    given = {"ddp": ddp if ddp is not None else DDPOptions(), "fsdp": fsdp if fsdp is not None else FSDPOptions(),
+             "wrap_options": dict(wrap_options or {})}  # fmt: skip
+    for setting, value in given.items():
+        if setting not in kind.takes:
+            _refuse_foreign(setting, value, name, where)
+    strategy = kind(**{setting: given[setting] for setting in kind.takes})
+    strategy.check_settings(where)
+    return strategy
+
+
+def _refuse_foreign(setting: str, value: Any, name: str, where: str) -> None:
+    """``value`` of ``setting``, given to strategy ``name`` that does not take it: refused unless unset."""
+    if setting == "ddp" and value.changed(where):
+        raise ConfigError(f"{', '.join(value.changed(where))}: torch DDP settings, but {where}strategy={name}; unset them or use "
+                          f"strategy {' or '.join(takers('ddp'))}")  # fmt: skip
+    if setting == "fsdp" and value.changed(f"{where}fsdp_" if where else ""):
+        raise ConfigError(f"{', '.join(value.changed(f'{where}fsdp_' if where else ''))}: FSDP2 settings, but strategy={name}; "
+                          f"unset them or use strategy {' or '.join(takers('fsdp'))}")  # fmt: skip
+    if setting == "wrap_options" and value:
+        raise ConfigError(f"wrap_options {sorted(value)} do not apply to strategy {name}; "
+                          + ("its settings are Parallel(fsdp=FSDPOptions(...))" if "fsdp" in STRATEGY_TABLE[name].takes
+                             else f"the strategies with a wrapper take them: {', '.join(takers('wrap_options'))}"))  # fmt: skip
