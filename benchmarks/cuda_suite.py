@@ -8,7 +8,8 @@ peak. Both models also train under ``torch.compile(model)`` (inductor, after set
 side by side with the same engine loop eager (``compile_modes.compiled_vs_eager``: compile time left
 out of the timing and reported in the note). On CPU this suite runs only when named
 (``--only cuda-suite --smoke``), to check the code; the compiled rows then use ``aot_eager`` on the
-GPT-style model in O4 only.
+GPT-style model in O4 only. ``run.py --device cuda`` also runs the peers' comparison (``peers.py``) on
+the GPU, with its fp16 and O2 groups (and its two-process groups only with two GPUs or more).
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ import modes
 import op_cost
 import optimizer_step
 import overhead
+import peers
 import sharding
 import startup
 import torch
@@ -58,9 +59,11 @@ BENCHMARKS = {
     "op-cost": op_cost.run,
     "input": input_pipeline.run,
     "startup": startup.run,
+    "peers": peers.run,
     "cuda-suite": cuda_suite.run,
 }
 CUDA_ONLY = ("cuda-suite",)  # run on CPU only when named with --only
+NAMED_ONLY = ("peers",)  # on CPU only when named with --only: 15-45 minutes, and the peers live in an environment of their own
 
 
 def markdown(rows: list[dict], header: str) -> str:
@@ -110,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--device cuda: no CUDA device is available")
     steady_host_allocator()
     budget = Budget("smoke" if args.smoke else "quick" if args.quick else "full")
-    names = args.only or [name for name in BENCHMARKS if args.device == "cuda" or name not in CUDA_ONLY]
+    names = args.only or [name for name in BENCHMARKS if args.device == "cuda" or name not in CUDA_ONLY + NAMED_ONLY]
     torch.manual_seed(0)
     rows = []
     for name in names:
@@ -126,8 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.write_text(json.dumps(rows, indent=2))
     machine = f"{platform.machine()} ({cpu}), {torch.get_num_threads()} threads, torch {torch.__version__}, device {args.device}"
-    out.with_suffix(".md").write_text(markdown(rows, f"ampddp benchmarks ({budget.size}) on {machine}, {time.strftime('%Y-%m-%d')}"))
-    print(markdown(rows, f"results on {machine}"))
+    date = time.strftime("%Y-%m-%d")
+    out.with_suffix(".md").write_text(markdown(rows, f"ampddp benchmarks ({budget.size}) on {machine}, {date}") + peers.table(rows))
+    print(markdown(rows, f"results on {machine}") + peers.table(rows))
     return 0
 
 

@@ -21,7 +21,7 @@ FIELDS = {"name", "ampddp", "baseline", "unit", "ratio", "repeats", "spread", "c
 def test_every_benchmark_runs_in_a_tiny_configuration_and_writes_valid_json_and_markdown(tmp_path):
     out = tmp_path / "results.json"
     names = ["overhead", "modes", "memory", "optimizer-step", "checkpoint", "ddp", "sharding", "fused-optimizers", "compile", "op-cost",
-             "input", "cuda-suite"]  # fmt: skip
+             "input", "peers", "cuda-suite"]  # fmt: skip
     command = [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--smoke", "--only", *names, "--out", str(out)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=1140)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -35,7 +35,12 @@ def test_every_benchmark_runs_in_a_tiny_configuration_and_writes_valid_json_and_
         for key in ("ampddp", "baseline", "ratio", "spread"):
             assert isinstance(row[key], float) and math.isfinite(row[key])
         assert row["ratio"] > 0
-    assert "| benchmark |" in out.with_suffix(".md").read_text()
+    peers = [row for row in rows if row["name"].startswith("peers/")]  # each group timed its hand loop; every timed contender agreed
+    groups = {row["name"].rsplit("/", 1)[0] for row in peers}
+    assert groups == {row["name"].rsplit("/", 1)[0] for row in peers if row["contender"] == "hand"}
+    assert all(row["final_loss"] == row["reference_loss"] for row in peers)  # on the CPU: to the bit
+    assert "ampddp-trainer" in {row["contender"] for row in peers}
+    assert "| benchmark |" in out.with_suffix(".md").read_text() and "| group | contender |" in out.with_suffix(".md").read_text()
     assert {row["cpu"] for row in rows} == {cpu_description()}  # bf16 rows mean nothing without it
     assert cpu_description() in out.with_suffix(".md").read_text()
 
