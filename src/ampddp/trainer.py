@@ -18,6 +18,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import Dataset
 
+from ampddp.choices import COMPILE_MODES
 from ampddp.distributed.data import ResumableSampler
 from ampddp.distributed.env import DistEnv, detect_env, seed_everything
 from ampddp.distributed.meta_init import ModelSource
@@ -79,7 +80,9 @@ TRAINER_TAKES = {
     "train_set": Takes(DATASET, _is_dataset),
     "eval_set": Takes(f"{DATASET} or None", lambda value: value is None or _is_dataset(value)),
     "env": Takes.instance("a DistEnv (ampddp.distributed.detect_env() or setup_distributed())", DistEnv, optional=True),
-    "compile": Takes.instance("false, true, a torch.compile mode, a ModelCompiler", bool, str, ModelCompiler, optional=True),
+    "compile": Takes.instance(
+        f"false, true, {', '.join(COMPILE_MODES)}, a ModelCompiler", bool, str, ModelCompiler, optional=True
+    ),
     "make_scheduler": Takes.function("a function of the optimizer that builds the LR scheduler", optional=True),
     "loss_fn": Takes.function("a function loss_fn(outputs, batch) -> a scalar tensor"),
     "metrics": Takes.function("a function metrics(outputs, batch) -> {name: value}", optional=True),

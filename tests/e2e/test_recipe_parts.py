@@ -107,13 +107,16 @@ def test_a_user_model_on_a_user_data_set_without_eval_split(tmp_path):
             ["optimizer.warmup_steps=500", "trainer.max_epochs=2", "data.batch_size=64"],
             "optimizer.warmup_steps=500 is not below the run's 44 steps (trainer.max_steps, or trainer.max_epochs x steps per epoch)",
         ),
-        (["data.num_workers=-1"], "data.num_workers=-1 is out of range; it must be an integer >= 0"),
+        (["data.num_workers=-1"], "data.num_workers=-1 is out of range; it must be an integer in [0, 1024]"),
         (["data.num_workers=two"], "data.num_workers='two' has the wrong type; expected int"),
         (["data.prefetch_factor=4"], "data.prefetch_factor=4 needs worker processes; set data.num_workers >= 1 or leave it null"),
         (["optimizer.warmup_start_factor=0"], "optimizer.warmup_start_factor=0.0 is out of range; it must be a finite number in (0, 1]"),
         (["optimizer.scheduler=exp"], "valid choices: none, cosine, step, linear"),
         (["distributed.comm_hook=fp8"], "distributed.comm_hook='fp8' is not valid (did you mean 'fp16'?); valid choices: none, fp16, bf16"),
-        (["distributed.bucket_cap_mb=0"], "distributed.bucket_cap_mb=0.0 is out of range; it must be a finite number > 0"),
+        (
+            ["distributed.bucket_cap_mb=0"],
+            "distributed.bucket_cap_mb=0.0 is out of range; it must be a finite number in (0, 1099511627776]",
+        ),
         (["distributed.static_graph=maybe"], "distributed.static_graph='maybe' has the wrong type; expected bool"),
         (
             ["distributed.strategy=none", "distributed.find_unused_parameters=true"],

@@ -198,14 +198,14 @@ def test_a_recipe_setting_becomes_the_trainers_compile_part(tmp_path):
     [
         ("fast", "compile='fast' is not valid"),
         ("max-autotune-no-cudagraph", "compile='max-autotune-no-cudagraph' is not valid (did you mean 'max-autotune-no-cudagraphs'?)"),
-        (1, "compile=1 is not valid"),
+        (1, "compile=1 (int) is not valid"),
     ],
 )
 def test_the_trainer_refuses_a_bad_compile_setting_before_building_anything(setting, message):
     with pytest.raises(ConfigError) as error:
         make_trainer(None, "O0", 3, compile=setting)
     assert message in str(error.value)
-    assert "valid choices: false, true, default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs" in str(error.value)
+    assert "false, true, default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs" in str(error.value)
 
 
 def test_compile_settings_map_to_modes():
