@@ -49,6 +49,7 @@ from ampddp.precision import (
     check_loss,
     check_models_and_optimizers,
     check_opt_level,
+    group_for_sharded,
     warn_if_slower_than_fp32,
 )
 from ampddp.precision.casting import (
@@ -196,6 +197,7 @@ class Amp:
         self.end_casts()
         for earlier in [s for s in self.setups if any(s.holds(obj) for obj in (*models, *optimizers))]:
             earlier.teardown()
+        engine.agree_over(group_for_sharded(param for model in models for param in model.parameters()))
         engine.setup(models, optimizers)
         device = next((param.device for model in models for param in model.parameters()), torch.device("cpu"))
         warn_if_slower_than_fp32(engine.mode, engine.compute_dtype, device, models)

@@ -18,6 +18,7 @@ from ampddp.precision.policy import PrecisionPolicy
 from ampddp.precision.scaler import LossScaler
 from ampddp.precision.speed_warning import warn_if_slower_than_fp32
 from ampddp.precision.state import PrecisionState
+from ampddp.precision.verdict import group_for_sharded
 
 __all__ = [
     "MODES",
@@ -33,6 +34,7 @@ __all__ = [
     "check_loss",
     "check_models_and_optimizers",
     "check_opt_level",
+    "group_for_sharded",
     "resolve_policy",
     "run_eagerly_as_own_frame",
     "warn_if_slower_than_fp32",

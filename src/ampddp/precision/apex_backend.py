@@ -103,7 +103,8 @@ class ApexEngine(PrecisionEngine):
         if group is not None:
             raise ConfigError(
                 "precision impl=apex cannot agree its loss-scale verdict over a process group: NVIDIA apex's amp decides each "
-                "rank's skips itself; use impl builtin where the ranks' gradients differ (fsdp2, hsdp)"
+                "rank's skips itself; use impl builtin where the ranks' gradients differ (fsdp2, hsdp, a model parallelized over "
+                "a device mesh)"
             )
 
     @contextlib.contextmanager

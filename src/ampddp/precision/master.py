@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 
 from ampddp.errors import AmpUsageError
 from ampddp.precision.scaler import LossScaler
+from ampddp.precision.shards import like_layout, locals_of
 
 
 class GradPhase(enum.Enum):
@@ -109,10 +110,10 @@ class OptimizerGrads:
                 "sparse gradients (e.g. nn.Embedding(sparse=True)) are not supported by the opt-level engines; "
                 "use sparse=False, or the native-fp16 / native-bf16 modes"
             )
-        pairs = [(m, p.grad) for m, p in zip(self.masters, self.model_params) if p.grad is not None]
+        pairs = [(m, like_layout(p.grad, m)) for m, p in zip(self.masters, self.model_params) if p.grad is not None]
         fp32_copies = [self._fp32_grad_room(master) for master, _ in pairs]
         if fp32_copies:
-            torch._foreach_copy_(fp32_copies, [g for _, g in pairs])
+            torch._foreach_copy_(locals_of(fp32_copies), locals_of(g for _, g in pairs))
         found = scaler.unscale_(new_in_place + fp32_copies)
         self._accumulate_masters(pairs, fp32_copies)
         self.restore_stash()
@@ -139,7 +140,7 @@ class OptimizerGrads:
         for master, grad in fresh:
             master.grad = grad
         if existing:
-            torch._foreach_add_(existing, added)
+            torch._foreach_add_(locals_of(existing), locals_of(added))
         for param in self.model_params:
             param.grad = None
 
@@ -208,10 +209,11 @@ class OptimizerGrads:
         """
         if not self.model_params:
             return False
-        device = self.masters[0].device
-        differs = torch.stack([(p != m.to(p.dtype)).any().to(device) for p, m in zip(self.model_params, self.masters)])
+        params, masters = locals_of(self.model_params), locals_of(self.masters)
+        device = masters[0].device
+        differs = torch.stack([(p != m.to(p.dtype)).any().to(device) for p, m in zip(params, masters)])
         changed = differs.tolist()
-        for param, master, stale in zip(self.model_params, self.masters, changed):
+        for param, master, stale in zip(params, masters, changed):
             if stale:
                 master.copy_(param)
         return any(changed)
@@ -220,7 +222,7 @@ class OptimizerGrads:
     def copy_master_values_to_model(self) -> None:
         """Model params take their masters' values (grads untouched)."""
         if self.model_params:
-            torch._foreach_copy_(self.model_params, self.masters)
+            torch._foreach_copy_(locals_of(self.model_params), locals_of(self.masters))
 
     @torch.no_grad()
     def copy_masters_to_model(self) -> None:

@@ -20,6 +20,7 @@ from ampddp.precision.casting.tensors import device_types
 from ampddp.precision.diagnostics import overflow_origin
 from ampddp.precision.engine import PrecisionEngine, check_loss, check_models_and_optimizers
 from ampddp.precision.policy import DYNAMIC, parse_setting
+from ampddp.precision.shards import ShardLocalGradScaler
 from ampddp.precision.state import PrecisionState, ScalerState
 from ampddp.precision.verdict import agreed_flag
 from ampddp.torch_compat import grad_scaler_found_infs
@@ -60,7 +61,7 @@ class NativeAmpEngine(PrecisionEngine):
             "enabled": self.enabled and loss_scale == DYNAMIC,
         }
         self._device_types: tuple[str, ...] = ("cpu",)
-        self.scaler = torch.amp.GradScaler("cpu", **self._scaler_args)
+        self.scaler = ShardLocalGradScaler("cpu", **self._scaler_args)
         self._optimizers: list[Optimizer] = []
         self._unscaled: set[int] = set()
         self._stepped = False
@@ -81,7 +82,7 @@ class NativeAmpEngine(PrecisionEngine):
     def setup(self, models: list[nn.Module], optimizers: list[Optimizer]) -> tuple[list[nn.Module], list[Optimizer]]:
         check_models_and_optimizers(models, optimizers)
         self._device_types = device_types(models)
-        self.scaler = torch.amp.GradScaler(self._device_types[0], **self._scaler_args)
+        self.scaler = ShardLocalGradScaler(self._device_types[0], **self._scaler_args)
         first = next((param for model in models for param in model.parameters()), None)
         if self.scaler.is_enabled() and first is not None:
             # GradScaler makes its scale at its first scale(): a pipeline stage without a loss never calls it.

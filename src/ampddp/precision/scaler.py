@@ -19,6 +19,7 @@ import torch
 
 from ampddp.errors import ConfigError, NonFiniteGradientsError
 from ampddp.precision.policy import PrecisionPolicy
+from ampddp.precision.shards import locals_of
 from ampddp.precision.state import ScalerState
 
 DEFAULT_FLOOR = 2.0**-24
@@ -113,7 +114,7 @@ class LossScaler:
         if not grads:
             return None
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for grad in grads:
+        for grad in locals_of(grads):  # each rank its own shards; the verdict is agreed after (precision.verdict)
             groups.setdefault((grad.device, grad.dtype), []).append(grad)
         if not self.dynamic:
             if self.loss_scale != 1.0:

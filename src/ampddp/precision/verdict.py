@@ -11,13 +11,14 @@ before stepping, with one small MAX all-reduce over the group whoever set the en
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ampddp.errors import ConfigError
+from ampddp.torch_compat import is_dtensor
 
 
 def non_finite_flag(norm: torch.Tensor) -> torch.Tensor:
@@ -44,3 +45,12 @@ def check_group(group: Any) -> None:
             f"agree_over({group!r}) is not valid: give the torch.distributed.ProcessGroup of every rank whose gradients can "
             "differ (dist.group.WORLD for FSDP2 and tensor parallelism), or None where they cannot (one process, DDP)"
         )
+
+
+def group_for_sharded(params: Iterable[torch.Tensor]) -> Any:
+    """The group a verdict over ``params`` must be agreed in: every rank (``dist.group.WORLD``) when any of them is
+    a DTensor spread over more than one rank (a model the user parallelized over a device mesh: its ranks hold
+    different gradients), else None. The world, not the parameters' meshes: one scalar costs the same, and every
+    rank stepping together is never wrong."""
+    spread = any(is_dtensor(param) and param.device_mesh.size() > 1 for param in params)
+    return dist.group.WORLD if spread and dist.is_available() and dist.is_initialized() else None

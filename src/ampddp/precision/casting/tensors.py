@@ -9,6 +9,8 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ampddp.precision.shards import cast_param_
+
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """Apply ``fn`` to every tensor inside lists, tuples (named too) and dicts; keep the structure."""
@@ -40,15 +42,15 @@ def is_fp32_batchnorm(module: nn.Module) -> bool:
 def convert_model(model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool) -> None:
     """Cast each module's own floating params and buffers to ``dtype`` in place.
 
-    Parameter objects are kept (only ``.data`` changes), so optimizers built before the cast still
-    reference them. Affine BatchNorm modules stay fp32 when ``keep_batchnorm_fp32``.
+    Parameter objects are kept (``precision.shards.cast_param_``), so optimizers built before the cast
+    still reference them. Affine BatchNorm modules stay fp32 when ``keep_batchnorm_fp32``.
     """
     for module in model.modules():
         if keep_batchnorm_fp32 and is_fp32_batchnorm(module):
             continue
         for param in module.parameters(recurse=False):
             if param.is_floating_point() and param.dtype != dtype:
-                param.data = param.data.to(dtype)
+                cast_param_(param, dtype)
                 if param.grad is not None:
                     param.grad = None
         for name, buffer in list(module.named_buffers(recurse=False)):
