@@ -346,6 +346,17 @@ class DistributedConfig:
     fsdp_build_on_meta: bool = True
     """fsdp2/hsdp: build the model on the meta device and give each rank only its shards of the weights an eager
     build makes (no rank holds the whole model); false: build it whole on each rank, then shard it."""
+    tp_size: int = field(default=1, metadata=_between(1, MAX_PROCESSES))
+    """Tensor parallelism: the processes each layer's weights and compute are split over (the innermost mesh
+    dimension; they read the same batches). With strategy none (tensor parallelism alone: as many processes),
+    fsdp2 or hsdp (sharded data parallelism over the rest); 1: none."""
+    tp_plan: dict[str, str] | str | None = None
+    """How layers split: null (the model's own plan: ampddp.zoo.models:gpt has one), a table {module name:
+    colwise | rowwise | sequence} ('*' for one level of names, e.g. {"blocks.*.mlp.0": colwise}), or a
+    package.module:function(model, tp_mesh) that parallelizes the model itself."""
+    sequence_parallel: bool = True
+    """With tensor parallelism and the model's own plan: split the activations between split layers by sequence
+    position (norms on their slice; less memory); the sequence length must divide by tp_size."""
 
 
 @dataclass

@@ -11,6 +11,7 @@ masters and model agree on every rank even if ranks were seeded differently.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import types
@@ -64,10 +65,10 @@ class Prepared:
         if self.schedule is None:
             self.schedule = MicroBatches(self.grad_sync)
 
-    @property
+    @functools.cached_property
     def data_shard(self) -> DataShard:
         """Where this rank reads data: its data-parallel coordinates (with data parallelism alone, its
-        rank and the world size)."""
+        rank and the world size); found once (its process group is made then), asked every step."""
         return DataShard.of(self.env) if self.dims is None else self.dims.data_shard(self.env.rank)
 
 

@@ -208,7 +208,8 @@ class Trainer(TrainingLoop):
         super().__init__(
             run, train_set, loop,
             checkpointer=Checkpointer(state, store, env, resume=checkpoints.resume, config=checkpoints.config, seed=loop.seed,
-                                      layout=run.strategy.checkpoint_layout if checkpoints.layout == "auto" else checkpoints.layout),
+                                      layout=run.strategy.checkpoint_layout if checkpoints.layout == "auto" else checkpoints.layout,
+                                      mesh=None if run.dims is None else {"strategy": run.strategy.name, **run.dims.sizes()}),
             loss_fn=loss_fn, batches=batches, loading=data,
             evaluator=evaluator,
             callbacks=Callbacks([*self._observer(report, place, checkpoints, run, loop, len(train_set),

@@ -151,9 +151,9 @@ def test_each_recipe_runs_end_to_end(tmp_path, recipe):
     if config.precision.mode == "O6":  # the verdict on each linear layer is part of the run's record
         (plan,) = [r for r in read_metrics(tmp_path / "run") if r["kind"] == "fp8_layers"]
         assert (
-            plan["in_fp8"] == 15
-            and len(plan["layers"]) == 17
-            and "O6: 15 of 17 linear layer(s) in fp8 (rowwise scaling)" in result.stdout + result.stderr
+            plan["in_fp8"] == 23
+            and len(plan["layers"]) == 25
+            and "O6: 23 of 25 linear layer(s) in fp8 (rowwise scaling)" in result.stdout + result.stderr
         )
 
 

@@ -72,12 +72,21 @@ def _summary_of(ref: CheckpointRef) -> dict[str, Any]:
         "loss_scales": [s.loss_scale for s in precision.scalers],
         "skipped_steps": progress.get("skipped_steps", precision.skipped_steps),
         "world_size": shared.get(keys.WORLD_SIZE),
+        "mesh": shared.get(keys.MESH),
         "parameters": sum(t.numel() for t in model.values() if isinstance(t, torch.Tensor) and t.is_floating_point()),
         "dtypes": dict(Counter(str(t.dtype).removeprefix("torch.") for t in model.values() if isinstance(t, torch.Tensor))),
         "versions": shared.get(keys.VERSIONS),
         "model_sha256": model_digest(model),
         "tracked_runs": shared.get(keys.TRACKED_RUNS) or {},
     }
+
+
+def mesh_words(mesh: dict[str, Any] | None) -> str:
+    """``; strategy fsdp2, dp_shard 2 x tp 2`` for a recorded mesh (its dimensions of more than one rank), or nothing."""
+    if not isinstance(mesh, dict) or "strategy" not in mesh:
+        return ""
+    spread = " x ".join(f"{name} {size}" for name, size in mesh.items() if name != "strategy" and isinstance(size, int) and size > 1)
+    return f"; strategy {mesh['strategy']}" + (f", {spread}" if spread else "")
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -96,7 +105,7 @@ def format_summary(summary: dict[str, Any]) -> str:
                 if summary.get("fp8_recipe")
                 else []
             ),
-            f"world size   {summary['world_size']}",
+            f"world size   {summary['world_size']}{mesh_words(summary.get('mesh'))}",
             f"model        {summary['parameters']:,} parameters; tensors: {dtypes}",
             f"model_sha256 {summary['model_sha256']}",
             f"written by   {', '.join(f'{k} {v}' for k, v in (summary['versions'] or {}).items())}",

@@ -4,7 +4,9 @@ A checkpoint is a directory ``<run_dir>/checkpoints/step-<N>/`` holding
 
 - ``shared.pt`` (written by rank 0): ``FORMAT``, ``VERSIONS``, ``CONFIG``, ``MODEL`` (fp32 state dict;
   master values under O2/O5), ``OPTIMIZER``, ``PRECISION`` (mode, policy, loss scalers),
-  ``SCHEDULER``, ``PROGRESS``, ``SAMPLER``, ``WORLD_SIZE``, ``TRACKED_RUNS``;
+  ``SCHEDULER``, ``PROGRESS``, ``SAMPLER``, ``WORLD_SIZE``, ``MESH`` (the strategy and the sizes of the
+  mesh's dimensions, e.g. ``{"strategy": "fsdp2", "pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": 2}``;
+  None where the run had no mesh of its own; absent before it was recorded), ``TRACKED_RUNS``;
 - ``rank-<r>.pt`` (written by rank r): ``RNG`` (python, numpy, torch CPU and CUDA generator states);
 - in a sharded checkpoint (format 2, ``SHARDED_FORMAT_VERSION``), DCP's ``__<r>_<n>.distcp`` (rank
   r's shards of the model and optimizer tensors) and ``.metadata`` (written by rank 0);
@@ -43,6 +45,7 @@ SCHEDULER = "scheduler"
 PROGRESS = "progress"
 SAMPLER = "sampler"
 WORLD_SIZE = "world_size"
+MESH = "mesh"
 TRACKED_RUNS = "tracked_runs"
 """The experiment trackers' run ids by logger name (``{"wandb": "3fk2x9ab"}``); checkpoints written
 before it existed lack it, and a run resumed from one starts fresh tracked runs."""

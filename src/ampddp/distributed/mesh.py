@@ -74,14 +74,24 @@ class ParallelDims:
                               "choose sizes that multiply to the number of processes")  # fmt: skip
 
     @classmethod
-    def data_parallel(cls, env: DistEnv, replicas: int | None = None) -> ParallelDims:
-        """Data parallelism alone over ``env``'s ranks: replicated (DDP: ``replicas`` None, every rank a
-        replica), or sharded (FSDP2: ``replicas`` 1; HSDP: ``replicas`` sharded groups)."""
+    def data_parallel(cls, env: DistEnv, replicas: int | None = None, tp: int = 1) -> ParallelDims:
+        """Data parallelism over ``env``'s ranks: replicated (DDP: ``replicas`` None, every rank a replica), or
+        sharded (FSDP2: ``replicas`` 1; HSDP: ``replicas`` sharded groups), each data rank's model split over
+        ``tp`` ranks (tensor parallelism, the innermost dimension)."""
         if replicas is None:
             return cls(env.world_size, dp_replicate=env.world_size, device_type=env.device.type)
-        if replicas < 1 or env.world_size % replicas:
-            raise ConfigError(f"{replicas} replica(s) do not divide the world of {env.world_size} rank(s)")
-        return cls(env.world_size, dp_replicate=replicas, dp_shard=env.world_size // replicas, device_type=env.device.type)
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or env.world_size % tp:
+            raise ConfigError(f"tp_size={tp!r} does not divide the world of {env.world_size} rank(s); choose a tp_size that "
+                              "divides the number of processes")  # fmt: skip
+        data_ranks = env.world_size // tp
+        if replicas < 1 or data_ranks % replicas:
+            raise ConfigError(f"{replicas} replica(s) do not divide the {data_ranks} data-parallel rank(s) of a world of "
+                              f"{env.world_size} with tp_size={tp}")  # fmt: skip
+        return cls(env.world_size, dp_replicate=replicas, dp_shard=data_ranks // replicas, tp=tp, device_type=env.device.type)
+
+    def sizes(self) -> dict[str, int]:
+        """Each dimension's size by name, outer to inner (what a checkpoint records of the layout that wrote it)."""
+        return {name: getattr(self, name) for name in DIMENSIONS}
 
     @property
     def dp_size(self) -> int:

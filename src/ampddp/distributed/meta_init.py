@@ -295,24 +295,19 @@ class InitProgram:
 
 
 def _local_index(tensor: torch.Tensor, name: str) -> tuple[slice, ...] | None:
-    """This rank's part of a sharded (DTensor) tensor as a slice per dimension (None: it holds all of
-    it): FSDP2 cuts each sharded dimension as ``torch.chunk`` does, the last ranks' parts possibly empty."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    """This rank's part of a sharded (DTensor) tensor as a slice per dimension (None: it holds all of it), as
+    DTensor lays it out (and DCP writes it): FSDP2 cuts as ``torch.chunk`` does, the last ranks' parts possibly
+    empty; under FSDP2 x tensor parallelism a dimension is cut by both, the data-parallel cut within the tensor-
+    parallel one."""
+    from torch.distributed.tensor import DTensor
 
     if not isinstance(tensor, DTensor):
         return None
-    bounds = [(0, size) for size in tensor.shape]
-    coordinate = tensor.device_mesh.get_coordinate() or [0] * tensor.device_mesh.ndim
-    for mesh_dim, placement in enumerate(tensor.placements):
-        if isinstance(placement, Replicate):
-            continue
-        if not isinstance(placement, Shard):
-            raise ConfigError(f"{name!r} is placed as {placement} on the mesh; a meta build fills Shard and Replicate placements only")
-        low, high = bounds[placement.dim]
-        chunk = -(-(high - low) // tensor.device_mesh.size(mesh_dim))
-        start = min(low + coordinate[mesh_dim] * chunk, high)
-        bounds[placement.dim] = (start, min(start + chunk, high))
-    return tuple(slice(low, high) for low, high in bounds)
+    chunks = tensor.__create_chunk_list__()
+    if len(chunks) != 1:
+        raise ConfigError(f"{name!r} is placed as {tensor.placements} on the mesh, {len(chunks)} pieces on this rank; a meta build "
+                          "fills one block per rank")  # fmt: skip
+    return tuple(slice(offset, offset + size) for offset, size in zip(chunks[0].offsets, chunks[0].sizes))
 
 
 @dataclass

@@ -23,6 +23,7 @@ from ampddp.distributed.mesh import ParallelDims
 from ampddp.distributed.meta_init import InitProgram, ModelBuild, ModelSource
 from ampddp.distributed.strategies import MakeOptimizer, SetUp, Strategy, make_strategy
 from ampddp.distributed.sync_bn import convert_sync_batchnorm
+from ampddp.distributed.tensor_parallel import TPOptions
 from ampddp.distributed.wrap import DDPOptions
 from ampddp.errors import ConfigError, choice_error
 from ampddp.precision.engine import PrecisionEngine
@@ -33,7 +34,8 @@ class Parallel:
     """``strategy``: ddp | apex-ddp | fsdp2 | hsdp | dp | none (``ddp`` and ``apex-ddp`` leave a single
     process's model bare; ``fsdp2`` on one process needs a process group of that one rank). ``sync_bn``: off | auto | torch | apex |
     portable. ``ddp``: torch DDP's settings (refused with another strategy). ``fsdp``: FSDP2's
-    settings (refused with another strategy). ``wrap_options``: the wrapper's other keyword
+    settings (refused with another strategy). ``tp``: tensor parallelism inside the strategy (fsdp2, hsdp,
+    none: ``TPOptions(size=..., plan=...)``). ``wrap_options``: the wrapper's other keyword
     arguments (apex-ddp's own, nn.DataParallel's, torch DDP's others). ``where``: the settings'
     prefix in messages (a recipe's ``distributed.``)."""
 
@@ -42,6 +44,7 @@ class Parallel:
     ddp: DDPOptions = field(default_factory=DDPOptions)
     wrap_options: Mapping[str, Any] = field(default_factory=dict)
     fsdp: FSDPOptions = field(default_factory=FSDPOptions)
+    tp: TPOptions = field(default_factory=TPOptions)
     where: InitVar[str] = ""
 
     def __post_init__(self, where: str) -> None:
@@ -53,8 +56,10 @@ class Parallel:
             raise ConfigError(f"Parallel wrap_options={self.wrap_options!r} is not valid; it must be a mapping of keyword arguments")
         if not isinstance(self.fsdp, FSDPOptions):
             raise ConfigError(f"Parallel fsdp={self.fsdp!r} is not valid; it must be an FSDPOptions")
+        if not isinstance(self.tp, TPOptions):
+            raise ConfigError(f"Parallel tp={self.tp!r} is not valid; it must be a TPOptions (tensor parallelism's settings)")
         object.__setattr__(self, "wrap_options", dict(self.wrap_options))
-        plan = make_strategy(self.strategy, ddp=self.ddp, fsdp=self.fsdp, wrap_options=self.wrap_options, where=where)
+        plan = make_strategy(self.strategy, ddp=self.ddp, fsdp=self.fsdp, wrap_options=self.wrap_options, tp=self.tp, where=where)
         object.__setattr__(self, "_plan", plan)
 
     @property

@@ -6,6 +6,7 @@ once the run is built (``RunDir.probe``, the only check that touches the filesys
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import signal
 from collections.abc import Iterator
@@ -17,7 +18,8 @@ import torch
 from ampddp.checkpoint.safetensors_weights import check_key_map
 from ampddp.choices import FLOAT16_MAX, FLOAT32_MAX, INT64_MAX
 from ampddp.config import RunConfig, is_import_path
-from ampddp.distributed.env import detect_env
+from ampddp.distributed.env import DistEnv, detect_env
+from ampddp.distributed.parallel import Parallel
 from ampddp.errors import ConfigError, shown
 from ampddp.precision.choice import Precision
 from ampddp.preemption import parse_signals
@@ -158,6 +160,17 @@ def _numbers_in(key: str, value: Any) -> Iterator[tuple[str, float]]:
             yield from _numbers_in(f"{key}[{index}]", item)
 
 
+def _check_mesh(parallel: Parallel, env: DistEnv, nproc_per_node: int) -> None:
+    """The strategy's mesh over the processes the run will have (a launcher's, or ``nproc_per_node`` spawned):
+    sizes that do not divide the world are refused before any process starts."""
+    if not env.distributed:
+        env = dataclasses.replace(env, world_size=nproc_per_node, local_world_size=nproc_per_node)
+    try:
+        parallel.dims(env)
+    except ConfigError as error:
+        raise ConfigError(f"distributed: {error}") from None
+
+
 def check_recipe(config: RunConfig) -> None:
     """What a run can be checked for before any part of it is built, and all a parent spawning
     workers checks before they exist: values and ranges, precision settings the device cannot run,
@@ -171,9 +184,10 @@ def check_recipe(config: RunConfig) -> None:
     loader_settings(config)
     device_settings(config)
     _check_schedule(config)
-    parallel_from(config)  # the strategy and its settings, checked
+    parallel = parallel_from(config)  # the strategy and its settings, checked
     dist_cfg = config.distributed
     env = detect_env(device=dist_cfg.device, backend=process_group_backend(config), timeout_s=dist_cfg.timeout_s)
+    _check_mesh(parallel, env, dist_cfg.nproc_per_node)
     resume = config.checkpoint.resume_from or config.checkpoint.resume
     precision = kept_precision(precision_from(config), config.trainer.run_dir, resume, env).resolved(env.device)
     _check_optimizer_numbers(config, precision)

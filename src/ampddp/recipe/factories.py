@@ -26,6 +26,7 @@ from ampddp.config import IMPORT_PATH_FORM, PrecisionConfig, RunConfig, is_impor
 from ampddp.distributed.env import HOST_AND_CUDA, seed_everything
 from ampddp.distributed.fsdp2 import FSDPOptions
 from ampddp.distributed.parallel import Parallel
+from ampddp.distributed.tensor_parallel import TPOptions
 from ampddp.distributed.wrap import DDPOptions
 from ampddp.errors import ConfigError, closest, spelled
 from ampddp.observe.loggers import MlflowLogger, WandbLogger
@@ -331,12 +332,27 @@ def fsdp_options(config: RunConfig) -> FSDPOptions:
     )  # fmt: skip
 
 
+def tp_options(config: RunConfig) -> TPOptions:
+    """distributed.tp_size / tp_plan (a table, or a package.module:function, imported here) / sequence_parallel."""
+    dist_cfg = config.distributed
+    plan = dist_cfg.tp_plan
+    if isinstance(plan, str):
+        if not is_import_path(plan):
+            raise ConfigError(f"distributed.tp_plan={plan!r} is not valid; give a table {{module name: colwise | rowwise | sequence}}, "
+                              f"a {IMPORT_PATH_FORM} that parallelizes the model, or null (the model's own plan)")  # fmt: skip
+        plan = load_callable(plan, "distributed.tp_plan")
+    try:
+        return TPOptions(size=dist_cfg.tp_size, plan=plan, sequence_parallel=dist_cfg.sequence_parallel)
+    except ConfigError as error:
+        raise ConfigError(f"distributed.{error}") from None
+
+
 def parallel_from(config: RunConfig) -> Parallel:
-    """The distributed section's strategy, sync-BN, torch DDP and FSDP2 settings as one object (a DDP
-    or FSDP2 setting with another strategy is refused naming the recipe key)."""
+    """The distributed section's strategy, sync-BN, torch DDP, FSDP2 and tensor-parallel settings as one object (a
+    setting with a strategy that does not take it is refused naming the recipe key)."""
     dist_cfg = config.distributed
     return Parallel(strategy=dist_cfg.strategy, sync_bn=dist_cfg.sync_bn, ddp=ddp_options(config), fsdp=fsdp_options(config),
-                    where="distributed.")  # fmt: skip
+                    tp=tp_options(config), where="distributed.")  # fmt: skip
 
 
 def loader_settings(config: RunConfig) -> LoaderSettings:

@@ -100,13 +100,15 @@ class Checkpointer:
     path of a checkpoint or run dir. ``config``: the run's settings, saved and compared on resume.
     ``seed`` derives a rank's RNG when the checkpoint was saved by fewer ranks. ``layout``: whole
     (one shared file of whole tensors) or sharded (each rank its shards; where a recipe says auto,
-    the strategy's word: ``Strategy.checkpoint_layout``).
+    the strategy's word: ``Strategy.checkpoint_layout``). ``mesh``: how the ranks that write it are laid out (the
+    strategy and the mesh's dimension sizes), saved for ``ampddp inspect`` and the next run to read.
     """
 
     def __init__(self, state: TrainingState, store: CheckpointStore | None, env: DistEnv, *, resume: str | Path = "auto",
-                 config: dict[str, Any] | None = None, seed: int = 0, layout: str = "whole") -> None:  # fmt: skip
+                 config: dict[str, Any] | None = None, seed: int = 0, layout: str = "whole",
+                 mesh: dict[str, Any] | None = None) -> None:  # fmt: skip
         self.state, self.store, self.env = state, store, env
-        self.resume, self.config, self.seed = resume, dict(config or {}), seed
+        self.resume, self.config, self.seed, self.mesh = resume, dict(config or {}), seed, mesh
         self.sharded = layout == "sharded"
         self.saved_step: int | None = None
         self.planned = False
@@ -148,6 +150,7 @@ class Checkpointer:
             keys.PROGRESS: state.progress.state_dict(),
             keys.SAMPLER: state.sampler.state_dict(),
             keys.WORLD_SIZE: self.env.world_size,
+            keys.MESH: self.mesh,
             keys.TRACKED_RUNS: state.tracked_runs.state_dict(),
         }
         if state.extra:

@@ -262,7 +262,9 @@ class TrainingLoop:
         local_stop = self.stopping.vote()
         if self.run.env.distributed:
             reduced = sum_across_ranks(torch.tensor([loss_sum.item(), local_stop], dtype=torch.float64))
-            loss_total, stop_agreed = float(reduced[0]), bool(reduced[1] > 0)
+            # ranks of one data coordinate (a tensor-parallel group) hold the same loss: counted once per rank
+            copies = self.run.env.world_size // self.run.data_shard.size
+            loss_total, stop_agreed = float(reduced[0]) / copies, bool(reduced[1] > 0)
         else:
             loss_total, stop_agreed = loss_sum.item(), local_stop > 0
         return loss_total / max(total, 1.0), stop_agreed

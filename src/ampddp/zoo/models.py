@@ -57,21 +57,36 @@ def build_model(name: str, num_classes: int, channels: int, image_size: int) -> 
 
 class CausalSelfAttention(nn.Module):
     """Multi-head attention over earlier positions, with its softmax written out (the op apex's
-    lists keep in fp32: what FSDP2's plain bf16 loses)."""
+    lists keep in fp32: what FSDP2's plain bf16 loses).
+
+    The query, key and value projections are three layers (``q``, ``k``, ``v``), so tensor parallelism
+    splits them by heads, column-wise; a state dict with the earlier fused ``qkv`` layer loads (split
+    on the way in). The head count is read from the projections' outputs: under tensor parallelism
+    each rank holds ``heads / tp_size`` of them."""
 
     def __init__(self, width: int, heads: int) -> None:
         super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(width, 3 * width)
+        self.head_width = width // heads
+        self.q, self.k, self.v = nn.Linear(width, width), nn.Linear(width, width), nn.Linear(width, width)
         self.proj = nn.Linear(width, width)
+        self.register_load_state_dict_pre_hook(_split_fused_qkv)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, width = x.shape
-        q, k, v = (part.view(batch, length, self.heads, width // self.heads).transpose(1, 2) for part in self.qkv(x).split(width, dim=2))
+        batch, length, _ = x.shape
+        q, k, v = (layer(x).view(batch, length, -1, self.head_width).transpose(1, 2) for layer in (self.q, self.k, self.v))
         scores = (q @ k.transpose(-2, -1)) * (k.shape[-1] ** -0.5)
         future = torch.ones(length, length, dtype=torch.bool, device=x.device).triu(1)
         weights = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
-        return self.proj((weights.to(v.dtype) @ v).transpose(1, 2).reshape(batch, length, width))
+        return self.proj((weights.to(v.dtype) @ v).transpose(1, 2).reshape(batch, length, -1))
+
+
+def _split_fused_qkv(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """A state dict written before the projections were split (one ``qkv`` layer, rows q, k, v) loads into ``q``, ``k``, ``v``."""
+    for kind in ("weight", "bias"):
+        fused = state_dict.pop(f"{prefix}qkv.{kind}", None)
+        if fused is not None:
+            for name, part in zip("qkv", fused.chunk(3, dim=0)):
+                state_dict[f"{prefix}{name}.{kind}"] = part
 
 
 class Block(nn.Module):
@@ -114,6 +129,40 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(width, heads, NORMS[norm]) for _ in range(layers))
         self.final_norm = NORMS[norm](width)
         self.head = nn.Linear(width, vocab_size, bias=False)
+
+    def tensor_parallel_plan(self, tp_size: int, sequence_parallel: bool = True) -> dict[str, Any]:
+        """How tensor parallelism splits this model over ``tp_size`` ranks (torch's ``parallelize_module`` plan,
+        torchtitan's layout): each block's q/k/v and first MLP layer by output columns (each rank a share of the
+        heads and hidden units), its attention output and second MLP layer by input rows (partial sums reduced);
+        the token embedding by vocabulary rows, the head by vocabulary columns (logits gathered whole: the loss
+        is the plain one). ``sequence_parallel``: between the split layers the residual stream is split by
+        sequence position over the ranks, the norms run on their slice (their weights become replicated
+        DTensors), gathered before each split layer; the sequence length must then divide by ``tp_size``."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+        heads = self.blocks[0].attention.q.out_features // self.blocks[0].attention.head_width
+        if heads % tp_size:
+            raise ConfigError(f"gpt heads={heads} do not split over tp_size={tp_size}; choose a tp_size that divides the heads")
+        stream = Shard(1) if sequence_parallel else Replicate()
+        plan: dict[str, Any] = {
+            "token_embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "head": ColwiseParallel(input_layouts=stream, output_layouts=Replicate()),
+        }
+        if sequence_parallel:
+            plan["blocks.0"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True)
+            plan["final_norm"] = SequenceParallel()
+        for index in range(len(self.blocks)):
+            block = f"blocks.{index}"
+            for part in ("attention", "mlp"):
+                if sequence_parallel:
+                    plan[f"{block}.{part}_norm"] = SequenceParallel()
+                    plan[f"{block}.{part}"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            plan.update({f"{block}.attention.{name}": ColwiseParallel() for name in "qkv"})
+            plan[f"{block}.attention.proj"] = RowwiseParallel(output_layouts=stream)
+            plan[f"{block}.mlp.0"] = ColwiseParallel()
+            plan[f"{block}.mlp.2"] = RowwiseParallel(output_layouts=stream)
+        return plan
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         length = input_ids.shape[1]

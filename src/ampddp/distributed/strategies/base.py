@@ -20,6 +20,7 @@ from ampddp.distributed.mesh import ParallelDims
 from ampddp.distributed.meta_init import InitProgram, ModelBuild, model_from
 from ampddp.distributed.schedule import MicroBatches, StepSchedule
 from ampddp.distributed.wrap import GradSync
+from ampddp.errors import ConfigError
 from ampddp.precision.choice import Precision
 from ampddp.precision.engine import PrecisionEngine
 
@@ -50,6 +51,13 @@ class Strategy:
     """What ``checkpoint.layout: auto`` writes under this strategy."""
     collective_forward: ClassVar[bool] = False
     """Whether every forward gathers with every rank (evaluation then runs as many forwards on each)."""
+
+    @classmethod
+    def with_tensor_parallel(cls, where: str = "") -> type[Strategy]:
+        """The strategy that runs this one's data parallelism with tensor parallelism inside it, or one line naming
+        the strategies that compose with it (torch DDP and DataParallel replicate whole modules: no mesh)."""
+        raise ConfigError(f"{where}tp_size > 1: tensor parallelism composes with strategy fsdp2, hsdp, or none (tensor "
+                          f"parallelism alone); {where}strategy={cls.name} replicates whole models")  # fmt: skip
 
     def check_settings(self, where: str = "") -> None:
         """Refuse settings of its own it cannot use together; ``where``: their prefix in messages

@@ -16,6 +16,7 @@ from ampddp.distributed.fsdp2 import FSDPOptions, gradient_sync_off, shard_model
 from ampddp.distributed.mesh import ParallelDims
 from ampddp.distributed.meta_init import InitProgram, ModelBuild, build_on_meta
 from ampddp.distributed.strategies.base import MakeOptimizer, SetUp, Strategy
+from ampddp.distributed.tensor_parallel import TPOptions, apply_tensor_parallel
 from ampddp.distributed.wrap import GradSync
 from ampddp.errors import ConfigError
 from ampddp.precision.choice import Precision
@@ -28,7 +29,7 @@ class FSDP2(Strategy):
     the engine over those; the engine maps O2/O5 onto FSDP2's own mixed precision (fp32 shards as masters)."""
 
     name = "fsdp2"
-    takes = ("fsdp",)
+    takes = ("fsdp", "tp")
     shards_params = True
     needs_process_group = True
     checkpoint_layout = "sharded"
@@ -36,8 +37,14 @@ class FSDP2(Strategy):
     mesh_dims: tuple[str, ...] = ("dp_shard",)
     """The mesh dimensions it shards over."""
 
-    def __init__(self, fsdp: FSDPOptions | None = None) -> None:
+    def __init__(self, fsdp: FSDPOptions | None = None, tp: TPOptions | None = None) -> None:
         self.fsdp = fsdp if fsdp is not None else FSDPOptions()
+        self.tp = tp if tp is not None else TPOptions()
+
+    @classmethod
+    def with_tensor_parallel(cls, where: str = "") -> type[Strategy]:
+        """Itself: the plan splits each layer over the ``tp`` ranks, then FSDP2 shards over the data-parallel ones."""
+        return cls
 
     def check_settings(self, where: str = "") -> None:
         if self.fsdp.shard_size is not None:
@@ -45,7 +52,7 @@ class FSDP2(Strategy):
                               f"strategy hsdp, but strategy={self.name}")  # fmt: skip
 
     def dims(self, env: DistEnv) -> ParallelDims:
-        return ParallelDims.data_parallel(env, replicas=1)
+        return ParallelDims.data_parallel(env, replicas=1, tp=self.tp.size)
 
     def engine_for(self, precision: Precision) -> PrecisionEngine:
         return precision.build_sharded_engine()
@@ -58,6 +65,8 @@ class FSDP2(Strategy):
                init: InitProgram | None = None) -> SetUp:  # fmt: skip
         engine.convert_storage(model)
         dims = self.dims(env)
+        if self.tp.enabled:
+            model = apply_tensor_parallel(model, dims.submesh("tp"), self.tp)
         model = shard_model(model, env, self.fsdp, engine.sharded_param_dtype, lambda: dims.submesh(*self.mesh_dims))
         if init is not None:
             init.materialise(model, env.device)
@@ -88,7 +97,26 @@ class HSDP(FSDP2):
         """Its shard size is its own (checked against the world when the mesh is made)."""
 
     def dims(self, env: DistEnv) -> ParallelDims:
-        return ParallelDims.data_parallel(env, replicas=self.fsdp.replicas(env))
+        """Replicas of ``shard_size`` ranks each (a node's): with tensor parallelism, a replica's ranks include its ``tp`` ranks."""
+        return ParallelDims.data_parallel(env, replicas=self.fsdp.replicas(env), tp=self.tp.size)
+
+
+class TensorParallelOnly(FSDP2):
+    """Tensor parallelism alone (strategy ``none`` with ``tp_size`` > 1): every rank a share of each layer, no data
+    parallelism. Run as FSDP2 over a data-parallel dimension of one rank (torchtitan's way), which gathers
+    nothing but gives the opt levels FSDP2's mapping (O2/O5: fp32 shards as masters, fp32 islands) and the run
+    its sharded checkpoints."""
+
+    name = "none"
+    takes = ("tp",)
+
+    def dims(self, env: DistEnv) -> ParallelDims:
+        if env.world_size != self.tp.size:
+            raise ConfigError(f"strategy none with tp_size={self.tp.size} on {env.world_size} processes leaves "
+                              f"{env.world_size // self.tp.size if env.world_size % self.tp.size == 0 else 'some'} model copies "
+                              "training apart; use strategy fsdp2 or hsdp for the data-parallel dimension, or as many "
+                              "processes as tp_size")  # fmt: skip
+        return super().dims(env)
 
 
 class ShardedGradSync(GradSync):
