@@ -38,6 +38,7 @@ import overhead
 import peers
 import sharding
 import startup
+import tensor_parallel
 import torch
 from harness import Budget
 
@@ -54,6 +55,7 @@ BENCHMARKS = {
     "sharding": sharding.run,
     "meta-build": meta_build.run,
     "hsdp": hsdp_traffic.run,
+    "tensor-parallel": tensor_parallel.run,
     "fp8": fp8.run,
     "compile": compile_modes.run,
     "op-cost": op_cost.run,
