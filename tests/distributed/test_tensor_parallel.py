@@ -24,6 +24,7 @@ from ampddp.distributed.env import init_one_rank_group
 from ampddp.distributed.tensor_parallel import TPOptions
 from ampddp.trainer import Trainer
 from ampddp.training import CheckpointSettings
+from ampddp.training.compile_model import ModelCompiler
 from ampddp.zoo.models import GPT
 from ampddp.zoo.text import python_docs
 
@@ -140,30 +141,35 @@ def byte_gpt() -> GPT:
     return GPT(256, layers=2, width=32, heads=2, context=16)
 
 
-def tp_trainer(run_dir: str, env, strategy: str, tp_size: int, steps: int, batch_size: int) -> Trainer:
+def tp_trainer(run_dir: str, env, strategy: str, tp_size: int, steps: int, batch_size: int, compile: bool = False) -> Trainer:
     train, held_out = python_docs(sequence_length=16, eval_fraction=0.05)
     return Trainer(
         byte_gpt, adamw, Subset(train, range(128)),
         eval_set=Subset(held_out, range(8)), precision="O2", batch_size=batch_size,
         parallel=Parallel(strategy, tp=TPOptions(tp_size)), max_epochs=100, max_steps=steps, seed=5, env=env,
         checkpoints=CheckpointSettings(Path(run_dir), keep_last=None), report=None, eval_every=3, checkpoint_every=2,
+        compile=ModelCompiler(backend="aot_eager") if compile else None,
     )  # fmt: skip
 
 
-def fit_worker(env, run_dir: str, strategy: str, tp_size: int, steps: int, batch_size: int) -> dict[str, float]:
+def fit_worker(env, run_dir: str, strategy: str, tp_size: int, steps: int, batch_size: int, compile: bool = False) -> list[bool]:
+    """Trains; returns which of the GPT's blocks were compiled (one by one, as under FSDP2)."""
     if env.world_size == 1:
         init_one_rank_group(env)  # FSDP2 on one process: a mesh of one rank (the worker's exit ends it)
-    return tp_trainer(run_dir, env, strategy, tp_size, steps, batch_size).fit()["eval"]
+    trainer = tp_trainer(run_dir, env, strategy, tp_size, steps, batch_size, compile)
+    trainer.fit()
+    return [block._compiled_call_impl is not None for block in trainer.run.module.blocks]
 
 
 def test_a_tensor_parallel_checkpoint_resumes_across_layouts_and_exports_whole(tmp_path):
     straight, across = tmp_path / "straight", tmp_path / "across"
     # 6 steps of a global batch of 4 under TP=2 throughout; and 2 under TP=2, 2 more under FSDP2 on one process,
-    # 2 more under FSDP2 x TP on 4 (2 data ranks: 2 samples each), each resuming the one before.
+    # 2 more under FSDP2 x TP on 4 (2 data ranks: 2 samples each), compiled block by block, each resuming the one before.
     launch_local(fit_worker, 2, (str(straight), "none", 2, 6, 4), device="cpu", timeout_s=60, job_timeout_s=300)
     launch_local(fit_worker, 2, (str(across), "none", 2, 2, 4), device="cpu", timeout_s=60, job_timeout_s=300)
     launch_local(fit_worker, 1, (str(across), "fsdp2", 1, 4, 4), device="cpu", timeout_s=60, job_timeout_s=300)
-    launch_local(fit_worker, 4, (str(across), "fsdp2", 2, 6, 2), device="cpu", timeout_s=60, job_timeout_s=300)
+    compiled = launch_local(fit_worker, 4, (str(across), "fsdp2", 2, 6, 2, True), device="cpu", timeout_s=60, job_timeout_s=300)
+    assert compiled == [[True, True]] * 4
     expected, resumed = final_state(straight), final_state(across)
     assert resumed["progress"]["global_step"] == expected["progress"]["global_step"] == 6
     assert resumed["model"].keys() == expected["model"].keys()
