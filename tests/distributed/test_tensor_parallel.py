@@ -5,6 +5,7 @@ losses against the unsplit fp32 model's, and an inf in one rank's shard skipped 
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -152,13 +153,20 @@ def tp_trainer(run_dir: str, env, strategy: str, tp_size: int, steps: int, batch
     )  # fmt: skip
 
 
-def fit_worker(env, run_dir: str, strategy: str, tp_size: int, steps: int, batch_size: int, compile: bool = False) -> list[bool]:
-    """Trains; returns which of the GPT's blocks were compiled (one by one, as under FSDP2)."""
+def fit_worker(env, run_dir: str, strategy: str, tp_size: int, steps: int, batch_size: int, compile: bool = False) -> dict[str, object]:
+    """Trains; returns which of the GPT's blocks were compiled (one by one, as under FSDP2) and what a resume said
+    of the layouts."""
     if env.world_size == 1:
         init_one_rank_group(env)  # FSDP2 on one process: a mesh of one rank (the worker's exit ends it)
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("ampddp").addHandler(handler)
+    logging.getLogger("ampddp").setLevel(logging.INFO)
     trainer = tp_trainer(run_dir, env, strategy, tp_size, steps, batch_size, compile)
     trainer.fit()
-    return [block._compiled_call_impl is not None for block in trainer.run.module.blocks]
+    layouts = [line for line in said if "were written by" in line]
+    return {"compiled": [block._compiled_call_impl is not None for block in trainer.run.module.blocks], "layouts": layouts}
 
 
 def test_a_tensor_parallel_checkpoint_resumes_across_layouts_and_exports_whole(tmp_path):
@@ -167,9 +175,10 @@ def test_a_tensor_parallel_checkpoint_resumes_across_layouts_and_exports_whole(t
     # 2 more under FSDP2 x TP on 4 (2 data ranks: 2 samples each), compiled block by block, each resuming the one before.
     launch_local(fit_worker, 2, (str(straight), "none", 2, 6, 4), device="cpu", timeout_s=60, job_timeout_s=300)
     launch_local(fit_worker, 2, (str(across), "none", 2, 2, 4), device="cpu", timeout_s=60, job_timeout_s=300)
-    launch_local(fit_worker, 1, (str(across), "fsdp2", 1, 4, 4), device="cpu", timeout_s=60, job_timeout_s=300)
-    compiled = launch_local(fit_worker, 4, (str(across), "fsdp2", 2, 6, 2, True), device="cpu", timeout_s=60, job_timeout_s=300)
-    assert compiled == [[True, True]] * 4
+    alone = launch_local(fit_worker, 1, (str(across), "fsdp2", 1, 4, 4), device="cpu", timeout_s=60, job_timeout_s=300)[0]
+    assert alone["layouts"] == ["its tensors were written by strategy none, tp 2 and read into strategy fsdp2"]
+    four = launch_local(fit_worker, 4, (str(across), "fsdp2", 2, 6, 2, True), device="cpu", timeout_s=60, job_timeout_s=300)
+    assert [rank["compiled"] for rank in four] == [[True, True]] * 4
     expected, resumed = final_state(straight), final_state(across)
     assert resumed["progress"]["global_step"] == expected["progress"]["global_step"] == 6
     assert resumed["model"].keys() == expected["model"].keys()

@@ -81,12 +81,12 @@ def _summary_of(ref: CheckpointRef) -> dict[str, Any]:
     }
 
 
-def mesh_words(mesh: dict[str, Any] | None) -> str:
-    """``; strategy fsdp2, dp_shard 2 x tp 2`` for a recorded mesh (its dimensions of more than one rank), or nothing."""
+def layout_words(mesh: dict[str, Any] | None) -> str:
+    """``strategy fsdp2, dp_shard 2 x tp 2`` for a recorded mesh (its dimensions of more than one rank), or nothing."""
     if not isinstance(mesh, dict) or "strategy" not in mesh:
         return ""
     spread = " x ".join(f"{name} {size}" for name, size in mesh.items() if name != "strategy" and isinstance(size, int) and size > 1)
-    return f"; strategy {mesh['strategy']}" + (f", {spread}" if spread else "")
+    return f"strategy {mesh['strategy']}" + (f", {spread}" if spread else "")
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -105,7 +105,7 @@ def format_summary(summary: dict[str, Any]) -> str:
                 if summary.get("fp8_recipe")
                 else []
             ),
-            f"world size   {summary['world_size']}{mesh_words(summary.get('mesh'))}",
+            f"world size   {summary['world_size']}" + (f"; {layout_words(summary.get('mesh'))}" if summary.get("mesh") else ""),
             f"model        {summary['parameters']:,} parameters; tensors: {dtypes}",
             f"model_sha256 {summary['model_sha256']}",
             f"written by   {', '.join(f'{k} {v}' for k, v in (summary['versions'] or {}).items())}",

@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 
 from ampddp.checkpoint import keys
 from ampddp.checkpoint.finite import refuse_non_finite
+from ampddp.checkpoint.inspect import layout_words
 from ampddp.checkpoint.manifest import Manifest, config_digest, step_of
 from ampddp.checkpoint.restore import (
     apply_precision,
@@ -308,6 +309,9 @@ class Checkpointer:
         self.saved_step = ref.step
         self._restore_rng(plan.rng, ref, shared[keys.WORLD_SIZE])
         logger.info("resumed from %s at step %d (epoch %d)", ref.path, state.progress.global_step, state.progress.epoch)
+        saved = shared.get(keys.MESH)
+        if saved and self.mesh and saved != self.mesh:
+            logger.info("its tensors were written by %s and read into %s", layout_words(saved), layout_words(self.mesh))
 
     def _continue_tracked_runs(self, ref: CheckpointRef, saved: dict[str, str]) -> None:
         """The trackers' runs continue when the checkpoint is this run dir's own; one taken from another
