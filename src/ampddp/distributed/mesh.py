@@ -113,8 +113,12 @@ class ParallelDims:
     def data_shard(self, rank: int) -> DataShard:
         """Where global ``rank`` reads data (its data-parallel coordinates), with the group of the
         data-parallel ranks it belongs to (None when every rank is one: no mesh is needed then)."""
-        group = None if self.dp_size == self.world_size else self.submesh("dp_replicate", "dp_shard")._flatten().get_group()
-        return DataShard(self.dp_rank(rank), self.dp_size, group)
+        return DataShard(self.dp_rank(rank), self.dp_size, self._data_group)
+
+    @functools.cached_property
+    def _data_group(self) -> Any:
+        """The process group of the data-parallel ranks (flattened from the mesh once), None when every rank is one."""
+        return None if self.dp_size == self.world_size else self.submesh("dp_replicate", "dp_shard")._flatten().get_group()
 
     @functools.cached_property
     def mesh(self) -> Any:

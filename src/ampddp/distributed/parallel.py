@@ -70,7 +70,7 @@ class Parallel:
 
     def dims(self, env: DistEnv) -> ParallelDims:
         """The mesh the strategy's ranks form on ``env`` (sizes checked; the mesh itself made on first use)."""
-        return self.plan.dims(env)
+        return self.plan.mesh_of(env)
 
     def synchronise_batchnorm(self, model: nn.Module, device: torch.device) -> nn.Module:
         """``model`` with its BatchNorms synchronised as ``sync_bn`` says (itself when ``off``)."""

@@ -67,6 +67,15 @@ class Strategy:
         """The mesh its ranks form: data parallelism over every rank, each a replica."""
         return ParallelDims.data_parallel(env)
 
+    def mesh_of(self, env: DistEnv) -> ParallelDims:
+        """``dims(env)``, made once for ``env``: whoever asks (``prepare`` for the data coordinates, the set-up
+        for the dimensions it splits and shards over) gets the one device mesh, whose process groups are built
+        once (each a communicator, device memory on a GPU)."""
+        made = getattr(self, "_made_for", None)
+        if made is None or made[0] != env:
+            made = self._made_for = (env, self.dims(env))
+        return made[1]
+
     def engine_for(self, precision: Precision) -> PrecisionEngine:
         """A fresh engine running ``precision`` (resolved) under this strategy."""
         return precision.build_engine()

@@ -64,7 +64,7 @@ class FSDP2(Strategy):
     def set_up(self, model: nn.Module, make_optimizer: MakeOptimizer, env: DistEnv, engine: PrecisionEngine,
                init: InitProgram | None = None) -> SetUp:  # fmt: skip
         engine.convert_storage(model)
-        dims = self.dims(env)
+        dims = self.mesh_of(env)
         if self.tp.enabled:
             model = apply_tensor_parallel(model, dims.submesh("tp"), self.tp)
         model = shard_model(model, env, self.fsdp, engine.sharded_param_dtype, lambda: dims.submesh(*self.mesh_dims))
