@@ -251,9 +251,21 @@ def hand_bf16_true(setting: Setting) -> Runner:
 # ---- ampddp -----------------------------------------------------------------------------------------
 def ampddp_prepare(setting: Setting) -> Runner:
     """``prepare`` (precision set-up, then torch DDP across ranks) around the same hand-written loop."""
+    return _prepared(setting, "ampddp-prepare", AMPDDP_MODE[setting.precision])
+
+
+def ampddp_o5_no_masters(setting: Setting) -> Runner:
+    """``prepare`` at O5 with apex's ``master_weights=False``: bf16 weights stepped in bf16 by AdamW, no fp32 masters,
+    the work of Lightning's and Fabric's "bf16-true" (checked against the hand loop doing the same)."""
+    from ampddp import Precision
+
+    return _prepared(setting, "ampddp-o5-no-masters", Precision("O5", overrides={"master_weights": False}), "hand-bf16-true")
+
+
+def _prepared(setting: Setting, name: str, precision: Any, reference: str = "hand") -> Runner:
     from ampddp import prepare
 
-    run = prepare(setting.model(), adamw, setting.ampddp_env(), precision=AMPDDP_MODE[setting.precision])
+    run = prepare(setting.model(), adamw, setting.ampddp_env(), precision=precision)
     loader, device, meter = setting.loader(), setting.device, setting.meter
 
     def train_epoch() -> None:
@@ -266,7 +278,7 @@ def ampddp_prepare(setting: Setting) -> Runner:
             run.engine.step(run.optimizer)
             meter.tick()
 
-    return Runner("ampddp-prepare", run.module, train_epoch)
+    return Runner(name, run.module, train_epoch, reference=reference)
 
 
 def ampddp_trainer(setting: Setting) -> Runner:

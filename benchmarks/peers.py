@@ -12,9 +12,10 @@ Precisions: ``fp32``; ``bf16`` autocast (ampddp native-bf16, Lightning/Fabric "b
 Accelerate/HF bf16; the facade runs apex's O4, its bf16 op lists); ``o5`` (ampddp O5: bf16 weights,
 fp32 masters) against a hand O5 loop and the peers' nearest, Lightning/Fabric "bf16-true", which
 steps bf16 weights without masters (less work, other numerics: checked against a hand loop that does
-the same, ``hand-bf16-true``). On CUDA also ``fp16`` (autocast + GradScaler; ampddp native-fp16, the
-facade O1) and ``o2`` (fp16 weights, fp32 masters, loss scaling: ampddp and the facade against a hand
-loop); a CPU has no fast fp16 arithmetic.
+the same, ``hand-bf16-true``), and ampddp's O5 without masters (``ampddp-o5-no-masters``, apex's
+``master_weights=False``) is the same work as theirs, checked against that loop. On CUDA also ``fp16``
+(autocast + GradScaler; ampddp native-fp16, the facade O1) and ``o2`` (fp16 weights, fp32 masters, loss
+scaling: ampddp and the facade against a hand loop); a CPU has no fast fp16 arithmetic.
 
 Processes: every contender runs in interpreters of its own (its heap, page faults, CPU time and peak
 memory are its own; none inherits the suite's ``mallopt`` settings or a MALLOC_* variable: the issue
@@ -103,6 +104,7 @@ CONTENDERS = {
     "hand-bf16-true": Contender(loops.hand_bf16_true, "hand", only=("o5",)),
     "ampddp-trainer": Contender(loops.ampddp_trainer, "ampddp"),
     "ampddp-prepare": Contender(loops.ampddp_prepare, "ampddp"),
+    "ampddp-o5-no-masters": Contender(loops.ampddp_o5_no_masters, "ampddp", only=("o5",)),
     "amp-facade": Contender(loops.amp_facade, "ampddp", differs=O4_LISTS),
     "lightning-trainer": Contender(loops.lightning_trainer, "peer", ("lightning",), {"o2": NO_O2}),
     "fabric": Contender(loops.fabric, "peer", ("lightning",), {"o2": NO_O2}),
@@ -498,7 +500,8 @@ def _note(group: Group, name: str, entry: dict, result: dict) -> str:
     """What ran (framework, version, its precision setting) and, on the hand loop's row, who was not timed and why."""
     mode = loops.AMPDDP_MODE[group.precision]
     words = {"ampddp-trainer": f"ampddp {mode}", "ampddp-prepare": f"ampddp {mode}",
-             "amp-facade": f"amp opt_level {loops.FACADE_LEVEL[group.precision]}"}.get(name, "")  # fmt: skip
+             "amp-facade": f"amp opt_level {loops.FACADE_LEVEL[group.precision]}",
+             "ampddp-o5-no-masters": "ampddp O5 master_weights=False"}.get(name, "")  # fmt: skip
     if name in ("lightning-trainer", "fabric"):
         words = f"lightning {entry['version']} {loops.LIGHTNING_PRECISION[group.precision]}"
     elif entry["version"]:
