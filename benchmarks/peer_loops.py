@@ -378,7 +378,12 @@ def fabric(setting: Setting) -> Runner:
     model = setting.model()
     wrapped, optimizer = runtime.setup(model, adamw(model.parameters()))
     loader = runtime.setup_dataloaders(DataLoader(setting.dataset(), batch_size=setting.batch_size, shuffle=False))
-    meter = setting.meter
+    train_epoch = _runtime_epoch(runtime, wrapped, optimizer, loader, setting.meter)
+    return Runner("fabric", model, train_epoch, _bf16_true_reference(setting), lightning.__version__)
+
+
+def _runtime_epoch(runtime: Any, wrapped: nn.Module, optimizer: Any, loader: Any, meter: Any) -> Callable[[], None]:
+    """The hand loop with a framework's ``backward`` (Fabric's, Accelerate's): what each one's docs show."""
 
     def train_epoch() -> None:
         for x, y in loader:
@@ -387,7 +392,7 @@ def fabric(setting: Setting) -> Runner:
             optimizer.step()
             meter.tick()
 
-    return Runner("fabric", model, train_epoch, _bf16_true_reference(setting), lightning.__version__)
+    return train_epoch
 
 
 def _bf16_true_reference(setting: Setting) -> str:
@@ -405,16 +410,7 @@ def accelerate(setting: Setting) -> Runner:
     model = setting.model()
     loader = DataLoader(setting.dataset("blocks"), batch_size=setting.batch_size, shuffle=False)
     wrapped, optimizer, loader = runtime.prepare(model, adamw(model.parameters()), loader)
-    meter = setting.meter
-
-    def train_epoch() -> None:
-        for x, y in loader:
-            optimizer.zero_grad(set_to_none=True)
-            runtime.backward(loss_of(wrapped(x), y))
-            optimizer.step()
-            meter.tick()
-
-    return Runner("accelerate", model, train_epoch, version=package.__version__)
+    return Runner("accelerate", model, _runtime_epoch(runtime, wrapped, optimizer, loader, setting.meter), version=package.__version__)
 
 
 def _scratch_folder() -> str:
