@@ -30,9 +30,10 @@ scaling produced NaNs in torchao (pytorch/ao#3171)."""
 STRATEGIES = ("ddp", "apex-ddp", "fsdp2", "hsdp", "dp", "none")
 """How a model is spread over processes: torch DDP, apex's DDP, FSDP2 sharding (``fully_shard``),
 nn.DataParallel (one process), or not at all."""
-TP_STYLES = ("colwise", "rowwise", "sequence")
-"""How a tensor-parallel plan splits a layer: by output columns, by input rows (partial sums reduced), or its
-activations by sequence position (norms)."""
+TP_STYLES = ("colwise", "rowwise", "sequence", "vocab")
+"""How a tensor-parallel plan splits a layer: by output columns, by input rows (partial sums reduced), its
+activations by sequence position (norms), or an output head by vocabulary columns whose logits stay split for the
+vocabulary-parallel loss (``loss_parallel``)."""
 COMM_HOOKS = ("none", "fp16", "bf16")
 """DDP communication hooks: none (all-reduce in the gradients' dtype) or compress to fp16 / bf16."""
 SYNC_BN_IMPLS = ("auto", "torch", "apex", "portable")

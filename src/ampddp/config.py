@@ -352,11 +352,16 @@ class DistributedConfig:
     fsdp2 or hsdp (sharded data parallelism over the rest); 1: none."""
     tp_plan: dict[str, str] | str | None = None
     """How layers split: null (the model's own plan: ampddp.zoo.models:gpt has one), a table {module name:
-    colwise | rowwise | sequence} ('*' for one level of names, e.g. {"blocks.*.mlp.0": colwise}), or a
+    colwise | rowwise | sequence | vocab} ('*' for one level of names, e.g. {"blocks.*.mlp.0": colwise}; vocab: the
+    output head, its logits left split for loss_parallel), or a
     package.module:function(model, tp_mesh) that parallelizes the model itself."""
     sequence_parallel: bool = True
     """With tensor parallelism and the model's own plan: split the activations between split layers by sequence
     position (norms on their slice; less memory); the sequence length must divide by tp_size."""
+    loss_parallel: bool = False
+    """With tensor parallelism: keep the logits split by vocabulary and compute the cross-entropy on each rank's
+    slice (torch's loss_parallel; no rank holds the whole batch x sequence x vocabulary logits). The model's own
+    plan is asked to split them (ampddp.zoo.models:gpt does); a tp_plan table marks its head vocab."""
 
 
 @dataclass

@@ -72,26 +72,31 @@ def local_values(model: nn.Module) -> list[torch.Tensor]:
     return [(param.to_local() if hasattr(param, "to_local") else param).detach().clone() for param in model.parameters()]
 
 
-def train(env, mode: str, strategy: str, plant: bool) -> dict[str, object]:
+def train(env, mode: str, strategy: str, plant: bool, loss_parallel: bool) -> dict[str, object]:
+    """Through the run's schedule, as the Trainer steps (with ``loss_parallel``: inside torch's ``loss_parallel()``)."""
     precision = Precision(mode, overrides=O6_SMALL_MODEL) if mode == "O6" else mode
     run = prepare(build, adamw, env, precision=precision,
-                  parallel=Parallel(strategy=strategy, tp=TPOptions(2)))  # fmt: skip
+                  parallel=Parallel(strategy=strategy, tp=TPOptions(2, loss_parallel=loss_parallel)))  # fmt: skip
     shard = run.data_shard
     ids, labels = (part.chunk(shard.size)[shard.rank] for part in batch())
+
+    def loss_of(index: int, micro_batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, int]:
+        with run.engine.forward_context():
+            return run.model(*micro_batch)["loss"], len(micro_batch[0])
+
+    def gradients() -> float:
+        loss_sum = run.schedule.forward_backward([(ids, labels)], loss_of, lambda loss, count: run.engine.backward(loss))
+        return loss_sum.item() / len(ids)
+
     losses = []
     for _ in range(STEPS):
-        with run.engine.forward_context():
-            loss = run.model(ids, labels)["loss"]
-        run.engine.backward(loss)
+        losses.append(gradients())
         run.engine.step(run.optimizer)
         run.optimizer.zero_grad()
-        losses.append(loss.item())
     result: dict[str, object] = {"losses": losses, "dp": shard.rank}
     if plant:
         before, scale = local_values(run.module), run.engine.loss_scale()
-        with run.engine.forward_context():
-            loss = run.model(ids, labels)["loss"]
-        run.engine.backward(loss)
+        gradients()
         if env.rank == 1:  # one rank's slice of one split weight's gradient
             run.module.blocks[0].attention.q.weight.grad.to_local().view(-1)[0] = float("inf")
         stepped = run.engine.step(run.optimizer)
@@ -101,9 +106,9 @@ def train(env, mode: str, strategy: str, plant: bool) -> dict[str, object]:
     return result
 
 
-def worker(env, strategy: str, modes: tuple[str, ...]) -> dict[str, dict[str, object]]:
+def worker(env, strategy: str, modes: tuple[str, ...], loss_parallel: bool = False) -> dict[str, dict[str, object]]:
     torch.set_num_threads(1)
-    return {mode: train(env, mode, strategy, mode in LOSS_SCALED) for mode in modes}
+    return {mode: train(env, mode, strategy, mode in LOSS_SCALED, loss_parallel) for mode in modes}
 
 
 def check(results: list[dict[str, dict[str, object]]], modes: tuple[str, ...]) -> None:
@@ -126,9 +131,10 @@ def test_tensor_parallelism_alone_trains_every_mode_on_two_processes():
     check(launch_local(worker, 2, ("none", modes), device="cpu", timeout_s=60, job_timeout_s=360), modes)
 
 
-def test_fsdp2_by_tensor_parallelism_on_a_two_by_two_mesh():
+def test_fsdp2_by_tensor_parallelism_on_a_two_by_two_mesh_with_the_vocabulary_parallel_loss():
+    # the head's logits left split by vocabulary, the cross-entropy computed on each rank's slice (loss_parallel)
     modes = ("O0", "O1", "O2", "O5", "native-fp16")
-    check(launch_local(worker, 4, ("fsdp2", modes), device="cpu", timeout_s=60, job_timeout_s=360), modes)
+    check(launch_local(worker, 4, ("fsdp2", modes, True), device="cpu", timeout_s=60, job_timeout_s=360), modes)
 
 
 RESHARD_GAP = 0.01
@@ -147,7 +153,7 @@ def tp_trainer(run_dir: str, env, strategy: str, tp_size: int, steps: int, batch
     return Trainer(
         byte_gpt, adamw, Subset(train, range(128)),
         eval_set=Subset(held_out, range(8)), precision="O2", batch_size=batch_size,
-        parallel=Parallel(strategy, tp=TPOptions(tp_size)), max_epochs=100, max_steps=steps, seed=5, env=env,
+        parallel=Parallel(strategy, tp=TPOptions(tp_size, loss_parallel=True)), max_epochs=100, max_steps=steps, seed=5, env=env,
         checkpoints=CheckpointSettings(Path(run_dir), keep_last=None), report=None, eval_every=3, checkpoint_every=2,
         compile=ModelCompiler(backend="aot_eager") if compile else None,
     )  # fmt: skip
@@ -164,13 +170,15 @@ def fit_worker(env, run_dir: str, strategy: str, tp_size: int, steps: int, batch
     logging.getLogger("ampddp").addHandler(handler)
     logging.getLogger("ampddp").setLevel(logging.INFO)
     trainer = tp_trainer(run_dir, env, strategy, tp_size, steps, batch_size, compile)
-    trainer.fit()
+    evaluated = trainer.fit()["eval"]
     layouts = [line for line in said if "were written by" in line]
-    return {"compiled": [block._compiled_call_impl is not None for block in trainer.run.module.blocks], "layouts": layouts}
+    return {"compiled": [block._compiled_call_impl is not None for block in trainer.run.module.blocks], "layouts": layouts,
+            "eval": evaluated}  # fmt: skip
 
 
 def test_a_tensor_parallel_checkpoint_resumes_across_layouts_and_exports_whole(tmp_path):
     straight, across = tmp_path / "straight", tmp_path / "across"
+    # (the vocabulary-parallel loss wherever the model is split: evaluated, its accuracy read from whole logits)
     # 6 steps of a global batch of 4 under TP=2 throughout; and 2 under TP=2, 2 more under FSDP2 on one process,
     # 2 more under FSDP2 x TP on 4 (2 data ranks: 2 samples each), compiled block by block, each resuming the one before.
     launch_local(fit_worker, 2, (str(straight), "none", 2, 6, 4), device="cpu", timeout_s=60, job_timeout_s=300)
@@ -179,6 +187,7 @@ def test_a_tensor_parallel_checkpoint_resumes_across_layouts_and_exports_whole(t
     assert alone["layouts"] == ["its tensors were written by strategy none, tp 2 and read into strategy fsdp2"]
     four = launch_local(fit_worker, 4, (str(across), "fsdp2", 2, 6, 2, True), device="cpu", timeout_s=60, job_timeout_s=300)
     assert [rank["compiled"] for rank in four] == [[True, True]] * 4
+    assert all(rank["eval"] == four[0]["eval"] and 0 <= rank["eval"]["accuracy"] <= 1 for rank in four)
     expected, resumed = final_state(straight), final_state(across)
     assert resumed["progress"]["global_step"] == expected["progress"]["global_step"] == 6
     assert resumed["model"].keys() == expected["model"].keys()

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import HAS_TORCHAO
 from torch import nn
 
 from ampddp import Parallel
 from ampddp.distributed.env import DistEnv
-from ampddp.distributed.tensor_parallel import TPOptions, check_table, model_plan
+from ampddp.distributed.tensor_parallel import TPOptions, check_table, fp8_styles, model_plan
 from ampddp.errors import ConfigError
 from ampddp.zoo.models import GPT
 
@@ -47,6 +48,9 @@ def test_tensor_parallelism_is_the_innermost_dimension_of_the_strategys_mesh(str
         (lambda: TPOptions(2, plan={"head": "diagonal"}), "tp_plan['head']='diagonal' is not valid"),
         (lambda: TPOptions(2, plan="mypkg:plan"), "tp_plan='mypkg:plan' is not valid"),
         (lambda: Parallel("fsdp2", tp="2"), "Parallel tp='2' is not valid; it must be a TPOptions"),
+        (lambda: TPOptions(2, loss_parallel="yes"), "loss_parallel='yes' is not valid; it must be true or false"),
+        (lambda: TPOptions(2, plan={"head": "vocab"}), "tp_plan marks 'head' vocab, which leaves its logits split"),
+        (lambda: TPOptions(2, plan={"fc": "colwise"}, loss_parallel=True), "mark the output head vocab in tp_plan"),
     ],
 )
 def test_what_tensor_parallelism_cannot_do_is_refused_in_one_line(make, message):
@@ -67,6 +71,24 @@ def test_a_plan_table_names_modules_of_the_model():
         check_table(gpt, {"final_nrom": "sequence"})
     with pytest.raises(ConfigError, match="has no tensor-parallel plan"):
         model_plan(model, TPOptions(2))
+
+
+def test_the_vocabulary_parallel_loss_asks_the_plan_for_split_logits():
+    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 16))
+    head = check_table(model, TPOptions(2, plan={"0": "colwise", "2": "vocab"}, loss_parallel=True).plan)["2"]
+    assert (type(head).__name__, head.output_layouts[0].dim, head.use_local_output) == ("ColwiseParallel", -1, False)
+
+    class OwnPlan(nn.Sequential):
+        def tensor_parallel_plan(self, tp_size: int, sequence_parallel: bool) -> dict[str, str]:
+            return {"0": "colwise"}
+
+    with pytest.raises(ConfigError, match=r"OwnPlan\.tensor_parallel_plan takes no loss_parallel argument"):
+        model_plan(OwnPlan(nn.Linear(4, 4)), TPOptions(2, loss_parallel=True))
+    assert model_plan(OwnPlan(nn.Linear(4, 4)), TPOptions(2)) == {"0": "colwise"}
+    gpt = GPT(16, layers=1, width=8, heads=2, context=4)
+    split = model_plan(gpt, TPOptions(2, loss_parallel=True))["head"]
+    assert (split.output_layouts[0].dim, split.use_local_output) == (-1, False)
+    assert model_plan(gpt, TPOptions(2))["head"].use_local_output
 
 
 def test_the_gpt_carries_its_plan_and_refuses_heads_that_do_not_split():
@@ -94,3 +116,22 @@ def test_a_gpt_state_dict_with_the_fused_qkv_layer_loads_into_the_split_projecti
     reloaded = GPT(16, layers=1, width=8, heads=2, context=4)
     reloaded.load_state_dict(fused)  # strict: every key placed
     assert torch.equal(reloaded(ids)["logits"], expected)
+
+
+@pytest.mark.skipif(not HAS_TORCHAO, reason="O6 needs torchao (the integrations extra)")
+def test_tensorwise_fp8_layers_take_torchaos_fp8_styles_and_rowwise_ones_keep_torchs():
+    from ampddp.precision.fp8 import convert_to_fp8, float8_config, plan_fp8
+
+    def styles(recipe: str) -> dict[str, str]:
+        gpt = GPT(16, layers=1, width=16, heads=2, context=4)
+        convert_to_fp8(gpt, plan_fp8(gpt, recipe, (), 16), float8_config(recipe, torch.device("cpu")))
+        table = fp8_styles(gpt, model_plan(gpt, TPOptions(2)))
+        return {name: type(style).__name__ for name, style in table.items() if name.startswith("blocks.0.")}
+
+    tensorwise = styles("tensorwise")
+    assert tensorwise["blocks.0.attention.q"] == "Float8ColwiseParallel"
+    assert tensorwise["blocks.0.mlp.2"] == "Float8RowwiseParallel"
+    assert tensorwise["blocks.0.attention"] == tensorwise["blocks.0.mlp"] == "PrepareFloat8ModuleInput"  # one fp8 gather
+    rowwise = styles("rowwise")
+    assert (rowwise["blocks.0.attention.q"], rowwise["blocks.0.mlp.2"], rowwise["blocks.0.mlp"]) == (
+        "ColwiseParallel", "RowwiseParallel", "PrepareModuleInput")  # fmt: skip

@@ -333,16 +333,20 @@ def fsdp_options(config: RunConfig) -> FSDPOptions:
 
 
 def tp_options(config: RunConfig) -> TPOptions:
-    """distributed.tp_size / tp_plan (a table, or a package.module:function, imported here) / sequence_parallel."""
+    """distributed.tp_size / tp_plan (a table, or a package.module:function, imported here) / sequence_parallel /
+    loss_parallel."""
     dist_cfg = config.distributed
     plan = dist_cfg.tp_plan
     if isinstance(plan, str):
         if not is_import_path(plan):
-            raise ConfigError(f"distributed.tp_plan={plan!r} is not valid; give a table {{module name: colwise | rowwise | sequence}}, "
+            raise ConfigError(f"distributed.tp_plan={plan!r} is not valid; give a table "
+                              "{module name: colwise | rowwise | sequence | vocab}, "
                               f"a {IMPORT_PATH_FORM} that parallelizes the model, or null (the model's own plan)")  # fmt: skip
         plan = load_callable(plan, "distributed.tp_plan")
     try:
-        return TPOptions(size=dist_cfg.tp_size, plan=plan, sequence_parallel=dist_cfg.sequence_parallel)
+        return TPOptions(
+            size=dist_cfg.tp_size, plan=plan, sequence_parallel=dist_cfg.sequence_parallel, loss_parallel=dist_cfg.loss_parallel
+        )
     except ConfigError as error:
         raise ConfigError(f"distributed.{error}") from None
 

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ampddp.errors import ConfigError, closest
+from ampddp.precision.fp8 import casts_before_gathers
 
 BUILTINS = ("mlp", "small_cnn")
 
@@ -80,6 +81,20 @@ class CausalSelfAttention(nn.Module):
         return self.proj((weights.to(v.dtype) @ v).transpose(1, 2).reshape(batch, length, -1))
 
 
+def _gather_stream(part: nn.Module, first: tuple[str, ...]) -> Any:
+    """How a block's ``part`` gathers the sequence-split residual stream for its first (column-split) layers ``first``,
+    which alone read it: in fp8, cast once before the all-gather, where they are all O6's tensorwise fp8 layers
+    (torchao's ``PrepareFloat8ModuleInput``), else as it is."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    if all(casts_before_gathers(part.get_submodule(name)) for name in first):
+        from torchao.float8.float8_tensor_parallel import PrepareFloat8ModuleInput
+
+        return PrepareFloat8ModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), fwd_config_submodule_fqn=first[0])
+    return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+
+
 def _split_fused_qkv(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
     """A state dict written before the projections were split (one ``qkv`` layer, rows q, k, v) loads into ``q``, ``k``, ``v``."""
     for kind in ("weight", "bias"):
@@ -130,14 +145,16 @@ class GPT(nn.Module):
         self.final_norm = NORMS[norm](width)
         self.head = nn.Linear(width, vocab_size, bias=False)
 
-    def tensor_parallel_plan(self, tp_size: int, sequence_parallel: bool = True) -> dict[str, Any]:
+    def tensor_parallel_plan(self, tp_size: int, sequence_parallel: bool = True, loss_parallel: bool = False) -> dict[str, Any]:
         """How tensor parallelism splits this model over ``tp_size`` ranks (torch's ``parallelize_module`` plan,
         torchtitan's layout): each block's q/k/v and first MLP layer by output columns (each rank a share of the
         heads and hidden units), its attention output and second MLP layer by input rows (partial sums reduced);
         the token embedding by vocabulary rows, the head by vocabulary columns (logits gathered whole: the loss
-        is the plain one). ``sequence_parallel``: between the split layers the residual stream is split by
-        sequence position over the ranks, the norms run on their slice (their weights become replicated
-        DTensors), gathered before each split layer; the sequence length must then divide by ``tp_size``."""
+        is the plain one; ``loss_parallel``: left split by vocabulary, and the forward's own loss is torch's
+        vocabulary-parallel cross-entropy, run under ``loss_parallel()``). ``sequence_parallel``: between the
+        split layers the residual stream is split by sequence position over the ranks, the norms run on their
+        slice (their weights become replicated DTensors), gathered before each split layer; the sequence length
+        must then divide by ``tp_size``."""
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
@@ -147,17 +164,19 @@ class GPT(nn.Module):
         stream = Shard(1) if sequence_parallel else Replicate()
         plan: dict[str, Any] = {
             "token_embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "head": ColwiseParallel(input_layouts=stream, output_layouts=Replicate()),
+            "head": ColwiseParallel(
+                input_layouts=stream, output_layouts=Shard(-1) if loss_parallel else Replicate(), use_local_output=not loss_parallel
+            ),
         }
         if sequence_parallel:
             plan["blocks.0"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True)
             plan["final_norm"] = SequenceParallel()
-        for index in range(len(self.blocks)):
+        for index, module in enumerate(self.blocks):
             block = f"blocks.{index}"
-            for part in ("attention", "mlp"):
+            for part, first in (("attention", ("q", "k", "v")), ("mlp", ("0",))):
                 if sequence_parallel:
                     plan[f"{block}.{part}_norm"] = SequenceParallel()
-                    plan[f"{block}.{part}"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+                    plan[f"{block}.{part}"] = _gather_stream(getattr(module, part), first)
             plan.update({f"{block}.attention.{name}": ColwiseParallel() for name in "qkv"})
             plan[f"{block}.attention.proj"] = RowwiseParallel(output_layouts=stream)
             plan[f"{block}.mlp.0"] = ColwiseParallel()

@@ -15,8 +15,9 @@ from ampddp.distributed.env import DistEnv
 from ampddp.distributed.fsdp2 import FSDPOptions, gradient_sync_off, shard_model, sharded_blocks
 from ampddp.distributed.mesh import ParallelDims
 from ampddp.distributed.meta_init import InitProgram, ModelBuild, build_on_meta
+from ampddp.distributed.schedule import StepSchedule
 from ampddp.distributed.strategies.base import MakeOptimizer, SetUp, Strategy
-from ampddp.distributed.tensor_parallel import TPOptions, apply_tensor_parallel
+from ampddp.distributed.tensor_parallel import LossParallel, TPOptions, apply_tensor_parallel
 from ampddp.distributed.wrap import GradSync
 from ampddp.errors import ConfigError
 from ampddp.precision.choice import Precision
@@ -79,6 +80,11 @@ class FSDP2(Strategy):
 
     def grad_sync(self, model: nn.Module) -> GradSync:
         return ShardedGradSync(model)
+
+    def schedule(self, model: nn.Module, grad_sync: GradSync) -> StepSchedule:
+        """Each micro-batch in turn; with ``tp.loss_parallel``, inside torch's ``loss_parallel()`` (``LossParallel``)."""
+        inner = super().schedule(model, grad_sync)
+        return LossParallel(inner) if self.tp.enabled and self.tp.loss_parallel else inner
 
     def compile_units(self, module: nn.Module) -> list[nn.Module]:
         return sharded_blocks(module)
