@@ -7,6 +7,8 @@
 - Step time of ampddp's set-up (``prepare(..., Parallel("none", tp=TPOptions(2)))``, O0) against a hand-written
   DTensor loop (``parallelize_module`` with the same plan, AdamW, fp32), interleaved repeat by repeat.
 - The O2 (fp16, loss-scaled) loss curve under TP=2 against the unsplit fp32 model's, step by step.
+- What the vocabulary-parallel loss (``loss_parallel``) saves: bytes exchanged per step at TP=2 with the logits left
+  split against gathered whole (and their losses, step by step).
 
 CPU times are overhead on shared cores, not tensor parallelism's speed (its collectives want NVLink).
 """
@@ -86,19 +88,23 @@ def _held_bytes(run) -> int:
     return total
 
 
-def _layout(env, strategy: str, tp: int, width: int, layers: int, steps: int) -> dict[str, float]:
-    """O2 training of the GPT under one layout: bytes held and exchanged per step by rank 0, and its losses."""
+def _layout(env, strategy: str, tp: int, width: int, layers: int, steps: int, loss_parallel: bool = False) -> dict[str, float]:
+    """O2 training of the GPT under one layout, stepped through the run's schedule as the Trainer does: bytes held and
+    exchanged per step by rank 0, and its losses."""
     torch.set_num_threads(1)
     run = prepare(lambda: _model(width, layers), lambda params: torch.optim.AdamW(params, lr=1e-3), env, precision="O2",
-                  parallel=Parallel(strategy, tp=TPOptions(tp)))  # fmt: skip
+                  parallel=Parallel(strategy, tp=TPOptions(tp, loss_parallel=loss_parallel)))  # fmt: skip
     shard = run.data_shard
     ids = _batch(shard.rank)
     counter, losses = CollectiveBytes(), []
+
+    def loss_of(index: int, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
+        with run.engine.forward_context():
+            return run.model(input_ids=batch, labels=batch)["loss"], len(batch)
+
     for step in range(steps + 1):
         with counter if step else contextlib.nullcontext():  # the first step warms up: not counted
-            with run.engine.forward_context():
-                loss = run.model(input_ids=ids, labels=ids)["loss"]
-            run.engine.backward(loss)
+            loss = run.schedule.forward_backward([ids], loss_of, lambda loss, count: run.engine.backward(loss)) / len(ids)
             if step == steps:
                 held = _held_bytes(run)  # gradients present
             run.engine.step(run.optimizer)
@@ -172,6 +178,7 @@ def run(device: str, budget: Budget) -> list[Row]:
         "tp2": launch_local(_layout, 2, ("none", 2, width, layers, steps), device="cpu", timeout_s=900)[0],
         "fsdp2xtp2": launch_local(_layout, 4, ("fsdp2", 2, width, layers, steps), device="cpu", timeout_s=900)[0],
     }
+    split_logits = launch_local(_layout, 2, ("none", 2, width, layers, steps, True), device="cpu", timeout_s=900)[0]
     whole = _unsplit_fp32_losses(width, layers, steps)
     times = launch_local(_speed, 2, (width, layers, steps, repeats), device="cpu", timeout_s=900)[0]
     label = f"GPT of {found['tp2']['params'] / 1e6:.2f}M params"
@@ -192,6 +199,13 @@ def run(device: str, budget: Budget) -> list[Row]:
     rows.append(Row("tensor-parallel/tp2/O2/loss-vs-unsplit-fp32", found["tp2"]["losses"][-1], whole[-1], "loss",
                     whole[-1] / found["tp2"]["losses"][-1], steps + 1, gap,
                     f"{label}: the last step's loss; spread column = largest relative gap over the {steps + 1} steps"))  # fmt: skip
+    logits = 4 * 64 * VOCABULARY * 2  # one data rank's fp16 logits
+    rows.append(Row("tensor-parallel/tp2/O2/loss-parallel-bytes-exchanged-per-step", split_logits["exchanged"] / 2**20,
+                    found["tp2"]["exchanged"] / 2**20, "MiB/step/rank", found["tp2"]["exchanged"] / split_logits["exchanged"],
+                    steps, max(abs(a - b) / b for a, b in zip(split_logits["losses"], found["tp2"]["losses"])),
+                    f"{label}: the logits left split by vocabulary (loss_parallel) vs gathered whole ({logits / 2**10:.0f} KiB "
+                    "of fp16 logits per step here; they grow with batch x sequence x vocabulary); spread column = largest "
+                    "relative gap between the two runs' losses"))  # fmt: skip
     ours, hand = times["ampddp"], times["hand"]
     rows.append(Row("tensor-parallel/tp2/O0/step-vs-hand-dtensor-loop", 1 / statistics.median(ours), 1 / statistics.median(hand),
                     "steps/s", paired_ratio(ours, hand), repeats, spread(ours),
