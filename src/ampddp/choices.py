@@ -34,6 +34,8 @@ TP_STYLES = ("colwise", "rowwise", "sequence", "vocab")
 """How a tensor-parallel plan splits a layer: by output columns, by input rows (partial sums reduced), its
 activations by sequence position (norms), or an output head by vocabulary columns whose logits stay split for the
 vocabulary-parallel loss (``loss_parallel``)."""
+PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+"""The orders micro-batches go through a pipeline's stages (torch.distributed.pipelining's schedules by their names)."""
 COMM_HOOKS = ("none", "fp16", "bf16")
 """DDP communication hooks: none (all-reduce in the gradients' dtype) or compress to fp16 / bf16."""
 SYNC_BN_IMPLS = ("auto", "torch", "apex", "portable")

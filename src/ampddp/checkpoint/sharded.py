@@ -178,15 +178,16 @@ def _dtype(name: str, where: str) -> torch.dtype:
     return value
 
 
-def _merged(shared: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    """``shared`` with the model and optimizer entries holding ``tensors`` again, in torch's layout."""
+def _merged(shared: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], index_map: Mapping[int, int] | None = None) -> dict[str, Any]:
+    """``shared`` with the model and optimizer entries holding ``tensors`` again, in torch's layout (``index_map``: the
+    optimizer indices of the files -> the live optimizer's, a pipeline stage's part of a whole model's)."""
     model = {name.removeprefix(MODEL_PREFIX): value for name, value in tensors.items() if name.startswith(MODEL_PREFIX)}
     optimizer = dict(shared[keys.OPTIMIZER])
     state = {index: dict(entries) for index, entries in optimizer["state"].items()}
     for name, value in tensors.items():
         if name.startswith(OPTIMIZER_PREFIX):
             index, entry = name.removeprefix(OPTIMIZER_PREFIX).split("/", 1)
-            state.setdefault(int(index), {})[entry] = value
+            state.setdefault(int(index) if index_map is None else index_map[int(index)], {})[entry] = value
     optimizer["state"] = state
     return {**shared, keys.MODEL: model, keys.OPTIMIZER: optimizer}
 
@@ -279,10 +280,13 @@ def _underlying(error: BaseException) -> BaseException:
 
 
 def read_into_live(
-    folder: Path, shared: Mapping[str, Any], manifest: Manifest, live_model: Mapping[str, Any], optimizer: Optimizer, env: DistEnv
+    folder: Path, shared: Mapping[str, Any], manifest: Manifest, live_model: Mapping[str, Any], optimizer: Optimizer, env: DistEnv,
+    index_map: Mapping[int, int] | None = None,
 ) -> dict[str, Any]:
     """``shared`` with the model and optimizer tensors read from the shards, each cut as the live run
-    holds it (an FSDP2 rank reads its own part, a DDP rank the whole); collective over the ranks."""
+    holds it (an FSDP2 rank reads its own part, a DDP rank the whole); collective over the ranks.
+    ``index_map``: the optimizer indices of the files -> the live optimizer's (a pipeline stage, whose
+    record lists only its own tensors: ``StageView.restrict``)."""
     where = str(folder / keys.SHARED_FILE)
     reader = _reader(folder, manifest, _record(shared, where), where)
     params = [param for group in optimizer.param_groups for param in group["params"]]
@@ -292,10 +296,11 @@ def read_into_live(
         like = live_model.get(name.removeprefix(MODEL_PREFIX)) if name.startswith(MODEL_PREFIX) else None
         if name.startswith(OPTIMIZER_PREFIX):
             index = int(name.removeprefix(OPTIMIZER_PREFIX).split("/", 1)[0])
+            index = index if index_map is None else index_map[index]
             like = params[index] if index < len(params) else None
         if isinstance(like, torch.Tensor) and like.shape == shape:
             templates[name] = torch.empty_like(plain_tensor(like), dtype=dtype)
         else:
             templates[name] = _allocated(lambda shape=shape, dtype=dtype: {"": torch.empty(shape, dtype=dtype)}, where)[""]
     _load(reader, templates, folder, no_dist=not env.distributed)
-    return _merged(shared, templates)
+    return _merged(shared, templates, index_map)

@@ -21,6 +21,7 @@ from ampddp.distributed.env import DistEnv
 from ampddp.distributed.fsdp2 import FSDPOptions
 from ampddp.distributed.mesh import ParallelDims
 from ampddp.distributed.meta_init import InitProgram, ModelBuild, ModelSource
+from ampddp.distributed.pipeline import PPOptions
 from ampddp.distributed.strategies import MakeOptimizer, SetUp, Strategy, make_strategy
 from ampddp.distributed.sync_bn import convert_sync_batchnorm
 from ampddp.distributed.tensor_parallel import TPOptions
@@ -35,7 +36,8 @@ class Parallel:
     process's model bare; ``fsdp2`` on one process needs a process group of that one rank). ``sync_bn``: off | auto | torch | apex |
     portable. ``ddp``: torch DDP's settings (refused with another strategy). ``fsdp``: FSDP2's
     settings (refused with another strategy). ``tp``: tensor parallelism inside the strategy (fsdp2, hsdp,
-    none: ``TPOptions(size=..., plan=...)``). ``wrap_options``: the wrapper's other keyword
+    none: ``TPOptions(size=..., plan=...)``). ``pp``: pipeline parallelism (none: ``PPOptions(size=..., schedule=...)``).
+    ``wrap_options``: the wrapper's other keyword
     arguments (apex-ddp's own, nn.DataParallel's, torch DDP's others). ``where``: the settings'
     prefix in messages (a recipe's ``distributed.``)."""
 
@@ -45,6 +47,7 @@ class Parallel:
     wrap_options: Mapping[str, Any] = field(default_factory=dict)
     fsdp: FSDPOptions = field(default_factory=FSDPOptions)
     tp: TPOptions = field(default_factory=TPOptions)
+    pp: PPOptions = field(default_factory=PPOptions)
     where: InitVar[str] = ""
 
     def __post_init__(self, where: str) -> None:
@@ -58,8 +61,11 @@ class Parallel:
             raise ConfigError(f"Parallel fsdp={self.fsdp!r} is not valid; it must be an FSDPOptions")
         if not isinstance(self.tp, TPOptions):
             raise ConfigError(f"Parallel tp={self.tp!r} is not valid; it must be a TPOptions (tensor parallelism's settings)")
+        if not isinstance(self.pp, PPOptions):
+            raise ConfigError(f"Parallel pp={self.pp!r} is not valid; it must be a PPOptions (pipeline parallelism's settings)")
         object.__setattr__(self, "wrap_options", dict(self.wrap_options))
-        plan = make_strategy(self.strategy, ddp=self.ddp, fsdp=self.fsdp, wrap_options=self.wrap_options, tp=self.tp, where=where)
+        plan = make_strategy(self.strategy, ddp=self.ddp, fsdp=self.fsdp, wrap_options=self.wrap_options, tp=self.tp, pp=self.pp,
+                             where=where)
         object.__setattr__(self, "_plan", plan)
 
     @property

@@ -15,14 +15,39 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 import torch
+from torch import nn
 
 from ampddp.distributed.wrap import GradSync
 
 Result = TypeVar("Result")
-LossOf = Callable[[int, Any], tuple[torch.Tensor, int]]
-"""(micro-batch index, batch) -> (its mean loss, its sample count): the loop's forward and loss."""
-Backward = Callable[[torch.Tensor, int], None]
-"""(a micro-batch's mean loss, its sample count) -> None: the loop weights it and runs the engine's backward."""
+
+
+class LossOf(Protocol):
+    """The loop's forward and loss of a micro-batch."""
+
+    def __call__(self, index: int, batch: Any) -> tuple[torch.Tensor, int]:
+        """(micro-batch index, batch) -> (its mean loss, its sample count), through the loop's model."""
+
+    def forward(self, module: nn.Module, batch: Any) -> Any:
+        """``module``'s outputs on ``batch`` as the loop feeds a model (on the device, the batch adapter's way), for a
+        schedule whose first stage reads the inputs itself (a pipeline's)."""
+
+
+class Backward(Protocol):
+    """The loop's backward of a micro-batch's loss, weighted by its share of the global batch (``count`` samples)."""
+
+    def __call__(self, loss: torch.Tensor, count: int) -> None:
+        """Weight ``loss`` and run the engine's backward of it."""
+
+    def scaled(self, loss: torch.Tensor, count: int) -> torch.Tensor:
+        """The weighted loss as the engine scales it, for a schedule that runs the backward itself (a pipeline's)."""
+
+    def done(self) -> None:
+        """Say the schedule ran its backwards (a pipeline stage without a loss of its own says so too)."""
+
+
+class NoWholeForward(Exception):
+    """This schedule cannot run a forward of the whole model on one rank (a pipeline's stages hold parts of it)."""
 
 
 class StepSchedule(Protocol):
@@ -32,7 +57,10 @@ class StepSchedule(Protocol):
         """The window's gradients; returns this rank's sum of per-sample losses (what it computed)."""
 
     def forward(self, run: Callable[[], Result]) -> Result:
-        """``run`` (a forward of the whole model) as this schedule runs one."""
+        """``run`` (a forward of the whole model) as this schedule runs one; ``NoWholeForward`` where it cannot."""
+
+    def loss_copies(self, ranks_per_data_rank: int) -> int:
+        """How many of the ``ranks_per_data_rank`` ranks sharing a data coordinate return its loss (each counts it once)."""
 
 
 class MicroBatches:
@@ -56,3 +84,7 @@ class MicroBatches:
 
     def forward(self, run: Callable[[], Result]) -> Result:
         return run()
+
+    def loss_copies(self, ranks_per_data_rank: int) -> int:
+        """Every rank of a data coordinate (its tensor-parallel ranks) computes the loss."""
+        return ranks_per_data_rank

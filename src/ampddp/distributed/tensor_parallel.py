@@ -200,6 +200,9 @@ class LossParallel:
         with loss_parallel():
             return whole(self.inner.forward(run))
 
+    def loss_copies(self, ranks_per_data_rank: int) -> int:
+        return self.inner.loss_copies(ranks_per_data_rank)
+
 
 def whole(value: Any) -> Any:
     """``value`` with every DTensor in it (a tensor, or inside dicts, lists, tuples and model outputs) made the

@@ -131,11 +131,14 @@ IGNORE_INDEX = -100
 
 def cross_entropy(outputs: Any, batch: Any) -> torch.Tensor:
     """The default loss: the model's own ``loss`` when it returns one (Hugging Face style), else
-    cross-entropy of the logits (in fp32) against the batch's targets."""
+    cross-entropy of the logits (in fp32) against the batch's targets (a target per position, the class scores
+    last, as a language model's logits: each position counted once)."""
     own = outputs.get("loss") if isinstance(outputs, Mapping) else getattr(outputs, "loss", None)
     if isinstance(own, torch.Tensor):
         return own.float()
     logits, targets = logits_of(outputs).float(), targets_of(batch)
+    if logits.dim() >= 3 and logits.shape[:-1] == targets.shape and not targets.is_floating_point():
+        logits, targets = logits.flatten(0, -2), targets.flatten()  # a class score per position, last (a language model's)
     try:
         return F.cross_entropy(logits, targets)
     except (IndexError, RuntimeError) as error:

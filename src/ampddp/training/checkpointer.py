@@ -34,6 +34,7 @@ from ampddp.checkpoint.restore import (
 )
 from ampddp.checkpoint.rng import capture_rng, derive_rng, restore_rng
 from ampddp.checkpoint.sharded import local_shards, read_into_live, shape_view, shard_files, shards_problem, split_state, verify_shards
+from ampddp.checkpoint.stage_view import StageView
 from ampddp.checkpoint.store import CheckpointRef, CheckpointStore
 from ampddp.distributed.data import ResumableSampler, broadcast_from_main, sum_across_ranks
 from ampddp.distributed.env import DistEnv
@@ -102,13 +103,18 @@ class Checkpointer:
     ``seed`` derives a rank's RNG when the checkpoint was saved by fewer ranks. ``layout``: whole
     (one shared file of whole tensors) or sharded (each rank its shards; where a recipe says auto,
     the strategy's word: ``Strategy.checkpoint_layout``). ``mesh``: how the ranks that write it are laid out (the
-    strategy and the mesh's dimension sizes), saved for ``ampddp inspect`` and the next run to read.
+    strategy and the mesh's dimension sizes), saved for ``ampddp inspect`` and the next run to read. ``view``: where
+    the live module is a pipeline stage, its part of the whole model (``StageView``): the checkpoint is written and
+    read as the whole model's (sharded layout only).
     """
 
     def __init__(self, state: TrainingState, store: CheckpointStore | None, env: DistEnv, *, resume: str | Path = "auto",
                  config: dict[str, Any] | None = None, seed: int = 0, layout: str = "whole",
-                 mesh: dict[str, Any] | None = None) -> None:  # fmt: skip
-        self.state, self.store, self.env = state, store, env
+                 mesh: dict[str, Any] | None = None, view: StageView | None = None) -> None:  # fmt: skip
+        if view is not None and layout != "sharded":
+            raise ConfigError(f"checkpoint layout {layout} under pipeline parallelism: each stage holds part of the model and "
+                              "writes it itself; use layout sharded (or auto)")  # fmt: skip
+        self.state, self.store, self.env, self.view = state, store, env, view
         self.resume, self.config, self.seed, self.mesh = resume, dict(config or {}), seed, mesh
         self.sharded = layout == "sharded"
         self.saved_step: int | None = None
@@ -166,6 +172,8 @@ class Checkpointer:
         shards = None
         if self.sharded:  # each rank writes what it holds: no gather
             shards, optimizer, record = split_state(self.state.module.state_dict(), self.state.optimizer.state_dict())
+            if self.view is not None:  # a pipeline stage: written as its part of the whole model
+                shards, optimizer, record = self.view.to_whole(shards, optimizer, record, self.env)
             shared = {**self._state_dict(None, optimizer), keys.FORMAT: keys.SHARDED_FORMAT_VERSION, keys.SHARDS: record}
             checked = {**local_shards(shards), keys.PRECISION: shared[keys.PRECISION]}
         else:
@@ -228,6 +236,8 @@ class Checkpointer:
                     verify_shards(ref.path, manifest, self.env)
                 shared = shape_view(shared, where)
             check_shared_entries(shared, where)
+            if self.view is not None:
+                shared = self.view.restrict(shared, where)
             check_model_state(shared[keys.MODEL], self.state.module, where)
             check_optimizer_state(shared[keys.OPTIMIZER], self.state.optimizer, where)
             check_sampler_state(shared[keys.SAMPLER], self.state.sampler.state_dict(), where)
@@ -293,7 +303,8 @@ class Checkpointer:
         if self.store is not None and self.env.is_main:
             set_aside_newer(self.store, ref.step, plan.set_aside)
         if shared.get(keys.SHARDS) is not None:  # collective: each rank reads its part, cut as it holds the tensors
-            shared = read_into_live(ref.path, shared, plan.manifest, state.module.state_dict(), state.optimizer, self.env)
+            shared = read_into_live(ref.path, shared, plan.manifest, state.module.state_dict(), state.optimizer, self.env,
+                                    None if self.view is None else self.view.local_index)  # fmt: skip
         for line in plan.notes + plan.schedule.notes:
             logger.warning(line)
         self._load_extra(shared.get(EXTRA, {}), str(ref.shared_file))  # first: a user item that refuses its state changes nothing else

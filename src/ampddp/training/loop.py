@@ -14,6 +14,7 @@ import math
 from typing import Any
 
 import torch
+from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import Dataset
 
@@ -240,20 +241,8 @@ class TrainingLoop:
         self.optimizer.zero_grad(set_to_none=True)
         step = self._step_number()
 
-        def loss_of(index: int, batch: Any) -> tuple[torch.Tensor, int]:
-            self.phase.enter(FORWARD, step)
-            try:
-                return self.compute_loss(batch)
-            except BadSamplesError as error:
-                raise error.named(self._samples(first + index, error.rows)) from error
-
-        def backward(loss: torch.Tensor, count: int) -> None:
-            self.phase.enter(AGREEING, step)
-            weight = count * data_ranks / float(counts.result()[0])
-            self.phase.enter(BACKWARD, step)
-            self.engine.backward(loss * weight if weight != 1.0 else loss)
-
-        return self.run.schedule.forward_backward(window, loss_of, backward)
+        return self.run.schedule.forward_backward(window, MicroBatchLoss(self, step, first),
+                                                  WeightedBackward(self.engine, self.phase, step, counts, data_ranks))  # fmt: skip
 
     def _agree(self, loss_sum: torch.Tensor, total: float) -> tuple[float, bool]:
         """The global mean loss and whether any rank received a stop signal (the stop part's vote), in
@@ -262,8 +251,8 @@ class TrainingLoop:
         local_stop = self.stopping.vote()
         if self.run.env.distributed:
             reduced = sum_across_ranks(torch.tensor([loss_sum.item(), local_stop], dtype=torch.float64))
-            # ranks of one data coordinate (a tensor-parallel group) hold the same loss: counted once per rank
-            copies = self.run.env.world_size // self.run.data_shard.size
+            # ranks of one data coordinate (a tensor-parallel group, a pipeline's last stage) hold the same loss: counted once
+            copies = self.run.schedule.loss_copies(self.run.env.world_size // self.run.data_shard.size)
             loss_total, stop_agreed = float(reduced[0]) / copies, bool(reduced[1] > 0)
         else:
             loss_total, stop_agreed = loss_sum.item(), local_stop > 0
@@ -346,3 +335,47 @@ class TrainingLoop:
         """Read and check, now, the checkpoint ``fit`` will continue from (None: a fresh start), changing
         nothing: a bad or unfitting checkpoint fails before anything is written (``Checkpointer.plan_resume``)."""
         return self.checkpointer.plan_resume(self._is_finished)
+
+
+class MicroBatchLoss:
+    """A micro-batch's forward and loss as the loop computes them (``compute_loss``), a bad sample named by its index in
+    the pass (window ``first``...); ``forward`` alone for a schedule whose first stage reads the inputs itself."""
+
+    def __init__(self, loop: TrainingLoop, step: int, first: int) -> None:
+        self.loop, self.step, self.first = loop, step, first
+
+    def __call__(self, index: int, batch: Any) -> tuple[torch.Tensor, int]:
+        loop = self.loop
+        loop.phase.enter(FORWARD, self.step)
+        try:
+            return loop.compute_loss(batch)
+        except BadSamplesError as error:
+            raise error.named(loop._samples(self.first + index, error.rows)) from error
+
+    def forward(self, module: nn.Module, batch: Any) -> Any:
+        loop = self.loop
+        loop.phase.enter(FORWARD, self.step)
+        return loop.batches.forward(module, loop.batches.to_device(batch, loop.run.env.device))
+
+
+class WeightedBackward:
+    """A micro-batch's backward, its mean loss weighted by its share of the global batch: ``count`` samples of the
+    ``counts`` summed over the ``data_ranks`` (exact with uneven micro-batches), as a step's schedule asks for it."""
+
+    def __init__(self, engine: PrecisionEngine, phase: StepPhase, step: int, counts: PendingSum, data_ranks: int) -> None:
+        self.engine, self.phase, self.step, self.counts, self.data_ranks = engine, phase, step, counts, data_ranks
+
+    def _weighted(self, loss: torch.Tensor, count: int) -> torch.Tensor:
+        self.phase.enter(AGREEING, self.step)
+        weight = count * self.data_ranks / float(self.counts.result()[0])
+        self.phase.enter(BACKWARD, self.step)
+        return loss * weight if weight != 1.0 else loss
+
+    def __call__(self, loss: torch.Tensor, count: int) -> None:
+        self.engine.backward(self._weighted(loss, count))
+
+    def scaled(self, loss: torch.Tensor, count: int) -> torch.Tensor:
+        return self.engine.scale_for_backward(self._weighted(loss, count))
+
+    def done(self) -> None:
+        self.engine.backward_done()

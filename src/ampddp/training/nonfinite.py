@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampddp.distributed.schedule import NoWholeForward
 from ampddp.errors import NonFiniteGradientsError
 from ampddp.precision.casting import map_tensors
 from ampddp.precision.diagnostics import first_non_finite_module
@@ -39,10 +40,13 @@ class NonFiniteGuard:
         the first module whose output in ``forward()`` is non-finite, else where gradients overflowed."""
         if bad_inputs is not None:
             return bad_inputs
-        culprit = first_non_finite_module(module, forward, context)
+        try:
+            culprit = first_non_finite_module(module, forward, context)
+        except NoWholeForward:  # a pipeline stage holds part of the model: where the gradients overflowed is what is known
+            culprit = None
         if culprit is not None:
             return f"the forward pass of module '{culprit}' produced inf/NaN"
-        return f"gradients overflowed from {last_overflow}"
+        return f"gradients overflowed from {last_overflow or 'another rank (finite on this one)'}"
 
     def check(self, loss_value: float, step: int, diagnose: Callable[[], str]) -> None:
         """Count a non-finite global loss at ``step`` (warning with its origin); raise at the limit."""

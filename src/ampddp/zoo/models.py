@@ -139,6 +139,8 @@ class GPT(nn.Module):
         if norm not in NORMS:
             raise ConfigError(f"gpt norm={norm!r} is not valid; valid: {', '.join(NORMS)}")
         self.context = context
+        self.pipelined = False
+        """Whether this is a pipeline stage (``pipeline_stage``): its forward then returns tensors only."""
         self.token_embedding = nn.Embedding(vocab_size, width)
         self.position_embedding = nn.Embedding(context, width)
         self.blocks = nn.ModuleList(Block(width, heads, NORMS[norm]) for _ in range(layers))
@@ -183,15 +185,44 @@ class GPT(nn.Module):
             plan[f"{block}.mlp.2"] = RowwiseParallel(output_layouts=stream)
         return plan
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        length = input_ids.shape[1]
-        if length > self.context:
-            raise ValueError(f"a sequence of {length} tokens is longer than the GPT's context of {self.context}; raise its context")
-        positions = torch.arange(length, device=input_ids.device)
-        x = self.token_embedding(input_ids) + self.position_embedding(positions)
-        for block in self.blocks:
+    def pipeline_stage(self, stage: int, stages: int) -> GPT:
+        """This model cut down, in place, to pipeline stage ``stage`` of ``stages``: its share of the blocks (as even
+        as they split; earlier stages take one more where they do not), the embeddings on the first stage only, the
+        final norm and head on the last only. The parameters keep the whole model's names (``blocks.5.mlp.0.weight``
+        stays that on the stage holding block 5), so checkpoints of any split read as the whole model's. A stage
+        after the first reads the residual stream instead of token ids; a stage before the last returns it, the last
+        its logits as a tensor (a pipeline passes tensors; the loss is computed on them)."""
+        layers = len(self.blocks)
+        if isinstance(stages, bool) or not isinstance(stages, int) or not 1 <= stages <= layers or not 0 <= stage < stages:
+            raise ConfigError(f"gpt layers={layers} do not split into {stages} pipeline stage(s); give at most {layers} "
+                              "stages (one block each at least)")  # fmt: skip
+        share, extra = divmod(layers, stages)
+        start = stage * share + min(stage, extra)
+        kept = range(start, start + share + (stage < extra))
+        self.blocks = nn.ModuleDict({str(index): self.blocks[index] for index in kept})
+        if stage > 0:
+            self.token_embedding = self.position_embedding = None
+        if stage < stages - 1:
+            self.final_norm = self.head = None
+        self.pipelined = True
+        return self
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor] | torch.Tensor:
+        if self.token_embedding is None:
+            x = input_ids  # a later pipeline stage: the residual stream from the stage before
+        else:
+            length = input_ids.shape[1]
+            if length > self.context:
+                raise ValueError(f"a sequence of {length} tokens is longer than the GPT's context of {self.context}; raise its context")
+            positions = torch.arange(length, device=input_ids.device)
+            x = self.token_embedding(input_ids) + self.position_embedding(positions)
+        for block in self.blocks.values() if isinstance(self.blocks, nn.ModuleDict) else self.blocks:
             x = block(x)
+        if self.head is None:
+            return x  # an earlier pipeline stage: the residual stream for the next
         logits = self.head(self.final_norm(x))
+        if self.pipelined:
+            return logits
         if labels is None:
             return {"logits": logits}
         loss = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())

@@ -10,7 +10,7 @@ under it, whether every forward is a collective, and what ``compile`` compiles. 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 from torch import nn
 from torch.optim import Optimizer
@@ -59,6 +59,12 @@ class Strategy:
         raise ConfigError(f"{where}tp_size > 1: tensor parallelism composes with strategy fsdp2, hsdp, or none (tensor "
                           f"parallelism alone); {where}strategy={cls.name} replicates whole models")  # fmt: skip
 
+    @classmethod
+    def with_pipeline(cls, where: str = "") -> type[Strategy]:
+        """The strategy that runs this one's data parallelism over pipeline stages, or one line naming what composes."""
+        raise ConfigError(f"{where}pp_size > 1: pipeline parallelism runs with strategy none (one process per stage) so far; "
+                          f"{where}strategy={cls.name} over pipeline stages is not built yet")  # fmt: skip
+
     def check_settings(self, where: str = "") -> None:
         """Refuse settings of its own it cannot use together; ``where``: their prefix in messages
         (``distributed.`` for a recipe). Settings of another strategy never reach it (``make_strategy``)."""
@@ -97,6 +103,11 @@ class Strategy:
     def wrap(self, model: nn.Module, env: DistEnv) -> nn.Module:
         """``model`` (placed, cast and bound to its optimizer) in this strategy's wrapper."""
         return model
+
+    def checkpoint_view(self, module: nn.Module, optimizer: Optimizer, env: DistEnv) -> Any:
+        """How the checkpoint sees this rank's part of the model: None, the model is the whole (or FSDP2's sharded whole);
+        a pipeline stage's ``StageView`` (collective: every rank asks)."""
+        return None
 
     def grad_sync(self, model: nn.Module) -> GradSync:
         """Gradient sync skipped on an accumulation window's micro-steps but the last."""

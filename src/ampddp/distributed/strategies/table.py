@@ -14,6 +14,7 @@ from typing import Any
 
 from ampddp.choices import STRATEGIES
 from ampddp.distributed.fsdp2 import FSDPOptions
+from ampddp.distributed.pipeline import PPOptions
 from ampddp.distributed.strategies.base import Strategy
 from ampddp.distributed.strategies.replicated import ApexDDP, DataParallel, TorchDDP, Unwrapped
 from ampddp.distributed.strategies.sharded import FSDP2, HSDP
@@ -40,17 +41,24 @@ def takers(setting: str) -> list[str]:
 
 
 def make_strategy(name: str, *, ddp: DDPOptions | None = None, fsdp: FSDPOptions | None = None,
-                  wrap_options: Mapping[str, Any] | None = None, tp: TPOptions | None = None, where: str = "") -> Strategy:  # fmt: skip
+                  wrap_options: Mapping[str, Any] | None = None, tp: TPOptions | None = None, pp: PPOptions | None = None,
+                  where: str = "") -> Strategy:  # fmt: skip
     """The strategy ``name`` holding the settings it takes; settings given for another strategy are a
     ConfigError naming them and the strategies that take them. ``tp``: tensor parallelism inside it (the
     strategies that compose with it say so: ``Strategy.with_tensor_parallel``). ``where``: the settings'
     prefix in messages (``distributed.`` for a recipe)."""
     tp = tp if tp is not None else TPOptions()
+    pp = pp if pp is not None else PPOptions()
     kind = strategy_class(name)
+    if tp.enabled and pp.enabled:
+        raise ConfigError(f"{where}tp_size={tp.size} with {where}pp_size={pp.size}: pipeline and tensor parallelism together are "
+                          "not built yet; use one of them")  # fmt: skip
     if tp.enabled:
         kind = kind.with_tensor_parallel(where)
+    if pp.enabled:
+        kind = kind.with_pipeline(where)
     given = {"ddp": ddp if ddp is not None else DDPOptions(), "fsdp": fsdp if fsdp is not None else FSDPOptions(),
-             "wrap_options": dict(wrap_options or {}), "tp": tp}  # fmt: skip
+             "wrap_options": dict(wrap_options or {}), "tp": tp, "pp": pp}  # fmt: skip
     for setting, value in given.items():
         if setting not in kind.takes:
             _refuse_foreign(setting, value, name, where)
@@ -67,8 +75,8 @@ def _refuse_foreign(setting: str, value: Any, name: str, where: str) -> None:
     if setting == "fsdp" and value.changed(f"{where}fsdp_" if where else ""):
         raise ConfigError(f"{', '.join(value.changed(f'{where}fsdp_' if where else ''))}: FSDP2 settings, but strategy={name}; "
                           f"unset them or use strategy {' or '.join(takers('fsdp'))}")  # fmt: skip
-    if setting == "tp":
-        return  # tp_size 1 (no tensor parallelism): a plan given with it waits for a tp_size
+    if setting in ("tp", "pp"):
+        return  # tp_size / pp_size 1 (no tensor or pipeline parallelism): the settings given with it wait for a size
     if setting == "wrap_options" and value:
         raise ConfigError(f"wrap_options {sorted(value)} do not apply to strategy {name}; "
                           + ("its settings are Parallel(fsdp=FSDPOptions(...))" if "fsdp" in STRATEGY_TABLE[name].takes

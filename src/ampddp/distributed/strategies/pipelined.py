@@ -1,0 +1,74 @@
+"""Pipeline parallelism alone (strategy ``none`` with ``pp_size`` > 1): each rank one stage of the model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from ampddp.distributed.env import DistEnv
+from ampddp.distributed.mesh import ParallelDims
+from ampddp.distributed.meta_init import InitProgram
+from ampddp.distributed.pipeline import LastStageOutputs, PipelineParts, PipelineSchedule, PPOptions, StageModule, split_stage
+from ampddp.distributed.schedule import StepSchedule
+from ampddp.distributed.strategies.base import MakeOptimizer, SetUp, Strategy
+from ampddp.distributed.wrap import GradSync
+from ampddp.errors import ConfigError
+from ampddp.precision.engine import PrecisionEngine
+
+
+class PipelineOnly(Strategy):
+    """Every rank one stage (``pp`` = the world): the model is built whole on each rank, cut to the rank's stage
+    (``split_stage``: the whole model's parameter names kept), the optimizer and the precision engine set up over the
+    stage (O2/O5's fp32 masters per stage), the loss-scale verdict agreed over every rank. Checkpoints are sharded:
+    each stage writes its own tensors under the whole model's names."""
+
+    name = "none"
+    takes = ("pp",)
+    checkpoint_layout = "sharded"
+    collective_forward = True
+
+    def __init__(self, pp: PPOptions | None = None) -> None:
+        self.pp = pp if pp is not None else PPOptions()
+        self._parts: PipelineParts | None = None
+
+    def dims(self, env: DistEnv) -> ParallelDims:
+        if env.world_size != self.pp.size:
+            raise ConfigError(f"strategy none with pp_size={self.pp.size} on {env.world_size} processes: pipeline parallelism alone "
+                              "takes one process per stage; start pp_size processes")  # fmt: skip
+        return ParallelDims(env.world_size, pp=self.pp.size, device_type=env.device.type)
+
+    def set_up(self, model: nn.Module, make_optimizer: MakeOptimizer, env: DistEnv, engine: PrecisionEngine,
+               init: InitProgram | None = None) -> SetUp:  # fmt: skip
+        from torch.distributed.pipelining import PipelineStage
+
+        dims = self.mesh_of(env)
+        index = dims.coordinates(env.rank)["pp"]
+        stage = split_stage(model, index, self.pp)
+        if init is not None:
+            init.materialise(stage, env.device)
+        optimizer = make_optimizer(stage.parameters())
+        engine.setup([stage], [optimizer])
+        engine.agree_over(dist.group.WORLD)  # the stages hold different gradients: every rank takes the same verdict
+        module = StageModule(stage, engine.forward_context, first=index == 0)
+        torch_stage = PipelineStage(module, index, self.pp.size, env.device, group=dims.submesh("pp").get_group())
+        self._parts = PipelineParts(index, self.pp.size, module, torch_stage, LastStageOutputs(stage))
+        return SetUp(self._parts.outputs, stage, optimizer)
+
+    def checkpoint_view(self, module: nn.Module, optimizer: Optimizer, env: DistEnv) -> Any:
+        """The stage's part of the whole model's checkpoint: its parameters numbered as a whole-model optimizer's."""
+        from ampddp.checkpoint.stage_view import StageView
+
+        if self._parts is None:
+            raise RuntimeError("the pipeline's checkpoint view is made after its set-up")
+        return StageView.agreed(module, optimizer, self._parts.stage_index, env)
+
+    def schedule(self, model: nn.Module, grad_sync: GradSync) -> StepSchedule:
+        if self._parts is None:
+            raise RuntimeError("the pipeline's schedule is made after its set-up")
+        return PipelineSchedule(self._parts, self.pp)
+
+    def check_settings(self, where: str = "") -> Any:
+        """Its settings are checked where they are made (``PPOptions``)."""
