@@ -6,6 +6,7 @@ model's: a pipeline's resumes on one process, a one-process run's under the pipe
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
@@ -61,15 +62,25 @@ class Records(Callback):
             self.steps.append({"loss": record["loss"], "scale": record["loss_scale"], "skipped": record["skipped"]})
 
 
-def trainer(run_dir: Path, env, mode: str, pp: PPOptions | None, steps: int = STEPS, records: Records | None = None) -> Trainer:
+def trainer(
+    run_dir: Path,
+    env,
+    mode: str,
+    pp: PPOptions | None,
+    steps: int = STEPS,
+    records: Records | None = None,
+    batch_size: int | None = None,
+    samples: int = 96,
+    evaluated: bool = False,
+) -> Trainer:
     """Batches of 8 cut into 4 micro-batches by the pipeline; without one, the same 8 samples as 4 accumulated batches of
     2 (the same gradients in the same precision: fp16 overflows per micro-batch as the pipeline's do)."""
-    train, _ = python_docs(sequence_length=16, eval_fraction=0.05)
+    train, held_out = python_docs(sequence_length=16, eval_fraction=0.05)
     precision = Precision(mode, overrides=O6_SMALL_MODEL) if mode == "O6" else mode
     return Trainer(
-        build, adamw, Subset(train, range(96)), precision=precision, batch_size=8 if pp else 2, grad_accum_steps=1 if pp else 4,
-        seed=5, env=env, max_steps=steps,
-        parallel=Parallel("none", pp=pp) if pp is not None else Parallel("none"), log_every=1, report=None,
+        build, adamw, Subset(train, range(samples)), eval_set=Subset(held_out, range(10)) if evaluated else None,
+        precision=precision, batch_size=batch_size or (8 if pp else 2), grad_accum_steps=1 if pp or batch_size else 4,
+        seed=5, env=env, max_steps=steps, parallel=Parallel("none", pp=pp or PPOptions()), log_every=1, report=None,
         checkpoints=CheckpointSettings(run_dir, keep_last=None), checkpoint_every=2, callbacks=[records] if records else [],
         loss_fn=logits_loss,
     )  # fmt: skip
@@ -122,3 +133,45 @@ def test_every_mode_trains_through_the_pipeline_like_the_unsplit_model(tmp_path)
             assert steps[-1]["scale"] == steps[-2]["scale"] / 2, name
         else:
             assert not any(step["skipped"] for step in steps), name
+
+
+def fit_worker(env, run_dir: str, pp_size: int, steps: int) -> dict[str, object]:
+    """Trains (O0, batches of 8 of 54 samples: the epoch's seventh holds 6, cut into 3 micro-batches) under the pipeline
+    (``pp_size`` 2) or on one process, evaluated at the epoch's end (10 samples: batches of 8 and 2, through the
+    pipeline); returns the resume's layout line and the evaluation."""
+    torch.set_num_threads(1)
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("ampddp").addHandler(handler)
+    logging.getLogger("ampddp").setLevel(logging.INFO)
+    pp = PPOptions(pp_size, microbatches=4) if pp_size > 1 else None
+    evaluation = trainer(Path(run_dir), env, "O0", pp, steps=steps, batch_size=8, samples=54, evaluated=True).fit()["eval"]
+    return {"layouts": next((line for line in said if "were written by" in line), ""), "eval": evaluation}
+
+
+def test_a_pipeline_checkpoint_resumes_on_one_process_and_back_and_exports_whole(tmp_path):
+    straight, across = tmp_path / "straight", tmp_path / "across"
+    # 7 steps (an epoch) on one process; and 2 under the pipeline, 2 more on one process (a pipeline's checkpoint read
+    # whole), 3 more under the pipeline again (a whole model's checkpoint cut into stages), each resuming the one before
+    alone = launch_local(fit_worker, 1, (str(straight), 1, 7), device="cpu", timeout_s=60, job_timeout_s=300)[0]
+    launch_local(fit_worker, 2, (str(across), 2, 2), device="cpu", timeout_s=60, job_timeout_s=300)
+    resumed_alone = launch_local(fit_worker, 1, (str(across), 1, 4), device="cpu", timeout_s=60, job_timeout_s=300)[0]
+    assert resumed_alone["layouts"] == "its tensors were written by strategy none, pp 2 and read into strategy none"
+    piped = launch_local(fit_worker, 2, (str(across), 2, 7), device="cpu", timeout_s=60, job_timeout_s=300)
+    assert piped[0]["eval"] == piped[1]["eval"] and piped[0]["eval"].keys() == alone["eval"].keys()
+    for name, value in alone["eval"].items():  # evaluated through the pipeline as on one process
+        assert piped[0]["eval"][name] == pytest.approx(value, rel=1e-4), name
+    expected, resumed = final_state(straight), final_state(across)
+    assert resumed["progress"]["global_step"] == expected["progress"]["global_step"] == 7
+    assert resumed["model"].keys() == expected["model"].keys()
+    for name, value in expected["model"].items():  # fp32: the micro-batches' gradients summed in another order
+        assert torch.allclose(resumed["model"][name], value, rtol=1e-4, atol=1e-5), name
+    for index, entries in expected["optimizer"].items():  # AdamW's state under the whole model's numbering
+        assert torch.allclose(resumed["optimizer"][index]["exp_avg_sq"], entries["exp_avg_sq"], rtol=1e-3, atol=1e-9), index
+    assert "world size   2; strategy none, pp 2" in format_summary(summarize(across))
+    exported = export_weights(across, tmp_path / "whole.safetensors")
+    weights = load_file(tmp_path / "whole.safetensors")
+    assert exported["tensors"] == len(expected["model"]) and weights.keys() == expected["model"].keys()
+    for name in expected["model"]:  # whole tensors under the unsplit model's names
+        assert torch.equal(weights[name], resumed["model"][name]), name

@@ -280,7 +280,12 @@ def _underlying(error: BaseException) -> BaseException:
 
 
 def read_into_live(
-    folder: Path, shared: Mapping[str, Any], manifest: Manifest, live_model: Mapping[str, Any], optimizer: Optimizer, env: DistEnv,
+    folder: Path,
+    shared: Mapping[str, Any],
+    manifest: Manifest,
+    live_model: Mapping[str, Any],
+    optimizer: Optimizer,
+    env: DistEnv,
     index_map: Mapping[int, int] | None = None,
 ) -> dict[str, Any]:
     """``shared`` with the model and optimizer tensors read from the shards, each cut as the live run

@@ -64,8 +64,9 @@ class Parallel:
         if not isinstance(self.pp, PPOptions):
             raise ConfigError(f"Parallel pp={self.pp!r} is not valid; it must be a PPOptions (pipeline parallelism's settings)")
         object.__setattr__(self, "wrap_options", dict(self.wrap_options))
-        plan = make_strategy(self.strategy, ddp=self.ddp, fsdp=self.fsdp, wrap_options=self.wrap_options, tp=self.tp, pp=self.pp,
-                             where=where)
+        plan = make_strategy(
+            self.strategy, ddp=self.ddp, fsdp=self.fsdp, wrap_options=self.wrap_options, tp=self.tp, pp=self.pp, where=where
+        )
         object.__setattr__(self, "_plan", plan)
 
     @property

@@ -12,8 +12,9 @@ scale's verdict is agreed over every rank before any stage steps (the strategy s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 
 from ampddp.choices import PP_SCHEDULES
-from ampddp.distributed.schedule import Backward, LossOf, NoWholeForward, Result
+from ampddp.distributed.schedule import Backward, LossOf, Result
 from ampddp.errors import ConfigError, choice_error
 
 StageSplit = Callable[[nn.Module, int, int], nn.Module] | None
@@ -55,6 +56,9 @@ class PPOptions:
         micro = self.microbatches
         if micro is not None and (isinstance(micro, bool) or not isinstance(micro, int) or micro < 1):
             raise ConfigError(f"pp_microbatches={micro!r} is not valid; it must be an integer >= 1, or null (as many as stages)")
+        if micro is not None and micro < self.size and self.schedule != "GPipe":
+            raise ConfigError(f"pp_microbatches={micro} < pp_size={self.size}: {self.schedule} needs at least as many micro-batches "
+                              "as stages; give more, or pp_schedule GPipe (which leaves stages idle)")  # fmt: skip
         if self.split is not None and not callable(self.split):
             raise ConfigError(f"pp_split={self.split!r} is not valid; give a function (model, stage, stages) -> the stage's "
                               "module, or null (the model's own pipeline_stage)")  # fmt: skip
@@ -89,65 +93,66 @@ def split_stage(model: nn.Module, stage: int, options: PPOptions) -> nn.Module:
 
 
 def split_batch(batch: Any, parts: int) -> list[Any]:
-    """``batch`` (tensors, or dicts, lists and tuples of them) cut along its first dimension into ``parts`` micro-batches
-    of sizes as even as they go; a batch of fewer samples than ``parts`` is refused in one line."""
+    """``batch`` (tensors, or dicts, lists and tuples of them) cut along its first dimension into ``parts`` equal
+    micro-batches, or, where ``parts`` does not divide its samples (an epoch's last batch), into as many equal ones as
+    the largest divisor of its samples up to ``parts`` (a pipeline's stages take one shape per step)."""
     from torch.utils._pytree import tree_flatten, tree_unflatten
 
     leaves, spec = tree_flatten(batch)
-    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-    samples = tensors[0].shape[0] if tensors and tensors[0].dim() else 0
-    if samples < parts:
-        raise ConfigError(f"a batch of {samples} sample(s) does not split into pp_microbatches={parts}; give each data-parallel "
-                          f"rank batches of at least {parts} (data.batch_size), fewer micro-batches, or data.drop_last: true")  # fmt: skip
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim()]
+    if not tensors:
+        raise ConfigError(f"a {type(batch).__name__} batch holds no tensor with a sample dimension to cut into micro-batches")
+    samples = tensors[0].shape[0]
+    parts = max(count for count in range(1, min(parts, samples) + 1) if samples % count == 0)
     cut = [leaf.tensor_split(parts) if isinstance(leaf, torch.Tensor) and leaf.dim() else [leaf] * parts for leaf in leaves]
     return [tree_unflatten([pieces[index] for pieces in cut], spec) for index in range(parts)]
 
 
+def shapes_of(value: Any) -> tuple[Any, ...]:
+    """The shapes and dtypes of the tensors in ``value`` (a micro-batch, a forward's inputs), in order."""
+    from torch.utils._pytree import tree_leaves
+
+    return tuple((tuple(leaf.shape), leaf.dtype) for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor))
+
+
 class StageModule(nn.Module):
     """The module torch's ``PipelineStage`` runs on a rank: the stage, its forward in the precision engine's context.
-    On the first stage it receives a micro-batch's index and runs the loop's own forward of that micro-batch (the batch
-    adapter's: a dict batch as keywords, ``(inputs, targets)`` as inputs); later stages receive the activations."""
+    The first stage receives a micro-batch's index and runs ``feed(stage, index)`` (the loop's own forward of that
+    micro-batch: the batch adapter's way); later stages receive the activations."""
 
     def __init__(self, stage: nn.Module, forward_context: Callable[[], AbstractContextManager[Any]], first: bool) -> None:
         super().__init__()
         self.stage, self.forward_context, self.first = stage, forward_context, first
-        self.micro_batches: Sequence[Any] = ()
-        self.loss_of: LossOf | None = None
+        self.feed: Callable[[nn.Module, int], Any] | None = None
 
     def forward(self, *inputs: Any) -> Any:
         with self.forward_context():
             if self.first:
-                if self.loss_of is None:
-                    raise RuntimeError("the pipeline's first stage ran outside a training step")
-                return self.loss_of.forward(self.stage, self.micro_batches[int(inputs[0])])
+                if self.feed is None:
+                    raise RuntimeError("the pipeline's first stage ran without its inputs")
+                return self.feed(self.stage, int(inputs[0]))
             return self.stage(*inputs)
 
-
-class LastStageOutputs(nn.Module):
-    """What the training loop calls as its model under pipeline parallelism: on the last stage, the outputs the
-    pipeline computed for the micro-batch being scored (so the loop's loss and metrics read them as a whole model's)."""
-
-    def __init__(self, stage: nn.Module) -> None:
-        super().__init__()
-        self.stage = stage
-        self.current: Any = None
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.current is None:
-            raise RuntimeError("under pipeline parallelism the model's outputs exist on the last stage, inside the schedule's step")
-        return self.current
+    @contextlib.contextmanager
+    def feeding(self, feed: Callable[[nn.Module, int], Any]) -> Iterator[None]:
+        self.feed = feed
+        try:
+            yield
+        finally:
+            self.feed = None
 
 
 @dataclass
 class PipelineParts:
-    """A rank's place in the pipeline, made by the strategy's set-up: its stage, torch's ``PipelineStage`` over it,
-    and the loop-facing model."""
+    """A rank's place in the pipeline, made by the strategy's set-up: its stage (in ``module``), the pipeline's process
+    group and this rank's device, and the global ranks of the stages (``ranks[i]``: stage ``i``'s)."""
 
     stage_index: int
     stages: int
     module: StageModule
-    torch_stage: Any
-    outputs: LastStageOutputs
+    group: Any
+    device: torch.device
+    ranks: tuple[int, ...]
 
     @property
     def is_first(self) -> bool:
@@ -157,27 +162,62 @@ class PipelineParts:
     def is_last(self) -> bool:
         return self.stage_index == self.stages - 1
 
+    def torch_stage(self) -> Any:
+        """A new torch ``PipelineStage`` over this rank's stage (it fixes its inputs' shapes at its first step)."""
+        from torch.distributed.pipelining import PipelineStage
+
+        return PipelineStage(self.module, self.stage_index, self.stages, self.device, group=self.group)
+
+
+class PipelineModel(nn.Module):
+    """What the training loop calls as its model under pipeline parallelism. Inside a training step, on the last stage:
+    the outputs the pipeline computed for the micro-batch being scored (so the loop's own loss reads them as a whole
+    model's). Outside one (evaluation, the last-batch check, the diagnosis of a non-finite step), called on every rank of
+    the pipeline with the same batch: a forward of the whole model through the pipeline (the first stage reads the
+    inputs, the last computes the outputs), the outputs sent to every stage, so every rank scores them as one model
+    would. torch's stages fix their inputs' shapes at their first step: each shape of batch gets its own."""
+
+    def __init__(self, parts: PipelineParts) -> None:
+        super().__init__()
+        self.parts = parts
+        self.current: Any = None
+        self._schedules = ShapeCache()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.current is not None:
+            return self.current
+        import torch.distributed as dist
+        from torch.distributed.pipelining import ScheduleGPipe
+
+        parts = self.parts
+        schedule = self._schedules.get(shapes_of((args, kwargs)), lambda: ScheduleGPipe(parts.torch_stage(), 1))
+        with parts.module.feeding(lambda stage, index: stage(*args, **kwargs)):
+            outputs = schedule.eval(arg_mbs=[(torch.tensor(0),)] if parts.is_first else None)
+        sent = [outputs if parts.is_last else None]
+        dist.broadcast_object_list(sent, src=parts.ranks[-1], group=parts.group)
+        return sent[0]
+
 
 class PipelineSchedule:
     """A window's gradients through torch's pipeline schedule: each batch of the window cut into
     ``options.micro_batches`` micro-batches, one ``step`` of the schedule per batch (gradients accumulate across the
-    window's batches as across the micro-batches). The last stage scores each micro-batch's outputs with the loop's
-    ``loss_of`` and hands the schedule the weighted, scaled loss (``backward.scaled``); every stage then says its
-    backward ran (``backward.done``). Returns the window's sum of per-sample losses on the last stage, 0 elsewhere:
-    ``loss_copies`` counts one holder per data coordinate and tensor-parallel rank."""
+    window's batches as across the micro-batches). The first stage runs the loop's forward of each micro-batch
+    (``loss_of.forward``); the last scores its outputs with the loop's own loss (``loss_of``, through ``PipelineModel``)
+    and hands the schedule the weighted, scaled loss (``backward.scaled``); every stage then says its backward ran
+    (``backward.done``). Returns the window's sum of per-sample losses on the last stage, 0 elsewhere: ``loss_copies``
+    counts one holder per data coordinate.
 
-    def __init__(self, parts: PipelineParts, options: PPOptions) -> None:
-        from torch.distributed.pipelining import schedules
+    torch's stages fix the shapes of their micro-batches at their first step, so each shape gets its own (made when
+    first met, on every stage at once: they read the same batch); a batch the micro-batches do not divide (an epoch's
+    last) is cut into as many equal micro-batches as divide it, by GPipe where the schedule needs more."""
 
-        self.parts, self.options = parts, options
+    def __init__(self, parts: PipelineParts, model: PipelineModel, options: PPOptions) -> None:
+        self.parts, self.model, self.options = parts, model, options
         self._scores: Callable[[int, Any], torch.Tensor] | None = None
-        kind = getattr(schedules, SCHEDULE_CLASSES[options.schedule])
-        # the loop weights each micro-batch's loss by its share of the global batch: torch's division by the number of
-        # micro-batches (scale_grads) would count it twice, and be wrong for uneven micro-batches
-        self._schedule = kind(parts.torch_stage, options.micro_batches, loss_fn=self._loss, scale_grads=False)
+        self._schedules = ShapeCache()
 
     def loss_copies(self, ranks_per_data_rank: int) -> int:
-        """How many ranks of one data coordinate hold its loss: the last stage's (its tensor-parallel ranks)."""
+        """How many ranks of one data coordinate hold its loss: the last stage's."""
         return max(ranks_per_data_rank // self.parts.stages, 1)
 
     def _loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
@@ -185,33 +225,66 @@ class PipelineSchedule:
             raise RuntimeError("the pipeline scored a micro-batch outside a training step")
         return self._scores(int(index), output)
 
+    def _schedule_for(self, micro: Sequence[Any]) -> Any:
+        """The schedule (and its stage) of micro-batches shaped as ``micro``: the configured one, or GPipe for fewer
+        micro-batches than 1F1B takes. The loop weights each micro-batch's loss by its share of the global batch: torch's
+        division by the number of micro-batches (``scale_grads``) would count it twice."""
+        from torch.distributed.pipelining import schedules
+
+        name = self.options.schedule if len(micro) >= self.parts.stages else "GPipe"
+
+        def make() -> Any:
+            kind = getattr(schedules, SCHEDULE_CLASSES[name])
+            return kind(self.parts.torch_stage(), len(micro), loss_fn=self._loss, scale_grads=False)
+
+        return self._schedules.get((name, len(micro), shapes_of(micro[0])), make)
+
     def forward_backward(self, window: Sequence[Any], loss_of: LossOf, backward: Backward) -> torch.Tensor:
         parts, total = self.parts, torch.zeros((), dtype=torch.float64)
         for batch in window:
             micro = split_batch(batch, self.options.micro_batches)
-            parts.module.micro_batches, parts.module.loss_of = micro, loss_of
+            schedule = self._schedule_for(micro)
             seen: dict[int, torch.Tensor] = {}
 
             def score(index: int, output: Any, micro: list[Any] = micro, seen: dict[int, torch.Tensor] = seen) -> torch.Tensor:
-                parts.outputs.current = output
+                self.model.current = output
                 try:
                     loss, count = loss_of(index, micro[index])
                 finally:
-                    parts.outputs.current = None
+                    self.model.current = None
                 seen[index] = loss.detach().double() * count  # torch may score a micro-batch twice at warm-up: kept once
                 return backward.scaled(loss, count)
 
             self._scores = score
             indices = [torch.tensor(index) for index in range(len(micro))]
             try:
-                self._schedule.step(arg_mbs=[(index,) for index in indices] if parts.is_first else None,
-                                    target_mbs=indices if parts.is_last else None, return_outputs=False)  # fmt: skip
+                with parts.module.feeding(lambda stage, index, micro=micro: loss_of.forward(stage, micro[index])):
+                    schedule.step(arg_mbs=[(index,) for index in indices] if parts.is_first else None,
+                                  target_mbs=indices if parts.is_last else None, return_outputs=False)  # fmt: skip
             finally:
-                self._scores, parts.module.micro_batches, parts.module.loss_of = None, (), None
+                self._scores = None
             backward.done()
             total = total + sum(seen.values(), torch.zeros((), dtype=torch.float64))
         return total
 
     def forward(self, run: Callable[[], Result]) -> Result:
-        raise NoWholeForward("under pipeline parallelism no rank holds the whole model: a forward outside training (evaluation, "
-                             "the diagnosis of a non-finite step) runs through the pipeline, which ampddp does not do yet")  # fmt: skip
+        """``run`` as is: the loop's model (``PipelineModel``) runs a forward through the pipeline when called."""
+        return run()
+
+
+class ShapeCache:
+    """Schedules by the shapes they were made for, the least recently used dropped past ``size`` (variable-length data
+    would otherwise keep one per length)."""
+
+    def __init__(self, size: int = 8) -> None:
+        self.size = size
+        self._held: dict[Any, Any] = {}
+
+    def get(self, key: Any, make: Callable[[], Any]) -> Any:
+        found = self._held.pop(key, None)
+        if found is None:
+            found = make()
+            if len(self._held) >= self.size:
+                self._held.pop(next(iter(self._held)))
+        self._held[key] = found
+        return found

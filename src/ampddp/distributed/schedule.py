@@ -46,10 +46,6 @@ class Backward(Protocol):
         """Say the schedule ran its backwards (a pipeline stage without a loss of its own says so too)."""
 
 
-class NoWholeForward(Exception):
-    """This schedule cannot run a forward of the whole model on one rank (a pipeline's stages hold parts of it)."""
-
-
 class StepSchedule(Protocol):
     """How a window of micro-batches becomes gradients, and how a whole-model forward is run."""
 
@@ -57,7 +53,7 @@ class StepSchedule(Protocol):
         """The window's gradients; returns this rank's sum of per-sample losses (what it computed)."""
 
     def forward(self, run: Callable[[], Result]) -> Result:
-        """``run`` (a forward of the whole model) as this schedule runs one; ``NoWholeForward`` where it cannot."""
+        """``run`` (a forward of the whole model) as this schedule runs one."""
 
     def loss_copies(self, ranks_per_data_rank: int) -> int:
         """How many of the ``ranks_per_data_rank`` ranks sharing a data coordinate return its loss (each counts it once)."""

@@ -311,7 +311,8 @@ class TrainingLoop:
             named = [f"rank {rank}: {samples}" for rank, on_rank in enumerate(everywhere) for samples in on_rank]
         batch = self.batches.to_device(window[-1], self.run.env.device)
         module = self.run.module
-        forward = lambda: self.run.schedule.forward(lambda: self.batches.forward(module, batch))  # noqa: E731 - re-run by the diagnosis
+        runs = self.run.model if self.run.strategy.forwards_through_model else module  # a pipeline's stages: the pipeline
+        forward = lambda: self.run.schedule.forward(lambda: self.batches.forward(runs, batch))  # noqa: E731 - re-run by the diagnosis
         return self.guard.diagnose(module, forward, self.engine.forward_context(), self.engine.last_overflow, blame_inputs(named))
 
     def _samples(self, batch_number: int, rows: list[int] | tuple[int, ...]) -> str:

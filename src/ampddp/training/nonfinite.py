@@ -11,7 +11,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampddp.distributed.schedule import NoWholeForward
 from ampddp.errors import NonFiniteGradientsError
 from ampddp.precision.casting import map_tensors
 from ampddp.precision.diagnostics import first_non_finite_module
@@ -40,10 +39,7 @@ class NonFiniteGuard:
         the first module whose output in ``forward()`` is non-finite, else where gradients overflowed."""
         if bad_inputs is not None:
             return bad_inputs
-        try:
-            culprit = first_non_finite_module(module, forward, context)
-        except NoWholeForward:  # a pipeline stage holds part of the model: where the gradients overflowed is what is known
-            culprit = None
+        culprit = first_non_finite_module(module, forward, context)
         if culprit is not None:
             return f"the forward pass of module '{culprit}' produced inf/NaN"
         return f"gradients overflowed from {last_overflow or 'another rank (finite on this one)'}"

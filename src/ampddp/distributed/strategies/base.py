@@ -51,6 +51,9 @@ class Strategy:
     """What ``checkpoint.layout: auto`` writes under this strategy."""
     collective_forward: ClassVar[bool] = False
     """Whether every forward gathers with every rank (evaluation then runs as many forwards on each)."""
+    forwards_through_model: ClassVar[bool] = False
+    """Whether a whole-model forward must call the wrapped model rather than the bare module (a pipeline stage's module
+    holds part of the model); otherwise the diagnosis of a non-finite step runs the bare module, outside any compile."""
 
     @classmethod
     def with_tensor_parallel(cls, where: str = "") -> type[Strategy]:

@@ -11,7 +11,7 @@ from torch.optim import Optimizer
 from ampddp.distributed.env import DistEnv
 from ampddp.distributed.mesh import ParallelDims
 from ampddp.distributed.meta_init import InitProgram
-from ampddp.distributed.pipeline import LastStageOutputs, PipelineParts, PipelineSchedule, PPOptions, StageModule, split_stage
+from ampddp.distributed.pipeline import PipelineModel, PipelineParts, PipelineSchedule, PPOptions, StageModule, split_stage
 from ampddp.distributed.schedule import StepSchedule
 from ampddp.distributed.strategies.base import MakeOptimizer, SetUp, Strategy
 from ampddp.distributed.wrap import GradSync
@@ -29,6 +29,7 @@ class PipelineOnly(Strategy):
     takes = ("pp",)
     checkpoint_layout = "sharded"
     collective_forward = True
+    forwards_through_model = True
 
     def __init__(self, pp: PPOptions | None = None) -> None:
         self.pp = pp if pp is not None else PPOptions()
@@ -42,8 +43,6 @@ class PipelineOnly(Strategy):
 
     def set_up(self, model: nn.Module, make_optimizer: MakeOptimizer, env: DistEnv, engine: PrecisionEngine,
                init: InitProgram | None = None) -> SetUp:  # fmt: skip
-        from torch.distributed.pipelining import PipelineStage
-
         dims = self.mesh_of(env)
         index = dims.coordinates(env.rank)["pp"]
         stage = split_stage(model, index, self.pp)
@@ -52,10 +51,12 @@ class PipelineOnly(Strategy):
         optimizer = make_optimizer(stage.parameters())
         engine.setup([stage], [optimizer])
         engine.agree_over(dist.group.WORLD)  # the stages hold different gradients: every rank takes the same verdict
-        module = StageModule(stage, engine.forward_context, first=index == 0)
-        torch_stage = PipelineStage(module, index, self.pp.size, env.device, group=dims.submesh("pp").get_group())
-        self._parts = PipelineParts(index, self.pp.size, module, torch_stage, LastStageOutputs(stage))
-        return SetUp(self._parts.outputs, stage, optimizer)
+        group = dims.submesh("pp").get_group()
+        ranks = tuple(dist.get_global_rank(group, at) for at in range(self.pp.size))
+        self._parts = PipelineParts(index, self.pp.size, StageModule(stage, engine.forward_context, first=index == 0), group,
+                                    env.device, ranks)  # fmt: skip
+        self._model = PipelineModel(self._parts)
+        return SetUp(self._model, stage, optimizer)
 
     def checkpoint_view(self, module: nn.Module, optimizer: Optimizer, env: DistEnv) -> Any:
         """The stage's part of the whole model's checkpoint: its parameters numbered as a whole-model optimizer's."""
@@ -68,7 +69,7 @@ class PipelineOnly(Strategy):
     def schedule(self, model: nn.Module, grad_sync: GradSync) -> StepSchedule:
         if self._parts is None:
             raise RuntimeError("the pipeline's schedule is made after its set-up")
-        return PipelineSchedule(self._parts, self.pp)
+        return PipelineSchedule(self._parts, self._model, self.pp)
 
     def check_settings(self, where: str = "") -> Any:
         """Its settings are checked where they are made (``PPOptions``)."""
