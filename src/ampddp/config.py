@@ -30,6 +30,7 @@ from ampddp.choices import (
     MAX_PROCESSES,
     MAX_TIMEOUT_S,
     NORMALIZATIONS,
+    PP_SCHEDULES,
     PRECISION_CHOICES,
     STRATEGIES,
     SYNC_BN_CHOICES,
@@ -362,6 +363,20 @@ class DistributedConfig:
     """With tensor parallelism: keep the logits split by vocabulary and compute the cross-entropy on each rank's
     slice (torch's loss_parallel; no rank holds the whole batch x sequence x vocabulary logits). The model's own
     plan is asked to split them (ampddp.zoo.models:gpt does); a tp_plan table marks its head vocab."""
+    pp_size: int = field(default=1, metadata=_between(1, MAX_PROCESSES))
+    """Pipeline parallelism: the stages the model's layers are split into, one process each (the outermost mesh
+    dimension), with strategy none so far; 1: none. The model's own split (ampddp.zoo.models:gpt splits its blocks
+    evenly) or pp_split; the parameters keep the whole model's names (checkpoints read as the whole model's)."""
+    pp_schedule: str = field(default="1F1B", metadata=_choices(*PP_SCHEDULES))
+    """The order micro-batches go through the stages: 1F1B (a micro-batch's backward as soon as it can: activations of at
+    most pp_size micro-batches held), GPipe (every forward, then every backward); Interleaved1F1B, InterleavedZeroBubble,
+    ZBVZeroBubble (several stages per rank) are not run yet."""
+    pp_microbatches: int | None = field(default=None, metadata=_at_least(1))
+    """The micro-batches each batch (data.batch_size, per data-parallel rank) is cut into: more shrink the pipeline's idle
+    share ((pp_size-1)/(microbatches+pp_size-1)); null: pp_size. 1F1B needs at least pp_size."""
+    pp_split: str | None = None
+    """How the model is cut into stages: null (the model's own pipeline_stage(stage, stages)), or a
+    package.module:function(model, stage, stages) returning the stage's module (the whole model's names kept)."""
 
 
 @dataclass

@@ -59,7 +59,9 @@ class Records(Callback):
 
     def on_step(self, progress, record) -> None:
         if record is not None:
-            self.steps.append({"loss": record["loss"], "scale": record["loss_scale"], "skipped": record["skipped"]})
+            self.steps.append(
+                {"loss": record["loss"], "scale": record["loss_scale"], "skipped": record["skipped"], "grad_norm": record["grad_norm"]}
+            )
 
 
 def trainer(
@@ -82,7 +84,7 @@ def trainer(
         precision=precision, batch_size=batch_size or (8 if pp else 2), grad_accum_steps=1 if pp or batch_size else 4,
         seed=5, env=env, max_steps=steps, parallel=Parallel("none", pp=pp or PPOptions()), log_every=1, report=None,
         checkpoints=CheckpointSettings(run_dir, keep_last=None), checkpoint_every=2, callbacks=[records] if records else [],
-        loss_fn=logits_loss,
+        loss_fn=logits_loss, clip_grad_norm=0.5,
     )  # fmt: skip
 
 
@@ -112,10 +114,10 @@ def train_worker(env, root: str, runs: list[tuple[str, str]]) -> dict[str, list[
     return found
 
 
-def unsplit_losses(root: Path, mode: str) -> list[float]:
+def unsplit_run(root: Path, mode: str) -> list[dict[str, object]]:
     records = Records()
     trainer(root / f"unsplit-{mode}", None, mode, None, records=records).fit()
-    return [step["loss"] for step in records.steps]
+    return records.steps
 
 
 def test_every_mode_trains_through_the_pipeline_like_the_unsplit_model(tmp_path):
@@ -123,11 +125,14 @@ def test_every_mode_trains_through_the_pipeline_like_the_unsplit_model(tmp_path)
     runs = [(mode, "1F1B") for mode in modes] + [("O0", "GPipe"), ("O2", "GPipe")]
     results = launch_local(train_worker, 2, (str(tmp_path), runs), device="cpu", timeout_s=60, job_timeout_s=400)
     assert results[0] == results[1]  # both stages log the same records: the last stage's loss, one agreed verdict
-    unsplit = {mode: unsplit_losses(tmp_path, mode) for mode in modes}
+    unsplit = {mode: unsplit_run(tmp_path, mode) for mode in modes}
     for name, steps in results[0].items():
-        mode = name.split("/")[0]
+        mode, tolerance = name.split("/")[0], TOLERANCE.get(name.split("/")[0], 1e-2)
         losses = [step["loss"] for step in steps]
-        assert losses == pytest.approx(unsplit[mode], rel=TOLERANCE.get(mode, 1e-2)), name
+        assert losses == pytest.approx([step["loss"] for step in unsplit[mode]], rel=tolerance), name
+        # clipped at 0.5 by the norm over both stages (each stage's own norm would clip another way)
+        norms = [step["grad_norm"] for step in steps[:-1]]
+        assert norms == pytest.approx([step["grad_norm"] for step in unsplit[mode][:-1]], rel=10 * tolerance), name
         if mode in LOSS_SCALED:  # the planted inf on stage 0 alone: the last step skipped by both, both scales halved
             assert [step["skipped"] for step in steps] == [False] * (STEPS - 1) + [True], name
             assert steps[-1]["scale"] == steps[-2]["scale"] / 2, name

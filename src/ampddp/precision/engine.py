@@ -105,6 +105,7 @@ class PrecisionEngine(ABC):
     last_overflow: str | None = None
     """Parameter where the gradients of the last skipped step first became non-finite."""
     _verdict_group: Any = None
+    _norm_group: Any = None
     _norm_overflow: torch.Tensor | None = None
     """This step's gradient norm was inf or NaN (a device flag, read with the verdict): an overflow."""
 
@@ -149,6 +150,13 @@ class PrecisionEngine(ABC):
         Every rank of ``group`` must then step together."""
         check_group(group)
         self._verdict_group = group
+
+    def norm_across(self, group: Any) -> None:
+        """Take the gradient norm (clipping, logging) across ``group`` from now on: ranks holding disjoint parts of the
+        model as plain tensors (a pipeline's stages), whose parts' norms combine into the model's. None, the default:
+        this rank's gradients are the model's (replicated, or DTensors whose norms are whole already)."""
+        check_group(group)
+        self._norm_group = group
 
     @property
     def verdict_group(self) -> Any:
@@ -272,13 +280,13 @@ class PrecisionEngine(ABC):
     def clip_grad_norm_(self, optimizers: Iterable[Optimizer], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Unscale, then clip the global norm over the params the optimizers step; a non-finite norm counts as
         an overflow in this step's verdict (a dynamic loss scale skips the step, on every rank)."""
-        return self._counted(clip_total_norm_(self._unscaled_params(optimizers), max_norm, norm_type))
+        return self._counted(clip_total_norm_(self._unscaled_params(optimizers), max_norm, norm_type, self._norm_group))
 
     def grad_norm(self, optimizers: Iterable[Optimizer], norm_type: float = 2.0) -> torch.Tensor:
         """Unscale, then measure the global gradient norm without touching the gradients (for logging:
         clipping at an infinite limit would still rewrite every gradient); a non-finite norm counts as an
         overflow, as in :meth:`clip_grad_norm_`."""
-        return self._counted(total_norm(self._unscaled_params(optimizers), norm_type))
+        return self._counted(total_norm(self._unscaled_params(optimizers), norm_type, self._norm_group))
 
     def _counted(self, norm: torch.Tensor) -> torch.Tensor:
         """Keep whether ``norm`` is finite for this step's verdict (no host read now)."""

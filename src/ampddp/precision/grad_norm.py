@@ -4,12 +4,16 @@ torch's ``clip_grad_norm_`` stacks the per-tensor norms into one tensor and scal
 foreach call, which DTensor refuses across meshes (FSDP2 x tensor parallelism leaves a parameter on the 1-D
 data-parallel mesh beside ones on the 2-D mesh). Here the gradients are grouped by mesh (plain tensors are a
 group of their own), each group's norm is taken whole (a collective over its mesh), and the norm of those
-norms is the global one, the same on every rank. One group is torch's own computation, step for step.
+norms is the global one, the same on every rank. One group is torch's own computation, step for step. Where the
+model's parameters are split into disjoint parts over ranks as plain tensors (a pipeline's stages), ``across`` names
+those ranks: their norms combine into the model's (one all-reduce).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,20 +47,50 @@ def _combined(norms: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     return torch.nn.utils.get_total_norm([whole(norm) for norm in norms], norm_type=norm_type, foreach=True)
 
 
-def total_norm(params: Sequence[nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
-    """The norm of every gradient of ``params`` taken as one vector, whole (a plain tensor)."""
-    groups = by_mesh(params)
+def _across(norm: torch.Tensor, norm_type: float, across: Any) -> torch.Tensor:
+    """``norm`` (this rank's part's) combined with the other parts' over the ranks of ``across`` (None: it is whole)."""
+    if across is None:
+        return norm
+    import torch.distributed as dist
+
+    if math.isinf(norm_type):
+        combined = norm.clone()
+        dist.all_reduce(combined, op=dist.ReduceOp.MAX, group=across)
+        return combined
+    powered = norm.double() ** norm_type
+    dist.all_reduce(powered, group=across)
+    return (powered ** (1.0 / norm_type)).to(norm.dtype)
+
+
+def _local_norm(groups: list[list[nn.Parameter]], norm_type: float, device: torch.device | None) -> torch.Tensor:
     if not groups:
-        return torch.nn.utils.get_total_norm([], norm_type=norm_type, foreach=True)
+        return torch.zeros((), device=device)
     return whole(_combined(_group_norms(groups, norm_type), norm_type))
 
 
-def clip_total_norm_(params: Sequence[nn.Parameter], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Scale the gradients of ``params`` so that their global norm is at most ``max_norm``; the norm before, whole."""
+def total_norm(params: Sequence[nn.Parameter], norm_type: float = 2.0, across: Any = None) -> torch.Tensor:
+    """The norm of every gradient of ``params`` taken as one vector, whole (a plain tensor); ``across``: the ranks
+    holding the model's other parts (a pipeline's stages), whose gradients count too."""
     groups = by_mesh(params)
-    if not groups:
+    if not groups and across is None:
+        return torch.nn.utils.get_total_norm([], norm_type=norm_type, foreach=True)
+    return _across(_local_norm(groups, norm_type, _device(params)), norm_type, across)
+
+
+def clip_total_norm_(params: Sequence[nn.Parameter], max_norm: float, norm_type: float = 2.0, across: Any = None) -> torch.Tensor:
+    """Scale the gradients of ``params`` so that the global norm (``across`` the ranks holding the model's other parts
+    too) is at most ``max_norm``; the norm before, whole."""
+    groups = by_mesh(params)
+    if not groups and across is None:
         return torch.nn.utils.clip_grad_norm_([], max_norm, norm_type=norm_type, foreach=True)
-    norm = _combined(_group_norms(groups, norm_type), norm_type)
+    if across is None:
+        norm = _combined(_group_norms(groups, norm_type), norm_type)
+    else:
+        norm = _across(_local_norm(groups, norm_type, _device(params)), norm_type, across)
     for group in groups:
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
     return whole(norm)
+
+
+def _device(params: Sequence[nn.Parameter]) -> torch.device | None:
+    return next((param.device for param in params), None)

@@ -26,6 +26,7 @@ from ampddp.config import IMPORT_PATH_FORM, PrecisionConfig, RunConfig, is_impor
 from ampddp.distributed.env import HOST_AND_CUDA, seed_everything
 from ampddp.distributed.fsdp2 import FSDPOptions
 from ampddp.distributed.parallel import Parallel
+from ampddp.distributed.pipeline import PPOptions
 from ampddp.distributed.tensor_parallel import TPOptions
 from ampddp.distributed.wrap import DDPOptions
 from ampddp.errors import ConfigError, closest, spelled
@@ -351,12 +352,27 @@ def tp_options(config: RunConfig) -> TPOptions:
         raise ConfigError(f"distributed.{error}") from None
 
 
+def pp_options(config: RunConfig) -> PPOptions:
+    """distributed.pp_size / pp_schedule / pp_microbatches / pp_split (a package.module:function, imported here)."""
+    dist_cfg = config.distributed
+    split = dist_cfg.pp_split
+    if split is not None:
+        if not is_import_path(split):
+            raise ConfigError(f"distributed.pp_split={split!r} is not valid; give a {IMPORT_PATH_FORM} (model, stage, stages) that "
+                              "returns the stage's module, or null (the model's own pipeline_stage)")  # fmt: skip
+        split = load_callable(split, "distributed.pp_split")
+    try:
+        return PPOptions(size=dist_cfg.pp_size, schedule=dist_cfg.pp_schedule, microbatches=dist_cfg.pp_microbatches, split=split)
+    except ConfigError as error:
+        raise ConfigError(f"distributed.{error}") from None
+
+
 def parallel_from(config: RunConfig) -> Parallel:
-    """The distributed section's strategy, sync-BN, torch DDP, FSDP2 and tensor-parallel settings as one object (a
+    """The distributed section's strategy, sync-BN, torch DDP, FSDP2, tensor- and pipeline-parallel settings as one object (a
     setting with a strategy that does not take it is refused naming the recipe key)."""
     dist_cfg = config.distributed
     return Parallel(strategy=dist_cfg.strategy, sync_bn=dist_cfg.sync_bn, ddp=ddp_options(config), fsdp=fsdp_options(config),
-                    tp=tp_options(config), where="distributed.")  # fmt: skip
+                    tp=tp_options(config), pp=pp_options(config), where="distributed.")  # fmt: skip
 
 
 def loader_settings(config: RunConfig) -> LoaderSettings:

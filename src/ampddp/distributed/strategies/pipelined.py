@@ -50,8 +50,9 @@ class PipelineOnly(Strategy):
             init.materialise(stage, env.device)
         optimizer = make_optimizer(stage.parameters())
         engine.setup([stage], [optimizer])
-        engine.agree_over(dist.group.WORLD)  # the stages hold different gradients: every rank takes the same verdict
         group = dims.submesh("pp").get_group()
+        engine.agree_over(dist.group.WORLD)  # the stages hold different gradients: every rank takes the same verdict
+        engine.norm_across(group)  # and different parts of the model: the gradient norm is their norms' combination
         ranks = tuple(dist.get_global_rank(group, at) for at in range(self.pp.size))
         self._parts = PipelineParts(index, self.pp.size, StageModule(stage, engine.forward_context, first=index == 0), group,
                                     env.device, ranks)  # fmt: skip

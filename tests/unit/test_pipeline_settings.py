@@ -1,0 +1,110 @@
+"""Pipeline parallelism's settings and parts that need no process group: the options and their refusals, the GPT cut
+into stages under the whole model's names (each stage's forward the whole model's, piece by piece), batches cut into
+micro-batches, and a stage's part of a whole model's checkpoint both ways."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ampddp import Parallel
+from ampddp.checkpoint import keys
+from ampddp.checkpoint.stage_view import StageView
+from ampddp.distributed.env import DistEnv
+from ampddp.distributed.pipeline import PPOptions, split_batch, split_stage
+from ampddp.errors import CheckpointError, ConfigError
+from ampddp.zoo.models import GPT
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: PPOptions(0), "pp_size=0 is not valid"),
+        (lambda: PPOptions(2, schedule="Zigzag"), "pp_schedule='Zigzag' is not valid"),
+        (lambda: PPOptions(2, schedule="Interleaved1F1B"), "places several stages on each rank, which ampddp does not run yet"),
+        (lambda: PPOptions(4, microbatches=2), "1F1B needs at least as many micro-batches as stages"),
+        (lambda: PPOptions(2, microbatches=0), "pp_microbatches=0 is not valid"),
+        (lambda: PPOptions(2, split="mypkg:split"), "pp_split='mypkg:split' is not valid"),
+        (lambda: Parallel("ddp", pp=PPOptions(2)), "strategy=ddp over pipeline stages is not built yet"),
+        (lambda: Parallel("fsdp2", pp=PPOptions(2)), "strategy=fsdp2 over pipeline stages is not built yet"),
+        (lambda: Parallel("none", pp=PPOptions(2)).dims(DistEnv(world_size=4, local_world_size=4)), "takes one process per stage"),
+        (lambda: Parallel("none", pp="2"), "Parallel pp='2' is not valid; it must be a PPOptions"),
+    ],
+)
+def test_what_the_pipeline_cannot_do_is_refused_in_one_line(make, message):
+    with pytest.raises(ConfigError) as error:
+        make()
+    assert message in str(error.value)
+
+
+def test_gpipe_may_take_fewer_micro_batches_than_stages_and_the_mesh_is_the_pipeline():
+    assert PPOptions(4, schedule="GPipe", microbatches=2).micro_batches == 2
+    assert PPOptions(3).micro_batches == 3
+    dims = Parallel("none", pp=PPOptions(2)).dims(DistEnv(world_size=2, local_world_size=2))
+    assert dims.sizes() == {"pp": 2, "dp_replicate": 1, "dp_shard": 1, "tp": 1}
+    assert [dims.dp_rank(rank) for rank in range(2)] == [0, 0]  # both stages read the same batch
+
+
+def test_the_gpt_cut_into_stages_keeps_the_whole_models_names_and_computes_its_forward():
+    torch.manual_seed(0)
+    whole = GPT(32, layers=5, width=16, heads=2, context=8)
+    names = set(whole.state_dict())
+    ids = torch.randint(0, 32, (2, 8))
+    expected = whole(ids)["logits"]
+    stages = []
+    for stage in range(3):
+        part = GPT(32, layers=5, width=16, heads=2, context=8)
+        part.load_state_dict(whole.state_dict())
+        stages.append(split_stage(part, stage, PPOptions(3)))
+    blocks = [sorted(int(name.split(".")[1]) for name, _ in part.named_parameters() if name.startswith("blocks.")) for part in stages]
+    assert [sorted(set(found)) for found in blocks] == [[0, 1], [2, 3], [4]]  # as even as they go, earlier stages one more
+    assert set().union(*(part.state_dict() for part in stages)) == names  # every name once, unchanged
+    assert not set(stages[0].state_dict()) & set(stages[1].state_dict())
+    hidden = ids
+    for part in stages:
+        hidden = part(hidden)
+    assert torch.equal(hidden, expected)  # the stages in turn compute the whole model's logits (a tensor on the last)
+    with pytest.raises(ConfigError, match="gpt layers=5 do not split into 6 pipeline stage"):
+        GPT(32, layers=5, width=16, heads=2, context=8).pipeline_stage(0, 6)
+    with pytest.raises(ConfigError, match="has no pipeline split"):
+        split_stage(nn.Linear(2, 2), 0, PPOptions(2))
+    with pytest.raises(ConfigError, match="pp_split returned a str for stage 1"):
+        split_stage(nn.Linear(2, 2), 1, PPOptions(2, split=lambda model, stage, stages: "half"))
+
+
+def test_a_batch_is_cut_into_equal_micro_batches_or_as_many_as_divide_it():
+    batch = {"input_ids": torch.arange(16).view(8, 2), "labels": torch.arange(8), "note": "kept"}
+    micro = split_batch(batch, 4)
+    assert [part["labels"].tolist() for part in micro] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert all(part["note"] == "kept" and part["input_ids"].shape == (2, 2) for part in micro)
+    assert [len(part[0]) for part in split_batch((torch.zeros(6, 3), torch.zeros(6)), 4)] == [2, 2, 2]  # 6: 3 of 2
+    assert [len(part[0]) for part in split_batch((torch.zeros(5, 3), torch.zeros(5)), 4)] == [5]  # 5: one of 5
+    with pytest.raises(ConfigError, match="holds no tensor with a sample dimension"):
+        split_batch({"note": "text"}, 2)
+
+
+def test_a_stages_checkpoint_part_reads_as_the_whole_models_both_ways():
+    # stage 1 of 2: its optimizer's parameters 0, 1 are the whole model's 2, 3 (group 0) and its 2 the whole's 5 (group 1)
+    view = StageView(whole_index=(2, 3, 5), names=frozenset({"blocks.1.w", "blocks.1.b", "head.w"}))
+    tensors = {"model/head.w": torch.ones(2), "optimizer/0/exp_avg": torch.zeros(2), "optimizer/2/exp_avg": torch.ones(1)}
+    optimizer = {"state": {0: {"step": 1.0}, 2: {"step": 1.0}}, "param_groups": [{"lr": 0.1, "params": [0, 1]}, {"lr": 0.0, "params": [2]}]}
+    record = {name: {"shape": list(value.shape), "dtype": "float32"} for name, value in tensors.items()}
+    renamed, whole_optimizer, whole_record = view.to_whole(tensors, optimizer, record, DistEnv())
+    assert set(renamed) == set(whole_record) == {"model/head.w", "optimizer/2/exp_avg", "optimizer/5/exp_avg"}
+    assert whole_optimizer["param_groups"] == [{"lr": 0.1, "params": [2, 3]}, {"lr": 0.0, "params": [5]}]
+    assert set(whole_optimizer["state"]) == {2, 5}
+    # a whole model's checkpoint (six parameters, two groups) cut to the stage's part, renumbered as its optimizer numbers them
+    shared = {
+        keys.MODEL: {"blocks.0.w": 0, "blocks.1.w": 1, "blocks.1.b": 2, "head.w": 3},
+        keys.OPTIMIZER: {"state": {index: {"step": float(index)} for index in range(6)},
+                         "param_groups": [{"lr": 0.1, "params": [0, 1, 2, 3]}, {"lr": 0.0, "params": [4, 5]}]},
+        keys.SHARDS: {"model/head.w": {}, "model/blocks.0.w": {}, "optimizer/3/exp_avg": {}, "optimizer/4/exp_avg": {}},
+    }  # fmt: skip
+    mine = view.restrict(shared, "ckpt")
+    assert mine[keys.MODEL] == {"blocks.1.w": 1, "blocks.1.b": 2, "head.w": 3}
+    assert mine[keys.OPTIMIZER]["param_groups"] == [{"lr": 0.1, "params": [0, 1]}, {"lr": 0.0, "params": [2]}]
+    assert mine[keys.OPTIMIZER]["state"] == {0: {"step": 2.0}, 1: {"step": 3.0}, 2: {"step": 5.0}}
+    assert set(mine[keys.SHARDS]) == {"model/head.w", "optimizer/3/exp_avg"}  # only its own tensors are read
+    with pytest.raises(CheckpointError, match=r"holds no head\.w of this pipeline stage's model"):
+        view.restrict({**shared, keys.MODEL: {"blocks.1.w": 1, "blocks.1.b": 2}}, "ckpt")
