@@ -36,6 +36,7 @@ import op_cost
 import optimizer_step
 import overhead
 import peers
+import pipeline
 import sharding
 import startup
 import tensor_parallel
@@ -56,6 +57,7 @@ BENCHMARKS = {
     "meta-build": meta_build.run,
     "hsdp": hsdp_traffic.run,
     "tensor-parallel": tensor_parallel.run,
+    "pipeline": pipeline.run,
     "fp8": fp8.run,
     "compile": compile_modes.run,
     "op-cost": op_cost.run,

@@ -373,7 +373,7 @@ class DistributedConfig:
     ZBVZeroBubble (several stages per rank) are not run yet."""
     pp_microbatches: int | None = field(default=None, metadata=_at_least(1))
     """The micro-batches each batch (data.batch_size, per data-parallel rank) is cut into: more shrink the pipeline's idle
-    share ((pp_size-1)/(microbatches+pp_size-1)); null: pp_size. 1F1B needs at least pp_size."""
+    share ((pp_size-1)/(microbatches+pp_size-1)); null: pp_size. Fewer than pp_size go through the stages one by one."""
     pp_split: str | None = None
     """How the model is cut into stages: null (the model's own pipeline_stage(stage, stages)), or a
     package.module:function(model, stage, stages) returning the stage's module (the whole model's names kept)."""

@@ -141,8 +141,8 @@ def test_every_mode_trains_through_the_pipeline_like_the_unsplit_model(tmp_path)
 
 
 def fit_worker(env, run_dir: str, pp_size: int, steps: int) -> dict[str, object]:
-    """Trains (O0, batches of 8 of 54 samples: the epoch's seventh holds 6, cut into 3 micro-batches) under the pipeline
-    (``pp_size`` 2) or on one process, evaluated at the epoch's end (10 samples: batches of 8 and 2, through the
+    """Trains (O0, batches of 8 of 53 samples: the epoch's seventh holds 5, one micro-batch through the stages in turn)
+    under the pipeline (``pp_size`` 2) or on one process, evaluated at the epoch's end (10 samples: batches of 8 and 2, through the
     pipeline); returns the resume's layout line and the evaluation."""
     torch.set_num_threads(1)
     said: list[str] = []
@@ -151,7 +151,7 @@ def fit_worker(env, run_dir: str, pp_size: int, steps: int) -> dict[str, object]
     logging.getLogger("ampddp").addHandler(handler)
     logging.getLogger("ampddp").setLevel(logging.INFO)
     pp = PPOptions(pp_size, microbatches=4) if pp_size > 1 else None
-    evaluation = trainer(Path(run_dir), env, "O0", pp, steps=steps, batch_size=8, samples=54, evaluated=True).fit()["eval"]
+    evaluation = trainer(Path(run_dir), env, "O0", pp, steps=steps, batch_size=8, samples=53, evaluated=True).fit()["eval"]
     return {"layouts": next((line for line in said if "were written by" in line), ""), "eval": evaluation}
 
 

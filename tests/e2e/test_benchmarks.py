@@ -21,7 +21,7 @@ FIELDS = {"name", "ampddp", "baseline", "unit", "ratio", "repeats", "spread", "c
 def test_every_benchmark_runs_in_a_tiny_configuration_and_writes_valid_json_and_markdown(tmp_path):
     out = tmp_path / "results.json"
     names = ["overhead", "modes", "memory", "optimizer-step", "checkpoint", "ddp", "sharding", "fused-optimizers", "compile", "op-cost",
-             "input", "peers", "tensor-parallel", "cuda-suite"]  # fmt: skip
+             "input", "peers", "tensor-parallel", "pipeline", "cuda-suite"]  # fmt: skip
     command = [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--smoke", "--only", *names, "--out", str(out)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=1140)
     assert result.returncode == 0, result.stderr[-2000:]

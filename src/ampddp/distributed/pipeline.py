@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from torch import nn
 from ampddp.choices import PP_SCHEDULES
 from ampddp.distributed.schedule import Backward, LossOf, Result
 from ampddp.errors import ConfigError, choice_error
+
+logger = logging.getLogger("ampddp.distributed")
 
 StageSplit = Callable[[nn.Module, int, int], nn.Module] | None
 """How a model becomes one stage: a function ``(model, stage, stages) -> the stage's module`` (keeping the whole model's
@@ -56,9 +59,9 @@ class PPOptions:
         micro = self.microbatches
         if micro is not None and (isinstance(micro, bool) or not isinstance(micro, int) or micro < 1):
             raise ConfigError(f"pp_microbatches={micro!r} is not valid; it must be an integer >= 1, or null (as many as stages)")
-        if micro is not None and micro < self.size and self.schedule != "GPipe":
-            raise ConfigError(f"pp_microbatches={micro} < pp_size={self.size}: {self.schedule} needs at least as many micro-batches "
-                              "as stages; give more, or pp_schedule GPipe (which leaves stages idle)")  # fmt: skip
+        if micro is not None and micro < self.size:
+            logger.warning("pp_microbatches=%d < pp_size=%d: each micro-batch goes through the stages in turn, every stage idle "
+                           "while the others work; give at least pp_size", micro, self.size)  # fmt: skip
         if self.split is not None and not callable(self.split):
             raise ConfigError(f"pp_split={self.split!r} is not valid; give a function (model, stage, stages) -> the stage's "
                               "module, or null (the model's own pipeline_stage)")  # fmt: skip
@@ -130,7 +133,7 @@ class StageModule(nn.Module):
             if self.first:
                 if self.feed is None:
                     raise RuntimeError("the pipeline's first stage ran without its inputs")
-                return self.feed(self.stage, int(inputs[0]))
+                return self.feed(self.stage, int(inputs[0].reshape(-1)[0]))
             return self.stage(*inputs)
 
     @contextlib.contextmanager
@@ -169,33 +172,97 @@ class PipelineParts:
         return PipelineStage(self.module, self.stage_index, self.stages, self.device, group=self.group)
 
 
+class StagesInTurn:
+    """One micro-batch through the stages in turn, the activations (and their gradients) sent point to point: a forward
+    of the whole model (its outputs sent to every stage), or a forward and backward for a batch the micro-batches cannot
+    cut into equal parts, at least one per stage (torch's schedules take neither on every release ampddp supports)."""
+
+    def __init__(self, parts: PipelineParts) -> None:
+        self.parts = parts
+
+    def _inputs(self, feed: Callable[[nn.Module, int], Any], keep_grad: bool) -> tuple[Any, tuple[torch.Tensor, ...]]:
+        """This stage's output and the inputs it received (made leaves needing gradients where ``keep_grad``)."""
+        parts = self.parts
+        if parts.is_first:
+            with parts.module.feeding(feed):
+                return parts.module(torch.zeros(1, dtype=torch.int64)), ()
+        received = tuple(tensor.requires_grad_(keep_grad and tensor.is_floating_point())
+                         for tensor in _receive(parts.ranks[parts.stage_index - 1], parts.group, parts.device))  # fmt: skip
+        return parts.module(*received), received
+
+    def forward(self, feed: Callable[[nn.Module, int], Any]) -> Any:
+        """The whole model's outputs of ``feed`` (the first stage's forward of the micro-batch), on every stage."""
+        import torch.distributed as dist
+
+        parts = self.parts
+        output, _ = self._inputs(feed, keep_grad=False)
+        if not parts.is_last:
+            _send(output, parts.ranks[parts.stage_index + 1], parts.group)
+        sent = [output if parts.is_last else None]
+        dist.broadcast_object_list(sent, src=parts.ranks[-1], group=parts.group)
+        return sent[0]
+
+    def forward_backward(self, feed: Callable[[nn.Module, int], Any], score: Callable[[Any], torch.Tensor]) -> None:
+        """The gradients of one micro-batch: ``score(outputs)`` on the last stage is the (scaled) loss it runs the backward
+        of; each stage's backward starts from the gradients the next one sends."""
+        parts = self.parts
+        output, received = self._inputs(feed, keep_grad=True)
+        if parts.is_last:
+            score(output).backward()
+        else:
+            _send(output, parts.ranks[parts.stage_index + 1], parts.group)
+            outputs = _tensors(output)
+            grads = _receive(parts.ranks[parts.stage_index + 1], parts.group, parts.device)
+            torch.autograd.backward(outputs, grads)
+        if not parts.is_first:
+            _send(tuple(tensor.grad if tensor.grad is not None else torch.zeros_like(tensor) for tensor in received),
+                  parts.ranks[parts.stage_index - 1], parts.group)  # fmt: skip
+
+
+def _tensors(value: Any) -> tuple[torch.Tensor, ...]:
+    return (value,) if isinstance(value, torch.Tensor) else tuple(value)
+
+
+def _send(value: Any, to: int, group: Any) -> None:
+    """A stage's tensor (or tuple of tensors) to global rank ``to``: their shapes and dtypes first, then the data."""
+    import torch.distributed as dist
+
+    tensors = _tensors(value)
+    dist.send_object_list([[(tuple(tensor.shape), tensor.dtype) for tensor in tensors]], dst=to, group=group)
+    for tensor in tensors:
+        dist.send(tensor.detach().contiguous(), dst=to, group=group)
+
+
+def _receive(source: int, group: Any, device: torch.device) -> tuple[torch.Tensor, ...]:
+    import torch.distributed as dist
+
+    described: list[Any] = [None]
+    dist.recv_object_list(described, src=source, group=group)
+    received = []
+    for shape, dtype in described[0]:
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(tensor, src=source, group=group)
+        received.append(tensor)
+    return tuple(received)
+
+
 class PipelineModel(nn.Module):
     """What the training loop calls as its model under pipeline parallelism. Inside a training step, on the last stage:
     the outputs the pipeline computed for the micro-batch being scored (so the loop's own loss reads them as a whole
     model's). Outside one (evaluation, the last-batch check, the diagnosis of a non-finite step), called on every rank of
-    the pipeline with the same batch: a forward of the whole model through the pipeline (the first stage reads the
+    the pipeline with the same batch: a forward of the whole model through the stages in turn (the first reads the
     inputs, the last computes the outputs), the outputs sent to every stage, so every rank scores them as one model
-    would. torch's stages fix their inputs' shapes at their first step: each shape of batch gets its own."""
+    would."""
 
     def __init__(self, parts: PipelineParts) -> None:
         super().__init__()
         self.parts = parts
         self.current: Any = None
-        self._schedules = ShapeCache()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.current is not None:
             return self.current
-        import torch.distributed as dist
-        from torch.distributed.pipelining import ScheduleGPipe
-
-        parts = self.parts
-        schedule = self._schedules.get(shapes_of((args, kwargs)), lambda: ScheduleGPipe(parts.torch_stage(), 1))
-        with parts.module.feeding(lambda stage, index: stage(*args, **kwargs)):
-            outputs = schedule.eval(arg_mbs=[(torch.tensor(0),)] if parts.is_first else None)
-        sent = [outputs if parts.is_last else None]
-        dist.broadcast_object_list(sent, src=parts.ranks[-1], group=parts.group)
-        return sent[0]
+        return StagesInTurn(self.parts).forward(lambda stage, index: stage(*args, **kwargs))
 
 
 class PipelineSchedule:
@@ -209,7 +276,8 @@ class PipelineSchedule:
 
     torch's stages fix the shapes of their micro-batches at their first step, so each shape gets its own (made when
     first met, on every stage at once: they read the same batch); a batch the micro-batches do not divide (an epoch's
-    last) is cut into as many equal micro-batches as divide it, by GPipe where the schedule needs more."""
+    last) is cut into as many equal micro-batches as divide it, and fewer micro-batches than stages (asked for, or an
+    odd batch's) go through the stages in turn, one by one (``StagesInTurn``)."""
 
     def __init__(self, parts: PipelineParts, model: PipelineModel, options: PPOptions) -> None:
         self.parts, self.model, self.options = parts, model, options
@@ -223,27 +291,24 @@ class PipelineSchedule:
     def _loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
         if self._scores is None:
             raise RuntimeError("the pipeline scored a micro-batch outside a training step")
-        return self._scores(int(index), output)
+        return self._scores(int(index.reshape(-1)[0]), output)
 
     def _schedule_for(self, micro: Sequence[Any]) -> Any:
-        """The schedule (and its stage) of micro-batches shaped as ``micro``: the configured one, or GPipe for fewer
-        micro-batches than 1F1B takes. The loop weights each micro-batch's loss by its share of the global batch: torch's
-        division by the number of micro-batches (``scale_grads``) would count it twice."""
+        """The schedule (and its stage) of micro-batches shaped as ``micro``. The loop weights each micro-batch's loss by
+        its share of the global batch: torch's division by the number of micro-batches (``scale_grads``) would count it
+        twice."""
         from torch.distributed.pipelining import schedules
 
-        name = self.options.schedule if len(micro) >= self.parts.stages else "GPipe"
-
         def make() -> Any:
-            kind = getattr(schedules, SCHEDULE_CLASSES[name])
+            kind = getattr(schedules, SCHEDULE_CLASSES[self.options.schedule])
             return kind(self.parts.torch_stage(), len(micro), loss_fn=self._loss, scale_grads=False)
 
-        return self._schedules.get((name, len(micro), shapes_of(micro[0])), make)
+        return self._schedules.get((len(micro), shapes_of(micro[0])), make)
 
     def forward_backward(self, window: Sequence[Any], loss_of: LossOf, backward: Backward) -> torch.Tensor:
         parts, total = self.parts, torch.zeros((), dtype=torch.float64)
         for batch in window:
             micro = split_batch(batch, self.options.micro_batches)
-            schedule = self._schedule_for(micro)
             seen: dict[int, torch.Tensor] = {}
 
             def score(index: int, output: Any, micro: list[Any] = micro, seen: dict[int, torch.Tensor] = seen) -> torch.Tensor:
@@ -255,17 +320,31 @@ class PipelineSchedule:
                 seen[index] = loss.detach().double() * count  # torch may score a micro-batch twice at warm-up: kept once
                 return backward.scaled(loss, count)
 
-            self._scores = score
-            indices = [torch.tensor(index) for index in range(len(micro))]
-            try:
-                with parts.module.feeding(lambda stage, index, micro=micro: loss_of.forward(stage, micro[index])):
-                    schedule.step(arg_mbs=[(index,) for index in indices] if parts.is_first else None,
-                                  target_mbs=indices if parts.is_last else None, return_outputs=False)  # fmt: skip
-            finally:
-                self._scores = None
+            feed = lambda stage, index, micro=micro: loss_of.forward(stage, micro[index])  # noqa: E731 - the first stage's
+            if len(micro) < parts.stages:  # fewer micro-batches than stages (asked for, or an odd batch's): one by one
+                for index in range(len(micro)):
+                    StagesInTurn(parts).forward_backward(lambda stage, _, index=index, feed=feed: feed(stage, index),
+                                                         lambda output, index=index: score(index, output))  # fmt: skip
+            else:
+                self._step(self._schedule_for(micro), len(micro), feed, score)
             backward.done()
             total = total + sum(seen.values(), torch.zeros((), dtype=torch.float64))
         return total
+
+    def _step(self, schedule: Any, count: int, feed: Callable[[nn.Module, int], Any], score: Callable[[int, Any], torch.Tensor]) -> None:
+        """One step of torch's ``schedule`` over ``count`` micro-batches: it cuts the indices, each standing for the loop's
+        micro-batch of that index (the first stage's input, the last stage's target)."""
+        parts = self.parts
+        indices = torch.arange(count)
+        self._scores = score
+        try:
+            with parts.module.feeding(feed):
+                if parts.is_first:
+                    schedule.step(indices, target=indices if parts.is_last else None)
+                else:
+                    schedule.step(target=indices if parts.is_last else None)
+        finally:
+            self._scores = None
 
     def forward(self, run: Callable[[], Result]) -> Result:
         """``run`` as is: the loop's model (``PipelineModel``) runs a forward through the pipeline when called."""
