@@ -111,15 +111,20 @@ def _busy_time(run) -> list[float]:
 
 
 def _bubble(env, schedule: str, micro: int, width: int, layers: int, steps: int) -> dict[str, float]:
+    """This stage's idle share of the schedule's run (its forwards and backwards of a batch; the optimizer step after it
+    is not part of the pipeline)."""
     torch.set_num_threads(1)
     run, step = _ours(env, "O0", schedule, micro, width, layers)
     step(_batch(0))  # warm-up: the stage of this shape is made
-    spent = _busy_time(run)
-    dist.barrier()
-    start = time.perf_counter()
+    spent, wall = _busy_time(run), 0.0
+    loss_of, backward = _Loss(run), _Backward(run.engine)
     for index in range(steps):
-        step(_batch(index + 1))
-    wall = time.perf_counter() - start
+        dist.barrier()
+        start = time.perf_counter()
+        run.schedule.forward_backward([_batch(index + 1)], loss_of, backward)
+        wall += time.perf_counter() - start
+        run.engine.step(run.optimizer)
+        run.engine.zero_grad(run.optimizer)
     return {"idle": 1 - spent[0] / wall}
 
 
@@ -205,8 +210,8 @@ def run(device: str, budget: Budget) -> list[Row]:
         theory = 1 / (micro + 1)  # (p - 1) / (m + p - 1) with p = 2
         rows.append(Row(f"pipeline/{schedule}/{micro}-microbatches/idle-share", idle, theory, "share of step", theory / idle,
                         steps * 2, abs(found[0]["idle"] - found[1]["idle"]),
-                        f"{label}: each stage's time outside its forwards and backwards (mean of the 2; spread: their "
-                        "difference) vs (p-1)/(m+p-1); on CPU the p2p sends and the step's own work add to it"))  # fmt: skip
+                        f"{label}: each stage's time in the schedule's step outside its forwards and backwards (mean of the 2; "
+                        "spread: their difference) vs (p-1)/(m+p-1); the p2p sends and receives add to it"))  # fmt: skip
     o2 = launch_local(_o2, 2, (width, layers, steps * 3), device="cpu", timeout_s=900)
     for stage, found in enumerate(o2):
         rows.append(Row(f"pipeline/stage{stage}/O2/training-state-bytes-per-param", found["held"], 16.0, "bytes/param of the model",
