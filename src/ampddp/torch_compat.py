@@ -243,3 +243,13 @@ def is_dtensor(value: object) -> bool:
     included, for a one-process run that holds none): no DTensor exists before that module is imported."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(value, module.DTensor)
+
+
+def casts_before_gathers(module: Any) -> bool:
+    """Whether ``module`` is torchao's fp8 linear layer (told without importing torchao) with one scale per tensor for
+    its inputs, weights and output gradients (tensorwise): what torchao's tensor-parallel styles need to cast activations
+    to fp8 before they are exchanged."""
+    if type(module).__name__ != "Float8Linear" or not type(module).__module__.startswith("torchao"):
+        return False
+    casts = (module.config.cast_config_input, module.config.cast_config_weight, module.config.cast_config_grad_output)
+    return all(cast.scaling_type.value == "dynamic" and cast.scaling_granularity.value == "tensorwise" for cast in casts)

@@ -18,6 +18,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import Dataset
 
+from ampddp.checkpoint.stage_view import StageView
 from ampddp.choices import COMPILE_MODES
 from ampddp.distributed.data import ResumableSampler
 from ampddp.distributed.env import DistEnv, detect_env, seed_everything
@@ -210,7 +211,7 @@ class Trainer(TrainingLoop):
             checkpointer=Checkpointer(state, store, env, resume=checkpoints.resume, config=checkpoints.config, seed=loop.seed,
                                       layout=run.strategy.checkpoint_layout if checkpoints.layout == "auto" else checkpoints.layout,
                                       mesh=None if run.dims is None else {"strategy": run.strategy.name, **run.dims.sizes()},
-                                      view=run.strategy.checkpoint_view(run.module, run.optimizer, env)),
+                                      view=stage_view(run, env)),
             loss_fn=loss_fn, batches=batches, loading=data,
             evaluator=evaluator,
             callbacks=Callbacks([*self._observer(report, place, checkpoints, run, loop, len(train_set),
@@ -271,3 +272,9 @@ def _with_run_dir(checkpoints: CheckpointSettings, run_dir: RunDirLike | None) -
             "as Trainer(run_dir=...)"
         )
     return dataclasses.replace(checkpoints, run_dir=place.path), place
+
+
+def stage_view(run: Prepared, env: DistEnv) -> StageView | None:
+    """Where the run's module is a pipeline stage, its part of the whole model's checkpoint (collective: every rank)."""
+    stage = run.strategy.stage_index()
+    return None if stage is None else StageView.agreed(run.module, run.optimizer, stage, env)

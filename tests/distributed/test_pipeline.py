@@ -17,15 +17,17 @@ from resume_helpers import final_state
 from safetensors.torch import load_file
 from torch.utils.data import Subset
 
-from ampddp import Parallel, Precision
+from ampddp import Parallel, Precision, prepare
 from ampddp.checkpoint.export import export_weights
 from ampddp.checkpoint.inspect import format_summary, summarize
 from ampddp.distributed import launch_local
 from ampddp.distributed.pipeline import PPOptions
+from ampddp.errors import ConfigError
 from ampddp.trainer import Trainer
 from ampddp.training import CheckpointSettings
 from ampddp.training.batches import cross_entropy, logits_of
 from ampddp.training.callbacks import Callback
+from ampddp.training.compile_model import ModelCompiler
 from ampddp.zoo.models import GPT
 from ampddp.zoo.text import python_docs
 
@@ -74,6 +76,7 @@ def trainer(
     batch_size: int | None = None,
     samples: int = 96,
     evaluated: bool = False,
+    compiled: bool = False,
 ) -> Trainer:
     """Batches of 8 cut into 4 micro-batches by the pipeline; without one, the same 8 samples as 4 accumulated batches of
     2 (the same gradients in the same precision: fp16 overflows per micro-batch as the pipeline's do)."""
@@ -84,7 +87,7 @@ def trainer(
         precision=precision, batch_size=batch_size or (8 if pp else 2), grad_accum_steps=1 if pp or batch_size else 4,
         seed=5, env=env, max_steps=steps, parallel=Parallel("none", pp=pp or PPOptions()), log_every=1, report=None,
         checkpoints=CheckpointSettings(run_dir, keep_last=None), checkpoint_every=2, callbacks=[records] if records else [],
-        loss_fn=logits_loss, clip_grad_norm=0.5,
+        loss_fn=logits_loss, clip_grad_norm=0.5, compile=ModelCompiler(backend="aot_eager") if compiled else None,
     )  # fmt: skip
 
 
@@ -140,10 +143,11 @@ def test_every_mode_trains_through_the_pipeline_like_the_unsplit_model(tmp_path)
             assert not any(step["skipped"] for step in steps), name
 
 
-def fit_worker(env, run_dir: str, pp_size: int, steps: int) -> dict[str, object]:
+def fit_worker(env, run_dir: str, pp_size: int, steps: int, compiled: bool = False) -> dict[str, object]:
     """Trains (O0, batches of 8 of 53 samples: the epoch's seventh holds 5, one micro-batch through the stages in turn)
     under the pipeline (``pp_size`` 2) or on one process, evaluated at the epoch's end (10 samples: batches of 8 and 2, through the
-    pipeline); returns the resume's layout line and the evaluation."""
+    pipeline), ``compiled``: each stage's blocks one by one; returns the resume's layout line, the evaluation and which
+    blocks were compiled."""
     torch.set_num_threads(1)
     said: list[str] = []
     handler = logging.Handler()
@@ -151,19 +155,23 @@ def fit_worker(env, run_dir: str, pp_size: int, steps: int) -> dict[str, object]
     logging.getLogger("ampddp").addHandler(handler)
     logging.getLogger("ampddp").setLevel(logging.INFO)
     pp = PPOptions(pp_size, microbatches=4) if pp_size > 1 else None
-    evaluation = trainer(Path(run_dir), env, "O0", pp, steps=steps, batch_size=8, samples=53, evaluated=True).fit()["eval"]
-    return {"layouts": next((line for line in said if "were written by" in line), ""), "eval": evaluation}
+    run = trainer(Path(run_dir), env, "O0", pp, steps=steps, batch_size=8, samples=53, evaluated=True, compiled=compiled)
+    evaluation = run.fit()["eval"]
+    compiled_blocks = [block._compiled_call_impl is not None for block in run.run.module.blocks.values()] if pp else []
+    return {"layouts": next((line for line in said if "were written by" in line), ""), "eval": evaluation, "compiled": compiled_blocks}
 
 
 def test_a_pipeline_checkpoint_resumes_on_one_process_and_back_and_exports_whole(tmp_path):
     straight, across = tmp_path / "straight", tmp_path / "across"
     # 7 steps (an epoch) on one process; and 2 under the pipeline, 2 more on one process (a pipeline's checkpoint read
-    # whole), 3 more under the pipeline again (a whole model's checkpoint cut into stages), each resuming the one before
+    # whole), 3 more under the pipeline again (a whole model's checkpoint cut into stages, compiled block by block), each
+    # resuming the one before
     alone = launch_local(fit_worker, 1, (str(straight), 1, 7), device="cpu", timeout_s=60, job_timeout_s=300)[0]
     launch_local(fit_worker, 2, (str(across), 2, 2), device="cpu", timeout_s=60, job_timeout_s=300)
     resumed_alone = launch_local(fit_worker, 1, (str(across), 1, 4), device="cpu", timeout_s=60, job_timeout_s=300)[0]
     assert resumed_alone["layouts"] == "its tensors were written by strategy none, pp 2 and read into strategy none"
-    piped = launch_local(fit_worker, 2, (str(across), 2, 7), device="cpu", timeout_s=60, job_timeout_s=300)
+    piped = launch_local(fit_worker, 2, (str(across), 2, 7, True), device="cpu", timeout_s=60, job_timeout_s=300)
+    assert [rank["compiled"] for rank in piped] == [[True, True], [True, True]]
     assert piped[0]["eval"] == piped[1]["eval"] and piped[0]["eval"].keys() == alone["eval"].keys()
     for name, value in alone["eval"].items():  # evaluated through the pipeline as on one process
         assert piped[0]["eval"][name] == pytest.approx(value, rel=1e-4), name
@@ -180,3 +188,18 @@ def test_a_pipeline_checkpoint_resumes_on_one_process_and_back_and_exports_whole
     assert exported["tensors"] == len(expected["model"]) and weights.keys() == expected["model"].keys()
     for name in expected["model"]:  # whole tensors under the unsplit model's names
         assert torch.equal(weights[name], resumed["model"][name]), name
+
+
+def tied_gpt() -> GPT:
+    model = build()
+    model.head.weight = model.token_embedding.weight  # one parameter: the first stage's embedding, the last stage's head
+    return model
+
+
+def tied_worker(env) -> None:
+    prepare(tied_gpt, adamw, env, precision="O0", parallel=Parallel("none", pp=PPOptions(2)))
+
+
+def test_weights_tied_across_stages_are_refused_on_every_stage():
+    with pytest.raises(ConfigError, match=r"weights tied across pipeline stages \[0, 1\]: head.weight, token_embedding.weight"):
+        launch_local(tied_worker, 2, (), device="cpu", timeout_s=60, job_timeout_s=120)

@@ -28,6 +28,7 @@ from ampddp.zoo.models import GPT
         (lambda: Parallel("ddp", pp=PPOptions(2)), "strategy=ddp over pipeline stages is not built yet"),
         (lambda: Parallel("fsdp2", pp=PPOptions(2)), "strategy=fsdp2 over pipeline stages is not built yet"),
         (lambda: Parallel("none", pp=PPOptions(2)).dims(DistEnv(world_size=4, local_world_size=4)), "takes one process per stage"),
+        (lambda: Parallel("none", sync_bn="portable", pp=PPOptions(2)), "sync_bn=portable with pp_size=2: a synchronised BatchNorm"),
         (lambda: Parallel("none", pp="2"), "Parallel pp='2' is not valid; it must be a PPOptions"),
     ],
 )

@@ -63,6 +63,9 @@ class Parallel:
             raise ConfigError(f"Parallel tp={self.tp!r} is not valid; it must be a TPOptions (tensor parallelism's settings)")
         if not isinstance(self.pp, PPOptions):
             raise ConfigError(f"Parallel pp={self.pp!r} is not valid; it must be a PPOptions (pipeline parallelism's settings)")
+        if self.pp.enabled and self.sync_bn != "off":
+            raise ConfigError(f"{where}sync_bn={self.sync_bn} with {where}pp_size={self.pp.size}: a synchronised BatchNorm averages "
+                              "over the data-parallel ranks, and a pipeline's ranks hold different layers; use sync_bn off")  # fmt: skip
         object.__setattr__(self, "wrap_options", dict(self.wrap_options))
         plan = make_strategy(
             self.strategy, ddp=self.ddp, fsdp=self.fsdp, wrap_options=self.wrap_options, tp=self.tp, pp=self.pp, where=where

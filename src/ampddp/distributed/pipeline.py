@@ -95,6 +95,28 @@ def split_stage(model: nn.Module, stage: int, options: PPOptions) -> nn.Module:
     return own(stage, options.size)
 
 
+def tied_names(model: nn.Module) -> list[set[str]]:
+    """The names of each parameter ``model`` holds under several names (tied weights: an embedding shared with a head)."""
+    names: dict[int, set[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), set()).add(name)
+    return [found for found in names.values() if len(found) > 1]
+
+
+def refuse_ties_across_stages(tied: list[set[str]], stage: nn.Module, index: int, env: Any) -> None:
+    """Refuse, on every rank at once (the stages' names gathered), weights tied across stages: each stage would train its
+    own copy and they would part."""
+    from ampddp.distributed.data import gather_objects
+
+    kept = {name for name, _ in stage.named_parameters(remove_duplicate=False)}
+    where = {at: names for at, names in gather_objects((index, sorted(kept & set().union(*tied))), env)} if tied else {}
+    for names in tied:
+        stages = sorted(at for at, held in where.items() if names & set(held))
+        if len(stages) > 1:
+            raise ConfigError(f"weights tied across pipeline stages {stages}: {', '.join(sorted(names))} are one parameter, which "
+                              "each stage would train apart; untie them, or split so that one stage holds them all")  # fmt: skip
+
+
 def split_batch(batch: Any, parts: int) -> list[Any]:
     """``batch`` (tensors, or dicts, lists and tuples of them) cut along its first dimension into ``parts`` equal
     micro-batches, or, where ``parts`` does not divide its samples (an epoch's last batch), into as many equal ones as

@@ -157,7 +157,7 @@ def fp8_styles(model: nn.Module, table: Mapping[str, Any]) -> dict[str, Any]:
     scaling; rowwise-scaled layers keep torch's plain styles (their inputs exchanged in high precision)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from ampddp.precision.fp8 import casts_before_gathers
+    from ampddp.torch_compat import casts_before_gathers
 
     styles = dict(table)
     modules = [(name, module) for name, module in model.named_modules() if name]

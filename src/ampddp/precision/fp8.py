@@ -232,15 +232,6 @@ def refresh_fp8_scales(model: nn.Module, args: Any = ()) -> None:
     torchao_float8().precompute_float8_dynamic_scale_for_fsdp(model)
 
 
-def casts_before_gathers(module: nn.Module) -> bool:
-    """Whether ``module`` is an fp8 layer whose inputs, weights and output gradients each take one scale per tensor
-    (tensorwise): what torchao's tensor-parallel styles need to cast activations to fp8 before exchanging them."""
-    if not _is_float8(module):
-        return False
-    casts = (module.config.cast_config_input, module.config.cast_config_weight, module.config.cast_config_grad_output)
-    return all(cast.scaling_type.value == "dynamic" and cast.scaling_granularity.value == "tensorwise" for cast in casts)
-
-
 def gathers_fp8(model: nn.Module) -> bool:
     """Whether FSDP2 gathers some of ``model``'s weights in fp8 (tensorwise fp8 layers it shards)."""
     from torch.distributed.tensor import DTensor

@@ -81,10 +81,10 @@ class ModelCompiler:
         forward + backward wall time (compilation included) when that backward ends."""
         mode = None if self.mode == "default" else self.mode
         blocks = prepared.strategy.compile_units(prepared.module)
-        if blocks:  # FSDP2: block by block, as torchtitan; each block's gathers run around its graph
+        if blocks:  # FSDP2, a pipeline stage: block by block, as torchtitan; each block's gathers run around its graph
             for block in blocks:
                 block.compile(mode=mode, backend=self.backend)
-            logger.info("torch.compile: %d FSDP2 block(s) compiled one by one; the root module's own layers run eagerly", len(blocks))
+            logger.info("torch.compile: %d block(s) compiled one by one; the root module's own layers run eagerly", len(blocks))
             _FirstStepTimer(prepared.model, self._reporter(on_first_step))
             return prepared
         compiled = torch.compile(prepared.model, mode=mode, backend=self.backend)

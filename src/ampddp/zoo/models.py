@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ampddp.errors import ConfigError, closest
-from ampddp.precision.fp8 import casts_before_gathers
+from ampddp.torch_compat import casts_before_gathers
 
 BUILTINS = ("mlp", "small_cnn")
 

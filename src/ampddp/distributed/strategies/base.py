@@ -10,7 +10,7 @@ under it, whether every forward is a collective, and what ``compile`` compiles. 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, ClassVar, NamedTuple
+from typing import ClassVar, NamedTuple
 
 from torch import nn
 from torch.optim import Optimizer
@@ -107,9 +107,9 @@ class Strategy:
         """``model`` (placed, cast and bound to its optimizer) in this strategy's wrapper."""
         return model
 
-    def checkpoint_view(self, module: nn.Module, optimizer: Optimizer, env: DistEnv) -> Any:
-        """How the checkpoint sees this rank's part of the model: None, the model is the whole (or FSDP2's sharded whole);
-        a pipeline stage's ``StageView`` (collective: every rank asks)."""
+    def stage_index(self) -> int | None:
+        """This rank's pipeline stage once set up (None: the model is not cut into stages); a checkpoint then reads
+        the stage's part as the whole model's (``ampddp.checkpoint.stage_view``)."""
         return None
 
     def grad_sync(self, model: nn.Module) -> GradSync:

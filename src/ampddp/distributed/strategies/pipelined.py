@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch.distributed as dist
 from torch import nn
-from torch.optim import Optimizer
 
 from ampddp.distributed.env import DistEnv
 from ampddp.distributed.mesh import ParallelDims
 from ampddp.distributed.meta_init import InitProgram
-from ampddp.distributed.pipeline import PipelineModel, PipelineParts, PipelineSchedule, PPOptions, StageModule, split_stage
+from ampddp.distributed.pipeline import (
+    PipelineModel,
+    PipelineParts,
+    PipelineSchedule,
+    PPOptions,
+    StageModule,
+    refuse_ties_across_stages,
+    split_stage,
+    tied_names,
+)
 from ampddp.distributed.schedule import StepSchedule
 from ampddp.distributed.strategies.base import MakeOptimizer, SetUp, Strategy
 from ampddp.distributed.wrap import GradSync
@@ -45,7 +51,9 @@ class PipelineOnly(Strategy):
                init: InitProgram | None = None) -> SetUp:  # fmt: skip
         dims = self.mesh_of(env)
         index = dims.coordinates(env.rank)["pp"]
+        tied = tied_names(model)
         stage = split_stage(model, index, self.pp)
+        refuse_ties_across_stages(tied, stage, index, env)
         if init is not None:
             init.materialise(stage, env.device)
         optimizer = make_optimizer(stage.parameters())
@@ -59,18 +67,22 @@ class PipelineOnly(Strategy):
         self._model = PipelineModel(self._parts)
         return SetUp(self._model, stage, optimizer)
 
-    def checkpoint_view(self, module: nn.Module, optimizer: Optimizer, env: DistEnv) -> Any:
-        """The stage's part of the whole model's checkpoint: its parameters numbered as a whole-model optimizer's."""
-        from ampddp.checkpoint.stage_view import StageView
+    def compile_units(self, module: nn.Module) -> list[nn.Module]:
+        """The stage's blocks (the members of its module lists and dicts), compiled one by one: the pipeline's own model
+        runs the stages through torch's schedules and cannot be compiled whole."""
+        blocks = [block for child in module.modules() if isinstance(child, (nn.ModuleList, nn.ModuleDict)) for block in child.children()]
+        if not blocks:
+            raise ConfigError(f"compile under pipeline parallelism compiles each stage's blocks (the members of its "
+                              f"nn.ModuleList or nn.ModuleDict), and this stage of {type(module).__name__} has none; leave "
+                              "compile off")  # fmt: skip
+        return blocks
 
+    def stage_index(self) -> int | None:
         if self._parts is None:
-            raise RuntimeError("the pipeline's checkpoint view is made after its set-up")
-        return StageView.agreed(module, optimizer, self._parts.stage_index, env)
+            raise RuntimeError("the pipeline's stage is known after its set-up")
+        return self._parts.stage_index
 
     def schedule(self, model: nn.Module, grad_sync: GradSync) -> StepSchedule:
         if self._parts is None:
             raise RuntimeError("the pipeline's schedule is made after its set-up")
         return PipelineSchedule(self._parts, self._model, self.pp)
-
-    def check_settings(self, where: str = "") -> Any:
-        """Its settings are checked where they are made (``PPOptions``)."""
