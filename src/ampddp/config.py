@@ -374,8 +374,10 @@ class DistributedConfig:
     pp_microbatches: int | None = field(default=None, metadata=_at_least(1))
     """The micro-batches each batch (data.batch_size, per data-parallel rank) is cut into: more shrink the pipeline's idle
     share ((pp_size-1)/(microbatches+pp_size-1)); null: pp_size. Fewer than pp_size go through the stages one by one."""
-    pp_split: str | None = None
-    """How the model is cut into stages: null (the model's own pipeline_stage(stage, stages)), or a
+    pp_split: list[list[str]] | str | None = None
+    """How the model is cut into stages: null (the model's own pipeline_stage(stage, stages)), the module names of each
+    stage (a list per stage, e.g. [[embed, layers.0, layers.1], [layers.2, layers.3, head]]: for a model written as
+    torchtitan's, its layers in an nn.ModuleDict and its forward skipping a removed module), or a
     package.module:function(model, stage, stages) returning the stage's module (the whole model's names kept)."""
 
 

@@ -30,9 +30,9 @@ def train(run_dir: Path, *extra: str, timeout: int = 300) -> subprocess.Complete
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("processes", [1, 2])
-def test_the_trained_model_is_the_same_for_0_1_and_2_workers(tmp_path, processes):
+def test_the_trained_model_is_the_same_for_0_and_2_workers(tmp_path, processes):
     digests = {}
-    counts = (0, 1, 2) if processes == 1 else (0, 2)  # 2 ranks of 2 workers each interleave as much as any
+    counts = (0, 2)  # no workers against two (per rank): the loader paths differ; 2 ranks of 2 workers interleave as much as any
     for workers in counts:
         run_dir = tmp_path / f"workers-{workers}"
         done = train(run_dir, f"data.num_workers={workers}", f"distributed.nproc_per_node={processes}", "trainer.max_steps=60")

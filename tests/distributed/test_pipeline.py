@@ -15,6 +15,7 @@ import torch
 from helpers import HAS_TORCHAO, O6_SMALL_MODEL
 from resume_helpers import final_state
 from safetensors.torch import load_file
+from torch import nn
 from torch.utils.data import Subset
 
 from ampddp import Parallel, Precision, prepare
@@ -22,6 +23,7 @@ from ampddp.checkpoint.export import export_weights
 from ampddp.checkpoint.inspect import format_summary, summarize
 from ampddp.distributed import launch_local
 from ampddp.distributed.pipeline import PPOptions
+from ampddp.distributed.tensor_parallel import TPOptions
 from ampddp.errors import ConfigError
 from ampddp.trainer import Trainer
 from ampddp.training import CheckpointSettings
@@ -77,6 +79,7 @@ def trainer(
     samples: int = 96,
     evaluated: bool = False,
     compiled: bool = False,
+    parallel: Parallel | None = None,
 ) -> Trainer:
     """Batches of 8 cut into 4 micro-batches by the pipeline; without one, the same 8 samples as 4 accumulated batches of
     2 (the same gradients in the same precision: fp16 overflows per micro-batch as the pipeline's do)."""
@@ -85,22 +88,28 @@ def trainer(
     return Trainer(
         build, adamw, Subset(train, range(samples)), eval_set=Subset(held_out, range(10)) if evaluated else None,
         precision=precision, batch_size=batch_size or (8 if pp else 2), grad_accum_steps=1 if pp or batch_size else 4,
-        seed=5, env=env, max_steps=steps, parallel=Parallel("none", pp=pp or PPOptions()), log_every=1, report=None,
+        seed=5, env=env, max_steps=steps, parallel=parallel or Parallel("none", pp=pp or PPOptions()), log_every=1, report=None,
         checkpoints=CheckpointSettings(run_dir, keep_last=None), checkpoint_every=2, callbacks=[records] if records else [],
         loss_fn=logits_loss, clip_grad_norm=0.5, compile=ModelCompiler(backend="aot_eager") if compiled else None,
     )  # fmt: skip
 
 
 def plant_inf_at_last_step(trainer_: Trainer, micro_batches: int) -> None:
-    """An inf in one weight's gradient of stage 0 on the last step's first micro-batch (this rank's stage only)."""
-    weight = trainer_.run.module.blocks["0"].mlp[0].weight
+    """An inf in the gradient of stage 0's first MLP output on the last step's first micro-batch, on this rank only: its
+    backward makes stage 0's gradients inf (reaching its data-parallel peers through FSDP2's reduction), never stage 1's.
+    Planted on the activation, where every layout's backward passes (FSDP2 reduces its parameters' gradients outside
+    autograd's hooks on them)."""
     calls = [0]
 
     def poison(grad: torch.Tensor) -> torch.Tensor:
         calls[0] += 1
         return torch.full_like(grad, math.inf) if calls[0] == (STEPS - 1) * micro_batches + 1 else grad
 
-    weight.register_hook(poison)
+    def watch(module: nn.Module, inputs: object, output: torch.Tensor) -> None:
+        if output.requires_grad:
+            output.register_hook(poison)
+
+    trainer_.run.module.blocks["0"].mlp.register_forward_hook(watch)
 
 
 def train_worker(env, root: str, runs: list[tuple[str, str]]) -> dict[str, list[dict[str, object]]]:
@@ -203,3 +212,35 @@ def tied_worker(env) -> None:
 def test_weights_tied_across_stages_are_refused_on_every_stage():
     with pytest.raises(ConfigError, match=r"weights tied across pipeline stages \[0, 1\]: head.weight, token_embedding.weight"):
         launch_local(tied_worker, 2, (), device="cpu", timeout_s=60, job_timeout_s=120)
+
+
+def composed_worker(env, root: str, layouts: list[tuple[str, int, str]]) -> dict[str, list[dict[str, object]]]:
+    """Trainer runs of the pipeline composed with another dimension on 4 processes: (strategy, tp_size, mode)."""
+    torch.set_num_threads(1)
+    found = {}
+    for strategy, tp_size, mode in layouts:
+        records, pp = Records(), PPOptions(2, microbatches=2 if strategy == "fsdp2" else 4)
+        parallel = Parallel(strategy, pp=pp, tp=TPOptions(tp_size))
+        data_ranks = env.world_size // (pp.size * tp_size)
+        run = trainer(Path(root) / f"{strategy}-{tp_size}-{mode}", env, mode, pp, records=records, batch_size=8 // data_ranks,
+                      parallel=parallel)  # fmt: skip
+        if mode in LOSS_SCALED and env.rank == 0:
+            plant_inf_at_last_step(run, pp.micro_batches)
+        run.fit()
+        found[f"{strategy}/tp{tp_size}/{mode}"] = records.steps
+    return found
+
+
+def test_the_pipeline_composes_with_fsdp2_and_with_tensor_parallelism_on_four_processes(tmp_path):
+    # 2 stages x FSDP2 over 2 data ranks (4 samples each, 2 micro-batches of 2); 2 stages x tensor parallelism of 2 (8
+    # samples, 4 micro-batches of 2): the unsplit model's 8 samples in 4 accumulated batches of 2 is the reference
+    layouts = [("fsdp2", 1, "O0"), ("fsdp2", 1, "O2"), ("none", 2, "O0"), ("none", 2, "O2")]
+    results = launch_local(composed_worker, 4, (str(tmp_path), layouts), device="cpu", timeout_s=60, job_timeout_s=400)
+    assert all(result == results[0] for result in results)  # every rank logs the same records: one loss, one verdict
+    unsplit = {mode: unsplit_run(tmp_path, mode) for mode in ("O0", "O2")}
+    for name, steps in results[0].items():
+        mode = name.split("/")[-1]
+        assert [step["loss"] for step in steps] == pytest.approx([step["loss"] for step in unsplit[mode]], rel=TOLERANCE[mode]), name
+        if mode in LOSS_SCALED:  # the inf planted on rank 0 (stage 0, one data or tensor rank): every rank skips
+            assert [step["skipped"] for step in steps] == [False] * (STEPS - 1) + [True], name
+            assert steps[-1]["scale"] == steps[-2]["scale"] / 2, name

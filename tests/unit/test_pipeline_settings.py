@@ -13,6 +13,7 @@ from ampddp.checkpoint import keys
 from ampddp.checkpoint.stage_view import StageView
 from ampddp.distributed.env import DistEnv
 from ampddp.distributed.pipeline import PPOptions, split_batch, split_stage
+from ampddp.distributed.tensor_parallel import TPOptions
 from ampddp.errors import CheckpointError, ConfigError
 from ampddp.zoo.models import GPT
 
@@ -26,8 +27,9 @@ from ampddp.zoo.models import GPT
         (lambda: PPOptions(2, microbatches=0), "pp_microbatches=0 is not valid"),
         (lambda: PPOptions(2, split="mypkg:split"), "pp_split='mypkg:split' is not valid"),
         (lambda: Parallel("ddp", pp=PPOptions(2)), "strategy=ddp over pipeline stages is not built yet"),
-        (lambda: Parallel("fsdp2", pp=PPOptions(2)), "strategy=fsdp2 over pipeline stages is not built yet"),
-        (lambda: Parallel("none", pp=PPOptions(2)).dims(DistEnv(world_size=4, local_world_size=4)), "takes one process per stage"),
+        (lambda: Parallel("hsdp", pp=PPOptions(2)), "strategy=hsdp over pipeline stages is not built yet"),
+        (lambda: Parallel("none", pp=PPOptions(2)).dims(DistEnv(world_size=4, local_world_size=4)), "leaves 2 pipelines training apart"),
+        (lambda: Parallel("fsdp2", pp=PPOptions(3)).dims(DistEnv(world_size=4, local_world_size=4)), "pp_size=3 does not divide"),
         (lambda: Parallel("none", sync_bn="portable", pp=PPOptions(2)), "sync_bn=portable with pp_size=2: a synchronised BatchNorm"),
         (lambda: Parallel("none", pp="2"), "Parallel pp='2' is not valid; it must be a PPOptions"),
     ],
@@ -38,13 +40,18 @@ def test_what_the_pipeline_cannot_do_is_refused_in_one_line(make, message):
     assert message in str(error.value)
 
 
-def test_fewer_micro_batches_than_stages_are_said_and_the_mesh_is_the_pipeline(caplog):
+def test_fewer_micro_batches_than_stages_are_said_and_the_stages_are_the_outermost_dimension(caplog):
     assert PPOptions(4, schedule="GPipe", microbatches=2).micro_batches == 2
     assert "pp_microbatches=2 < pp_size=4: each micro-batch goes through the stages in turn" in caplog.text
     assert PPOptions(3).micro_batches == 3
     dims = Parallel("none", pp=PPOptions(2)).dims(DistEnv(world_size=2, local_world_size=2))
     assert dims.sizes() == {"pp": 2, "dp_replicate": 1, "dp_shard": 1, "tp": 1}
     assert [dims.dp_rank(rank) for rank in range(2)] == [0, 0]  # both stages read the same batch
+    # the stages outermost: FSDP2 within each stage's ranks, tensor parallelism innermost
+    dims = Parallel("fsdp2", pp=PPOptions(2), tp=TPOptions(2)).dims(DistEnv(world_size=8, local_world_size=8))
+    assert dims.sizes() == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 2}
+    assert [dims.dp_rank(rank) for rank in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [dims.coordinates(rank)["pp"] for rank in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
 
 
 def test_the_gpt_cut_into_stages_keeps_the_whole_models_names_and_computes_its_forward():
@@ -109,3 +116,43 @@ def test_a_stages_checkpoint_part_reads_as_the_whole_models_both_ways():
     assert set(mine[keys.SHARDS]) == {"model/head.w", "optimizer/3/exp_avg"}  # only its own tensors are read
     with pytest.raises(CheckpointError, match=r"holds no head\.w of this pipeline stage's model"):
         view.restrict({**shared, keys.MODEL: {"blocks.1.w": 1, "blocks.1.b": 2}}, "ckpt")
+
+
+class TitanStyle(nn.Module):
+    """A model written for splitting by names, as torchtitan's are: layers in an nn.ModuleDict, a forward that skips None."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.layers = nn.ModuleDict({str(index): nn.Linear(8, 8) for index in range(4)})
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) if self.embed is not None else x
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.head(h) if self.head is not None else h
+
+
+def test_a_split_by_module_names_keeps_each_stages_modules_and_refuses_what_does_not_fit():
+    torch.manual_seed(0)
+    whole = TitanStyle()
+    ids = torch.randint(0, 16, (2, 3))
+    expected = whole(ids)
+    table = [["embed", "layers.0", "layers.1"], ["layers.2", "layers.3", "head"]]
+    stages = []
+    for stage in range(2):
+        part = TitanStyle()
+        part.load_state_dict(whole.state_dict())
+        stages.append(split_stage(part, stage, PPOptions(2, split=table)))
+    assert sorted(stages[0].state_dict()) == ["embed.weight", "layers.0.bias", "layers.0.weight", "layers.1.bias", "layers.1.weight"]
+    assert torch.equal(stages[1](stages[0](ids)), expected)
+    with pytest.raises(ConfigError, match=r"pp_split names 'layer.2', which is no module of TitanStyle \(did you mean 'layers.2'\?\)"):
+        split_stage(TitanStyle(), 0, PPOptions(2, split=[["embed", "layers.0", "layers.1"], ["layer.2", "layers.3", "head"]]))
+    with pytest.raises(ConfigError, match=r"puts parameter layers\.3\.weight under no stage's modules"):
+        split_stage(TitanStyle(), 0, PPOptions(2, split=[["embed", "layers.0", "layers.1"], ["layers.2", "head"]]))
+    with pytest.raises(ConfigError, match=r"removes blocks\.1 from an nn\.ModuleList"):
+        split_stage(GPT(16, layers=2, width=8, heads=2, context=4), 0, PPOptions(2, split=[["token_embedding", "position_embedding",
+                    "blocks.0"], ["blocks.1", "final_norm", "head"]]))  # fmt: skip
+    with pytest.raises(ConfigError, match="give 2 lists of module names, one per stage"):
+        PPOptions(2, split=[["embed"]])

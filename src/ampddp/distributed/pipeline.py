@@ -25,13 +25,15 @@ from torch import nn
 
 from ampddp.choices import PP_SCHEDULES
 from ampddp.distributed.schedule import Backward, LossOf, Result
-from ampddp.errors import ConfigError, choice_error
+from ampddp.errors import ConfigError, choice_error, closest
 
 logger = logging.getLogger("ampddp.distributed")
 
-StageSplit = Callable[[nn.Module, int, int], nn.Module] | None
+StageSplit = Callable[[nn.Module, int, int], nn.Module] | Sequence[Sequence[str]] | None
 """How a model becomes one stage: a function ``(model, stage, stages) -> the stage's module`` (keeping the whole model's
-parameter names), or None: the model's own ``pipeline_stage(stage, stages)``."""
+parameter names); the module names each stage holds, one list per stage (torchtitan's ``module_fqns_per_model_part``:
+every other stage's modules are removed, for a model written so, its layers in an ``nn.ModuleDict`` and its forward
+skipping a module that is None); or None: the model's own ``pipeline_stage(stage, stages)``."""
 
 SCHEDULE_CLASSES = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B"}
 """The schedules that run one stage per rank, by their recipe names (torch's classes)."""
@@ -56,15 +58,28 @@ class PPOptions:
         if self.schedule not in SCHEDULE_CLASSES:
             raise ConfigError(f"pp_schedule={self.schedule!r} places several stages on each rank, which ampddp does not run yet; "
                               f"use {' or '.join(SCHEDULE_CLASSES)} (one stage per rank)")  # fmt: skip
+        self._check_microbatches()
+        self._check_split()
+
+    def _check_microbatches(self) -> None:
         micro = self.microbatches
         if micro is not None and (isinstance(micro, bool) or not isinstance(micro, int) or micro < 1):
             raise ConfigError(f"pp_microbatches={micro!r} is not valid; it must be an integer >= 1, or null (as many as stages)")
         if micro is not None and micro < self.size:
             logger.warning("pp_microbatches=%d < pp_size=%d: each micro-batch goes through the stages in turn, every stage idle "
                            "while the others work; give at least pp_size", micro, self.size)  # fmt: skip
-        if self.split is not None and not callable(self.split):
-            raise ConfigError(f"pp_split={self.split!r} is not valid; give a function (model, stage, stages) -> the stage's "
-                              "module, or null (the model's own pipeline_stage)")  # fmt: skip
+
+    def _check_split(self) -> None:
+        split = self.split
+        if isinstance(split, Sequence) and not isinstance(split, str):
+            if len(split) != self.size or not all(_names(names) for names in split):
+                raise ConfigError(f"pp_split={split!r} is not valid; give {self.size} lists of module names, one per stage "
+                                  "(each naming at least one module)")  # fmt: skip
+            object.__setattr__(self, "split", tuple(tuple(names) for names in split))
+        elif split is not None and not callable(split):
+            raise ConfigError(f"pp_split={split!r} is not valid; give a function (model, stage, stages) -> the stage's "
+                              "module, the module names of each stage (a list per stage), or null (the model's own "
+                              "pipeline_stage)")  # fmt: skip
 
     @property
     def enabled(self) -> bool:
@@ -80,9 +95,16 @@ class PPOptions:
         return [f"{where}pp_{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]
 
 
+def _names(value: Any) -> bool:
+    """Whether ``value`` is a non-empty list of module names."""
+    return isinstance(value, Sequence) and not isinstance(value, str) and bool(value) and all(isinstance(name, str) for name in value)
+
+
 def split_stage(model: nn.Module, stage: int, options: PPOptions) -> nn.Module:
     """``model`` cut down to its stage ``stage`` of ``options.size``: by ``options.split``, else by the model's own
     ``pipeline_stage``; a model with neither is refused in one line."""
+    if isinstance(options.split, tuple):
+        return keep_modules(model, options.split, stage)
     if options.split is not None:
         part = options.split(model, stage, options.size)
         if not isinstance(part, nn.Module):
@@ -93,6 +115,38 @@ def split_stage(model: nn.Module, stage: int, options: PPOptions) -> nn.Module:
         raise ConfigError(f"{type(model).__name__} has no pipeline split: give distributed.pp_split as a function (model, stage, "
                           "stages) that returns the stage's module (ampddp.zoo.models:gpt splits its blocks by itself)")  # fmt: skip
     return own(stage, options.size)
+
+
+def keep_modules(model: nn.Module, stages: Sequence[Sequence[str]], stage: int) -> nn.Module:
+    """``model`` with the modules other stages name removed (set to None, or deleted from their ``nn.ModuleDict``):
+    stage ``stage`` keeps the ones ``stages[stage]`` names. Every parameter must fall under exactly one stage's names, and
+    every name must be a module of ``model``; a module of an ``nn.ModuleList`` cannot go (the list would renumber)."""
+    _check_names(model, stages)
+    for name in (name for at, names in enumerate(stages) if at != stage for name in names):
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        if isinstance(parent, nn.ModuleList):
+            raise ConfigError(f"pp_split removes {name} from an nn.ModuleList, which would renumber the rest; hold the layers in "
+                              "an nn.ModuleDict (torchtitan's way), or give pp_split as a function")  # fmt: skip
+        if isinstance(parent, nn.ModuleDict):
+            del parent[child]
+        else:
+            setattr(parent, child, None)
+    return model
+
+
+def _check_names(model: nn.Module, stages: Sequence[Sequence[str]]) -> None:
+    """Every name a module of ``model``; every parameter under exactly one stage's names."""
+    modules = [name for name, _ in model.named_modules() if name]
+    for name in (name for names in stages for name in names):
+        if name not in modules:
+            raise ConfigError(f"pp_split names {name!r}, which is no module of {type(model).__name__}{closest(name, modules)}")
+    for param_name, _ in model.named_parameters():
+        owners = [at for at, names in enumerate(stages) if any(param_name == name or param_name.startswith(name + ".") for name in names)]
+        if len(owners) != 1:
+            where = "no stage's modules" if not owners else f"the modules of stages {owners}"
+            raise ConfigError(f"pp_split puts parameter {param_name} under {where}; every parameter must fall under exactly one "
+                              "stage's module names")  # fmt: skip
 
 
 def tied_names(model: nn.Module) -> list[set[str]]:

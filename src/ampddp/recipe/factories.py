@@ -356,10 +356,11 @@ def pp_options(config: RunConfig) -> PPOptions:
     """distributed.pp_size / pp_schedule / pp_microbatches / pp_split (a package.module:function, imported here)."""
     dist_cfg = config.distributed
     split = dist_cfg.pp_split
-    if split is not None:
+    if isinstance(split, str):
         if not is_import_path(split):
-            raise ConfigError(f"distributed.pp_split={split!r} is not valid; give a {IMPORT_PATH_FORM} (model, stage, stages) that "
-                              "returns the stage's module, or null (the model's own pipeline_stage)")  # fmt: skip
+            raise ConfigError(f"distributed.pp_split={split!r} is not valid; give the module names of each stage (a list per "
+                              f"stage), a {IMPORT_PATH_FORM} (model, stage, stages) that returns the stage's module, or null "
+                              "(the model's own pipeline_stage)")  # fmt: skip
         split = load_callable(split, "distributed.pp_split")
     try:
         return PPOptions(size=dist_cfg.pp_size, schedule=dist_cfg.pp_schedule, microbatches=dist_cfg.pp_microbatches, split=split)

@@ -266,7 +266,8 @@ def _is_of(kind: Any, value: Any) -> bool:
     if kind in (str, bool):
         return isinstance(value, kind)
     if typing.get_origin(kind) is list:
-        return isinstance(value, list) and all(isinstance(item, str) for item in value)
+        item = typing.get_args(kind)[0] if typing.get_args(kind) else str
+        return isinstance(value, list) and all(_is_of(item, entry) for entry in value)
     if typing.get_origin(kind) is dict:
         return isinstance(value, dict) and all(isinstance(name, str) for name in value)
     return False
@@ -294,7 +295,8 @@ def _type_name(kind: Any) -> str:
     if kind is type(None):
         return "null"
     if typing.get_origin(kind) is list:
-        return "a list of strings"
+        item = typing.get_args(kind)[0] if typing.get_args(kind) else str
+        return "a list of lists of strings" if typing.get_origin(item) is list else "a list of strings"
     if typing.get_origin(kind) is dict:
         return "a mapping of names to values"
     return kind.__name__

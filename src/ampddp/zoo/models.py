@@ -156,29 +156,34 @@ class GPT(nn.Module):
         vocabulary-parallel cross-entropy, run under ``loss_parallel()``). ``sequence_parallel``: between the
         split layers the residual stream is split by sequence position over the ranks, the norms run on their
         slice (their weights become replicated DTensors), gathered before each split layer; the sequence length
-        must then divide by ``tp_size``."""
+        must then divide by ``tp_size``. A pipeline stage's plan names the modules it holds; the residual stream
+        crosses stages as the blocks leave it (split by sequence position with ``sequence_parallel``)."""
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
-        heads = self.blocks[0].attention.q.out_features // self.blocks[0].attention.head_width
+        blocks = list(self.blocks.items() if isinstance(self.blocks, nn.ModuleDict) else enumerate(self.blocks))
+        first = blocks[0][1].attention
+        heads = first.q.out_features // first.head_width
         if heads % tp_size:
             raise ConfigError(f"gpt heads={heads} do not split over tp_size={tp_size}; choose a tp_size that divides the heads")
         stream = Shard(1) if sequence_parallel else Replicate()
-        plan: dict[str, Any] = {
-            "token_embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "head": ColwiseParallel(
-                input_layouts=stream, output_layouts=Shard(-1) if loss_parallel else Replicate(), use_local_output=not loss_parallel
-            ),
-        }
-        if sequence_parallel:
-            plan["blocks.0"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True)
-            plan["final_norm"] = SequenceParallel()
-        for index, module in enumerate(self.blocks):
+        plan: dict[str, Any] = {}  # a pipeline stage's plan names only what it holds; the stream crosses stages as split
+        if self.token_embedding is not None:
+            plan["token_embedding"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+            if sequence_parallel:
+                plan[f"blocks.{blocks[0][0]}"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                                                    use_local_output=True)  # fmt: skip
+        if self.head is not None:
+            plan["head"] = ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                           use_local_output=not loss_parallel)  # fmt: skip
+            if sequence_parallel:
+                plan["final_norm"] = SequenceParallel()
+        for index, module in blocks:
             block = f"blocks.{index}"
-            for part, first in (("attention", ("q", "k", "v")), ("mlp", ("0",))):
+            for part, first_layers in (("attention", ("q", "k", "v")), ("mlp", ("0",))):
                 if sequence_parallel:
                     plan[f"{block}.{part}_norm"] = SequenceParallel()
-                    plan[f"{block}.{part}"] = _gather_stream(getattr(module, part), first)
+                    plan[f"{block}.{part}"] = _gather_stream(getattr(module, part), first_layers)
             plan.update({f"{block}.attention.{name}": ColwiseParallel() for name in "qkv"})
             plan[f"{block}.attention.proj"] = RowwiseParallel(output_layouts=stream)
             plan[f"{block}.mlp.0"] = ColwiseParallel()

@@ -9,6 +9,7 @@ under it, whether every forward is a collective, and what ``compile`` compiles. 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from typing import ClassVar, NamedTuple
 
@@ -62,11 +63,11 @@ class Strategy:
         raise ConfigError(f"{where}tp_size > 1: tensor parallelism composes with strategy fsdp2, hsdp, or none (tensor "
                           f"parallelism alone); {where}strategy={cls.name} replicates whole models")  # fmt: skip
 
-    @classmethod
-    def with_pipeline(cls, where: str = "") -> type[Strategy]:
-        """The strategy that runs this one's data parallelism over pipeline stages, or one line naming what composes."""
-        raise ConfigError(f"{where}pp_size > 1: pipeline parallelism runs with strategy none (one process per stage) so far; "
-                          f"{where}strategy={cls.name} over pipeline stages is not built yet")  # fmt: skip
+    pipelines: ClassVar[bool] = False
+    """Whether it runs inside each stage of a pipeline (``strategies.pipelined.Pipelined``)."""
+    stages: int = 1
+    """The pipeline stages its mesh counts (the outermost dimension; set by ``Pipelined``): its own dimensions span the
+    ranks of one stage."""
 
     def check_settings(self, where: str = "") -> None:
         """Refuse settings of its own it cannot use together; ``where``: their prefix in messages
@@ -82,8 +83,20 @@ class Strategy:
         once (each a communicator, device memory on a GPU)."""
         made = getattr(self, "_made_for", None)
         if made is None or made[0] != env:
-            made = self._made_for = (env, self.dims(env))
+            made = self._made_for = (env, self._staged_dims(env))
         return made[1]
+
+    def _staged_dims(self, env: DistEnv) -> ParallelDims:
+        """``dims`` over one stage's ranks, the stages made the mesh's outermost dimension."""
+        if self.stages == 1:
+            return self.dims(env)
+        if env.world_size % self.stages:
+            raise ConfigError(f"pp_size={self.stages} does not divide the world of {env.world_size} rank(s); choose a pp_size that "
+                              "divides the number of processes")  # fmt: skip
+        per_stage = env.world_size // self.stages
+        inner = self.dims(dataclasses.replace(env, world_size=per_stage, rank=env.rank % per_stage,
+                                              local_world_size=max(env.local_world_size // self.stages, 1)))  # fmt: skip
+        return dataclasses.replace(inner, world_size=env.world_size, pp=self.stages)
 
     def engine_for(self, precision: Precision) -> PrecisionEngine:
         """A fresh engine running ``precision`` (resolved) under this strategy."""

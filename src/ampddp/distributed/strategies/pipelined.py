@@ -1,13 +1,16 @@
-"""Pipeline parallelism alone (strategy ``none`` with ``pp_size`` > 1): each rank one stage of the model."""
+"""Pipeline parallelism around a strategy: each rank one stage of the model, the stage set up by the strategy inside
+(``none``: as it is; ``fsdp2``: sharded over the stage's data-parallel ranks; either with tensor parallelism)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch.distributed as dist
 from torch import nn
 
 from ampddp.distributed.env import DistEnv
 from ampddp.distributed.mesh import ParallelDims
-from ampddp.distributed.meta_init import InitProgram
+from ampddp.distributed.meta_init import InitProgram, ModelBuild
 from ampddp.distributed.pipeline import (
     PipelineModel,
     PipelineParts,
@@ -22,30 +25,61 @@ from ampddp.distributed.schedule import StepSchedule
 from ampddp.distributed.strategies.base import MakeOptimizer, SetUp, Strategy
 from ampddp.distributed.wrap import GradSync
 from ampddp.errors import ConfigError
+from ampddp.precision.choice import Precision
 from ampddp.precision.engine import PrecisionEngine
 
 
-class PipelineOnly(Strategy):
-    """Every rank one stage (``pp`` = the world): the model is built whole on each rank, cut to the rank's stage
-    (``split_stage``: the whole model's parameter names kept), the optimizer and the precision engine set up over the
-    stage (O2/O5's fp32 masters per stage), the loss-scale verdict agreed over every rank. Checkpoints are sharded:
-    each stage writes its own tensors under the whole model's names."""
+class Pipelined(Strategy):
+    """``inner``'s parallelism within each stage of a pipeline of ``pp.size`` stages (the mesh's outermost dimension):
+    the model built as ``inner`` builds it (FSDP2: on the meta device, each stage then materialising only its layers'
+    shards), cut to the rank's stage (``split_stage``: the whole model's parameter names kept; weights tied across stages
+    refused), set up by ``inner`` (its optimizer, its precision engine: O2/O5's fp32 masters per stage), then run by
+    torch's pipeline schedules (``PipelineSchedule``). The loss-scale verdict is agreed over every rank, the gradient
+    norm combines the stages'. Checkpoints are sharded and read as the whole model's."""
 
-    name = "none"
-    takes = ("pp",)
     checkpoint_layout = "sharded"
     collective_forward = True
     forwards_through_model = True
 
-    def __init__(self, pp: PPOptions | None = None) -> None:
-        self.pp = pp if pp is not None else PPOptions()
+    def __init__(self, inner: Strategy, pp: PPOptions) -> None:
+        self.inner, self.pp = inner, pp
+        inner.stages = pp.size
         self._parts: PipelineParts | None = None
+        self._model: PipelineModel | None = None
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return self.inner.name
+
+    @property
+    def shards_params(self) -> bool:  # type: ignore[override]
+        return self.inner.shards_params
+
+    @property
+    def needs_process_group(self) -> bool:  # type: ignore[override]
+        return self.inner.needs_process_group
+
+    def check_settings(self, where: str = "") -> None:
+        self.inner.check_settings(where)
 
     def dims(self, env: DistEnv) -> ParallelDims:
-        if env.world_size != self.pp.size:
-            raise ConfigError(f"strategy none with pp_size={self.pp.size} on {env.world_size} processes: pipeline parallelism alone "
-                              "takes one process per stage; start pp_size processes")  # fmt: skip
-        return ParallelDims(env.world_size, pp=self.pp.size, device_type=env.device.type)
+        return self.inner.mesh_of(env)
+
+    def mesh_of(self, env: DistEnv) -> ParallelDims:
+        """The inner strategy's mesh, which counts the stages: one mesh for both. A pipeline per data-parallel rank needs a
+        strategy that keeps them together (fsdp2); strategy none would leave them training apart."""
+        dims = self.inner.mesh_of(env)
+        if dims.dp_size > 1 and not self.inner.shards_params:
+            raise ConfigError(f"strategy {self.name} with pp_size={self.pp.size} on {env.world_size} processes leaves {dims.dp_size} "
+                              "pipelines training apart; use strategy fsdp2 for the data-parallel dimension, or pp_size x "
+                              "tp_size processes")  # fmt: skip
+        return dims
+
+    def engine_for(self, precision: Precision) -> PrecisionEngine:
+        return self.inner.engine_for(precision)
+
+    def build(self, factory: Callable[[], nn.Module]) -> ModelBuild:
+        return self.inner.build(factory)
 
     def set_up(self, model: nn.Module, make_optimizer: MakeOptimizer, env: DistEnv, engine: PrecisionEngine,
                init: InitProgram | None = None) -> SetUp:  # fmt: skip
@@ -54,23 +88,25 @@ class PipelineOnly(Strategy):
         tied = tied_names(model)
         stage = split_stage(model, index, self.pp)
         refuse_ties_across_stages(tied, stage, index, env)
-        if init is not None:
-            init.materialise(stage, env.device)
-        optimizer = make_optimizer(stage.parameters())
-        engine.setup([stage], [optimizer])
+        inside = self.inner.set_up(stage, make_optimizer, env, engine, init)
         group = dims.submesh("pp").get_group()
         engine.agree_over(dist.group.WORLD)  # the stages hold different gradients: every rank takes the same verdict
         engine.norm_across(group)  # and different parts of the model: the gradient norm is their norms' combination
         ranks = tuple(dist.get_global_rank(group, at) for at in range(self.pp.size))
-        self._parts = PipelineParts(index, self.pp.size, StageModule(stage, engine.forward_context, first=index == 0), group,
-                                    env.device, ranks)  # fmt: skip
+        self._parts = PipelineParts(index, self.pp.size, StageModule(inside.model, engine.forward_context, first=index == 0),
+                                    group, env.device, ranks)  # fmt: skip
         self._model = PipelineModel(self._parts)
-        return SetUp(self._model, stage, optimizer)
+        return SetUp(self._model, inside.module, inside.optimizer)
+
+    def grad_sync(self, model: nn.Module) -> GradSync:
+        return GradSync(model)
 
     def compile_units(self, module: nn.Module) -> list[nn.Module]:
-        """The stage's blocks (the members of its module lists and dicts), compiled one by one: the pipeline's own model
-        runs the stages through torch's schedules and cannot be compiled whole."""
-        blocks = [block for child in module.modules() if isinstance(child, (nn.ModuleList, nn.ModuleDict)) for block in child.children()]
+        """The stage's blocks compiled one by one (FSDP2's units, or the members of its module lists and dicts): the
+        pipeline's own model runs the stages through torch's schedules and cannot be compiled whole."""
+        blocks = self.inner.compile_units(module) or [
+            block for child in module.modules() if isinstance(child, (nn.ModuleList, nn.ModuleDict)) for block in child.children()
+        ]
         if not blocks:
             raise ConfigError(f"compile under pipeline parallelism compiles each stage's blocks (the members of its "
                               f"nn.ModuleList or nn.ModuleDict), and this stage of {type(module).__name__} has none; leave "
@@ -83,6 +119,6 @@ class PipelineOnly(Strategy):
         return self._parts.stage_index
 
     def schedule(self, model: nn.Module, grad_sync: GradSync) -> StepSchedule:
-        if self._parts is None:
+        if self._parts is None or self._model is None:
             raise RuntimeError("the pipeline's schedule is made after its set-up")
         return PipelineSchedule(self._parts, self._model, self.pp)

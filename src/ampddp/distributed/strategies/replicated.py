@@ -14,7 +14,6 @@ from ampddp.distributed.env import DistEnv
 from ampddp.distributed.installed_apex import installed_apex_parallel
 from ampddp.distributed.model_agreement import check_models_agree
 from ampddp.distributed.strategies.base import Strategy
-from ampddp.distributed.strategies.pipelined import PipelineOnly
 from ampddp.distributed.strategies.sharded import TensorParallelOnly
 from ampddp.distributed.wrap import DDPOptions
 from ampddp.errors import ConfigError
@@ -82,13 +81,9 @@ class Unwrapped(Strategy):
     """The model as it is (one process, or the user's own wrapper): it takes no settings."""
 
     name = "none"
+    pipelines = True
 
     @classmethod
     def with_tensor_parallel(cls, where: str = "") -> type[Strategy]:
         """Tensor parallelism alone (``strategies.sharded.TensorParallelOnly``)."""
         return TensorParallelOnly
-
-    @classmethod
-    def with_pipeline(cls, where: str = "") -> type[Strategy]:
-        """Pipeline parallelism alone (``strategies.pipelined.PipelineOnly``)."""
-        return PipelineOnly

@@ -35,6 +35,7 @@ class FSDP2(Strategy):
     needs_process_group = True
     checkpoint_layout = "sharded"
     collective_forward = True
+    pipelines = True
     mesh_dims: tuple[str, ...] = ("dp_shard",)
     """The mesh dimensions it shards over."""
 
@@ -98,6 +99,7 @@ class HSDP(FSDP2):
 
     name = "hsdp"
     mesh_dims = ("dp_replicate", "dp_shard")
+    pipelines = False
 
     def check_settings(self, where: str = "") -> None:
         """Its shard size is its own (checked against the world when the mesh is made)."""

@@ -16,6 +16,7 @@ from ampddp.choices import STRATEGIES
 from ampddp.distributed.fsdp2 import FSDPOptions
 from ampddp.distributed.pipeline import PPOptions
 from ampddp.distributed.strategies.base import Strategy
+from ampddp.distributed.strategies.pipelined import Pipelined
 from ampddp.distributed.strategies.replicated import ApexDDP, DataParallel, TorchDDP, Unwrapped
 from ampddp.distributed.strategies.sharded import FSDP2, HSDP
 from ampddp.distributed.tensor_parallel import TPOptions
@@ -50,13 +51,11 @@ def make_strategy(name: str, *, ddp: DDPOptions | None = None, fsdp: FSDPOptions
     tp = tp if tp is not None else TPOptions()
     pp = pp if pp is not None else PPOptions()
     kind = strategy_class(name)
-    if tp.enabled and pp.enabled:
-        raise ConfigError(f"{where}tp_size={tp.size} with {where}pp_size={pp.size}: pipeline and tensor parallelism together are "
-                          "not built yet; use one of them")  # fmt: skip
     if tp.enabled:
         kind = kind.with_tensor_parallel(where)
-    if pp.enabled:
-        kind = kind.with_pipeline(where)
+    if pp.enabled and not kind.pipelines:
+        raise ConfigError(f"{where}pp_size > 1: pipeline parallelism runs with strategy none or fsdp2 (either with tp_size) so "
+                          f"far; {where}strategy={name} over pipeline stages is not built yet")  # fmt: skip
     given = {"ddp": ddp if ddp is not None else DDPOptions(), "fsdp": fsdp if fsdp is not None else FSDPOptions(),
              "wrap_options": dict(wrap_options or {}), "tp": tp, "pp": pp}  # fmt: skip
     for setting, value in given.items():
@@ -64,7 +63,7 @@ def make_strategy(name: str, *, ddp: DDPOptions | None = None, fsdp: FSDPOptions
             _refuse_foreign(setting, value, name, where)
     strategy = kind(**{setting: given[setting] for setting in kind.takes})
     strategy.check_settings(where)
-    return strategy
+    return Pipelined(strategy, pp) if pp.enabled else strategy
 
 
 def _refuse_foreign(setting: str, value: Any, name: str, where: str) -> None:
