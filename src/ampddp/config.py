@@ -365,8 +365,9 @@ class DistributedConfig:
     plan is asked to split them (ampddp.zoo.models:gpt does); a tp_plan table marks its head vocab."""
     pp_size: int = field(default=1, metadata=_between(1, MAX_PROCESSES))
     """Pipeline parallelism: the stages the model's layers are split into (the outermost mesh dimension), with strategy
-    none (a process per stage and tensor-parallel rank) or fsdp2 (each stage sharded over its data ranks); 1: none. The model's own split (ampddp.zoo.models:gpt splits its blocks
-    evenly) or pp_split; the parameters keep the whole model's names (checkpoints read as the whole model's)."""
+    none (a process per stage and tensor-parallel rank) or fsdp2 (each stage sharded over its data ranks); 1: none.
+    The model's own split (ampddp.zoo.models:gpt splits its blocks evenly) or pp_split; the parameters keep the whole
+    model's names (checkpoints read as the whole model's)."""
     pp_schedule: str = field(default="1F1B", metadata=_choices(*PP_SCHEDULES))
     """The order micro-batches go through the stages: 1F1B (a micro-batch's backward as soon as it can: activations of at
     most pp_size micro-batches held), GPipe (every forward, then every backward); Interleaved1F1B, InterleavedZeroBubble,

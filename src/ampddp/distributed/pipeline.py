@@ -194,31 +194,52 @@ def shapes_of(value: Any) -> tuple[Any, ...]:
     return tuple((tuple(leaf.shape), leaf.dtype) for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor))
 
 
-class StageModule(nn.Module):
-    """The module torch's ``PipelineStage`` runs on a rank: the stage, its forward in the precision engine's context.
-    The first stage receives a micro-batch's index and runs ``feed(stage, index)`` (the loop's own forward of that
-    micro-batch: the batch adapter's way); later stages receive the activations."""
+Feed = Callable[[int], tuple[tuple[Any, ...], dict[str, Any]]]
+"""Micro-batch index -> the positional and keyword inputs the first stage's module is called with."""
 
-    def __init__(self, stage: nn.Module, forward_context: Callable[[], AbstractContextManager[Any]], first: bool) -> None:
-        super().__init__()
-        self.stage, self.forward_context, self.first = stage, forward_context, first
-        self.feed: Callable[[nn.Module, int], Any] | None = None
 
-    def forward(self, *inputs: Any) -> Any:
-        with self.forward_context():
-            if self.first:
-                if self.feed is None:
-                    raise RuntimeError("the pipeline's first stage ran without its inputs")
-                return self.feed(self.stage, int(inputs[0].reshape(-1)[0]))
-            return self.stage(*inputs)
+class StageHooks:
+    """What makes a set-up stage (bare, FSDP2's or DDP's module: torch's ``PipelineStage`` drives their gradient sync
+    itself when it holds them) a pipeline stage: its forward runs in the precision engine's context, and on the first
+    stage the micro-batch index torch feeds it becomes that micro-batch's inputs (``feed``: the loop's own way of
+    feeding a model, a dict batch as keywords, ``(inputs, targets)`` as inputs). Hooks on the module, so it stays the
+    module torch's stage and the strategy see."""
+
+    def __init__(self, module: nn.Module, forward_context: Callable[[], AbstractContextManager[Any]], first: bool) -> None:
+        self.module, self.forward_context, self.first = module, forward_context, first
+        self.feed: Feed | None = None
+        self._entered: list[AbstractContextManager[Any]] = []
+        module.register_forward_pre_hook(self._enter, with_kwargs=True, prepend=True)
+        module.register_forward_hook(self._leave, always_call=True)
+
+    def _enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        context = self.forward_context()
+        context.__enter__()
+        self._entered.append(context)
+        if not self.first:
+            return None
+        if self.feed is None:
+            raise RuntimeError("the pipeline's first stage ran without its inputs")
+        return self.feed(int(args[0].reshape(-1)[0]))
+
+    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._entered:
+            self._entered.pop().__exit__(None, None, None)
 
     @contextlib.contextmanager
-    def feeding(self, feed: Callable[[nn.Module, int], Any]) -> Iterator[None]:
+    def feeding(self, feed: Feed) -> Iterator[None]:
         self.feed = feed
         try:
             yield
         finally:
             self.feed = None
+
+
+class ModelInputs:
+    """Stands for a model where the loop feeds it a micro-batch: returns what it was called with."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return args, kwargs
 
 
 @dataclass
@@ -228,7 +249,7 @@ class PipelineParts:
 
     stage_index: int
     stages: int
-    module: StageModule
+    stage: StageHooks
     group: Any
     device: torch.device
     ranks: tuple[int, ...]
@@ -245,7 +266,7 @@ class PipelineParts:
         """A new torch ``PipelineStage`` over this rank's stage (it fixes its inputs' shapes at its first step)."""
         from torch.distributed.pipelining import PipelineStage
 
-        return PipelineStage(self.module, self.stage_index, self.stages, self.device, group=self.group)
+        return PipelineStage(self.stage.module, self.stage_index, self.stages, self.device, group=self.group)
 
 
 class StagesInTurn:
@@ -256,18 +277,18 @@ class StagesInTurn:
     def __init__(self, parts: PipelineParts) -> None:
         self.parts = parts
 
-    def _inputs(self, feed: Callable[[nn.Module, int], Any], keep_grad: bool) -> tuple[Any, tuple[torch.Tensor, ...]]:
+    def _inputs(self, feed: Feed, keep_grad: bool) -> tuple[Any, tuple[torch.Tensor, ...]]:
         """This stage's output and the inputs it received (made leaves needing gradients where ``keep_grad``)."""
         parts = self.parts
         if parts.is_first:
-            with parts.module.feeding(feed):
-                return parts.module(torch.zeros(1, dtype=torch.int64)), ()
+            with parts.stage.feeding(feed):
+                return parts.stage.module(torch.zeros(1, dtype=torch.int64)), ()
         received = tuple(tensor.requires_grad_(keep_grad and tensor.is_floating_point())
                          for tensor in _receive(parts.ranks[parts.stage_index - 1], parts.group, parts.device))  # fmt: skip
-        return parts.module(*received), received
+        return parts.stage.module(*received), received
 
-    def forward(self, feed: Callable[[nn.Module, int], Any]) -> Any:
-        """The whole model's outputs of ``feed`` (the first stage's forward of the micro-batch), on every stage."""
+    def forward(self, feed: Feed) -> Any:
+        """The whole model's outputs of ``feed`` (the first stage's inputs), on every stage."""
         import torch.distributed as dist
 
         parts = self.parts
@@ -278,7 +299,7 @@ class StagesInTurn:
         dist.broadcast_object_list(sent, src=parts.ranks[-1], group=parts.group)
         return sent[0]
 
-    def forward_backward(self, feed: Callable[[nn.Module, int], Any], score: Callable[[Any], torch.Tensor]) -> None:
+    def forward_backward(self, feed: Feed, score: Callable[[Any], torch.Tensor]) -> None:
         """The gradients of one micro-batch: ``score(outputs)`` on the last stage is the (scaled) loss it runs the backward
         of; each stage's backward starts from the gradients the next one sends."""
         parts = self.parts
@@ -338,7 +359,7 @@ class PipelineModel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.current is not None:
             return self.current
-        return StagesInTurn(self.parts).forward(lambda stage, index: stage(*args, **kwargs))
+        return StagesInTurn(self.parts).forward(lambda index: (args, kwargs))
 
 
 class PipelineSchedule:
@@ -396,10 +417,10 @@ class PipelineSchedule:
                 seen[index] = loss.detach().double() * count  # torch may score a micro-batch twice at warm-up: kept once
                 return backward.scaled(loss, count)
 
-            feed = lambda stage, index, micro=micro: loss_of.forward(stage, micro[index])  # noqa: E731 - the first stage's
+            feed = lambda index, micro=micro: loss_of.forward(ModelInputs(), micro[index])  # noqa: E731 - the first stage's
             if len(micro) < parts.stages:  # fewer micro-batches than stages (asked for, or an odd batch's): one by one
                 for index in range(len(micro)):
-                    StagesInTurn(parts).forward_backward(lambda stage, _, index=index, feed=feed: feed(stage, index),
+                    StagesInTurn(parts).forward_backward(lambda _, index=index, feed=feed: feed(index),
                                                          lambda output, index=index: score(index, output))  # fmt: skip
             else:
                 self._step(self._schedule_for(micro), len(micro), feed, score)
@@ -407,14 +428,14 @@ class PipelineSchedule:
             total = total + sum(seen.values(), torch.zeros((), dtype=torch.float64))
         return total
 
-    def _step(self, schedule: Any, count: int, feed: Callable[[nn.Module, int], Any], score: Callable[[int, Any], torch.Tensor]) -> None:
+    def _step(self, schedule: Any, count: int, feed: Feed, score: Callable[[int, Any], torch.Tensor]) -> None:
         """One step of torch's ``schedule`` over ``count`` micro-batches: it cuts the indices, each standing for the loop's
         micro-batch of that index (the first stage's input, the last stage's target)."""
         parts = self.parts
         indices = torch.arange(count)
         self._scores = score
         try:
-            with parts.module.feeding(feed):
+            with parts.stage.feeding(feed):
                 if parts.is_first:
                     schedule.step(indices, target=indices if parts.is_last else None)
                 else:

@@ -16,7 +16,7 @@ from ampddp.distributed.pipeline import (
     PipelineParts,
     PipelineSchedule,
     PPOptions,
-    StageModule,
+    StageHooks,
     refuse_ties_across_stages,
     split_stage,
     tied_names,
@@ -93,7 +93,7 @@ class Pipelined(Strategy):
         engine.agree_over(dist.group.WORLD)  # the stages hold different gradients: every rank takes the same verdict
         engine.norm_across(group)  # and different parts of the model: the gradient norm is their norms' combination
         ranks = tuple(dist.get_global_rank(group, at) for at in range(self.pp.size))
-        self._parts = PipelineParts(index, self.pp.size, StageModule(inside.model, engine.forward_context, first=index == 0),
+        self._parts = PipelineParts(index, self.pp.size, StageHooks(inside.model, engine.forward_context, first=index == 0),
                                     group, env.device, ranks)  # fmt: skip
         self._model = PipelineModel(self._parts)
         return SetUp(self._model, inside.module, inside.optimizer)
