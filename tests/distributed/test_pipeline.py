@@ -234,7 +234,7 @@ def composed_worker(env, root: str, layouts: list[tuple[str, int, str]]) -> dict
 def test_the_pipeline_composes_with_fsdp2_and_with_tensor_parallelism_on_four_processes(tmp_path):
     # 2 stages x FSDP2 over 2 data ranks (4 samples each, 2 micro-batches of 2); 2 stages x tensor parallelism of 2 (8
     # samples, 4 micro-batches of 2): the unsplit model's 8 samples in 4 accumulated batches of 2 is the reference
-    layouts = [("fsdp2", 1, "O0"), ("fsdp2", 1, "O2"), ("none", 2, "O0"), ("none", 2, "O2")]
+    layouts = [(strategy, tp, mode) for strategy, tp in (("fsdp2", 1), ("none", 2)) for mode in ("O0", "O2")]
     results = launch_local(composed_worker, 4, (str(tmp_path), layouts), device="cpu", timeout_s=60, job_timeout_s=400)
     assert all(result == results[0] for result in results)  # every rank logs the same records: one loss, one verdict
     unsplit = {mode: unsplit_run(tmp_path, mode) for mode in ("O0", "O2")}
