@@ -30,10 +30,10 @@ scaling produced NaNs in torchao (pytorch/ao#3171)."""
 STRATEGIES = ("ddp", "apex-ddp", "fsdp2", "hsdp", "dp", "none")
 """How a model is spread over processes: torch DDP, apex's DDP, FSDP2 sharding (``fully_shard``),
 nn.DataParallel (one process), or not at all."""
-TP_STYLES = ("colwise", "rowwise", "sequence", "vocab")
+TP_STYLES = ("colwise", "rowwise", "sequence", "vocab", "replicate")
 """How a tensor-parallel plan splits a layer: by output columns, by input rows (partial sums reduced), its
-activations by sequence position (norms), or an output head by vocabulary columns whose logits stay split for the
-vocabulary-parallel loss (``loss_parallel``)."""
+activations by sequence position (norms), an output head by vocabulary columns whose logits stay split for the
+vocabulary-parallel loss (``loss_parallel``), or not at all (whole on every rank, its parameters replicated DTensors)."""
 PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 """The orders micro-batches go through a pipeline's stages (torch.distributed.pipelining's schedules by their names)."""
 COMM_HOOKS = ("none", "fp16", "bf16")

@@ -353,8 +353,8 @@ class DistributedConfig:
     fsdp2 or hsdp (sharded data parallelism over the rest); 1: none."""
     tp_plan: dict[str, str] | str | None = None
     """How layers split: null (the model's own plan: ampddp.zoo.models:gpt has one), a table {module name:
-    colwise | rowwise | sequence | vocab} ('*' for one level of names, e.g. {"blocks.*.mlp.0": colwise}; vocab: the
-    output head, its logits left split for loss_parallel), or a
+    colwise | rowwise | sequence | vocab | replicate} ('*' for one level of names, e.g. {"blocks.*.mlp.0": colwise};
+    vocab: the output head, its logits left split for loss_parallel; replicate: whole on every rank), or a
     package.module:function(model, tp_mesh) that parallelizes the model itself."""
     sequence_parallel: bool = True
     """With tensor parallelism and the model's own plan: split the activations between split layers by sequence

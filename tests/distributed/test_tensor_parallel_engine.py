@@ -1,9 +1,9 @@
 """Every precision mode over a model the user split with torch's tensor parallelism (DTensor parameters), on 2 real
 gloo processes: ``amp.initialize`` at O0-O5 and the native engines train a column/row-split MLP (a LayerNorm left
-whole beside it: plain parameters next to DTensors) to the losses of the same mode on the unsplit model; an inf in
-one rank's shard makes every rank skip and halve its scale, the weights untouched. Before, O2, O3 and O5 failed
-(the cast changed a DTensor's outer dtype, not its shard: ``mat1 and mat2 must have the same dtype``) and the
-masters' foreach copy had no DTensor rule."""
+whole beside it: plain parameters next to DTensors; the head replicated by ampddp's ``replicate`` style) to the
+losses of the same mode on the unsplit model; an inf in one rank's shard makes every rank skip and halve its scale,
+the weights untouched. Before, O2, O3 and O5 failed (the cast changed a DTensor's outer dtype, not its shard:
+``mat1 and mat2 must have the same dtype``) and the masters' foreach copy had no DTensor rule."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from torch import nn
 from ampddp import Precision
 from ampddp.amp import Amp
 from ampddp.distributed import launch_local
+from ampddp.distributed.tensor_parallel import check_table
 from ampddp.precision.verdict import group_for_sharded
 
 pytestmark = pytest.mark.timeout(300)
@@ -42,9 +43,10 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def split(model: nn.Module, mesh) -> nn.Module:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    """The MLP's pair split column- then row-wise, its head replicated (a DTensor whole on both ranks), the LayerNorm plain."""
+    from torch.distributed.tensor.parallel import parallelize_module
 
-    return parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    return parallelize_module(model, mesh, check_table(model, {"0": "colwise", "2": "rowwise", "4": "replicate"}))
 
 
 class Facade:

@@ -4,7 +4,7 @@ torch's DTensor engine does the splitting (``parallelize_module`` with column-, 
 styles); what a run needs around it is here: the settings (``TPOptions``), and the plan that says which
 layer splits how, from one of three places: the model's own (``model.tensor_parallel_plan(tp_size,
 sequence_parallel)``, as ampddp's GPT carries), a table ``{module name pattern: colwise | rowwise |
-sequence | vocab}`` (the pattern as ``parallelize_module`` reads it: dotted module names, ``*`` for one
+sequence | vocab | replicate}`` (the pattern as ``parallelize_module`` reads it: dotted module names, ``*`` for one
 level), or a function ``(model, tp_mesh) -> model`` that parallelizes it itself (torchtitan's ``apply_tp``,
 Lightning's ``parallelize_fn``). A plan naming no module of the model, or leaving every weight whole,
 is refused in one line: a run that believes it is split but is not only costs memory.
@@ -98,7 +98,30 @@ def style_of(name: str) -> Any:
 
     if name == "vocab":
         return ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    if name == "replicate":
+        return replicate_style()
     return {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence": SequenceParallel}[name]()
+
+
+def replicate_style() -> Any:
+    """A module kept whole on every rank of the ``tp`` dimension, its parameters replicated DTensors on that mesh (so the
+    model's parameters live on one mesh, as the checkpoint and the gradient norm see them); its inputs and outputs stay
+    plain tensors (torch has no style for it)."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+    from torch.distributed.tensor.parallel.style import ParallelStyle
+
+    def inputs(module: nn.Module, args: tuple[Any, ...], mesh: Any) -> tuple[Any, ...]:
+        return tuple(DTensor.from_local(arg, mesh, [Replicate()], run_check=False) if torch.is_tensor(arg) and not is_dtensor(arg)
+                     else arg for arg in args)  # fmt: skip
+
+    def outputs(module: nn.Module, output: Any, mesh: Any) -> Any:
+        return output.to_local() if is_dtensor(output) else output
+
+    class ReplicateParallel(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            return distribute_module(module, device_mesh, None, input_fn=inputs, output_fn=outputs)
+
+    return ReplicateParallel()
 
 
 def check_table(model: nn.Module, table: Mapping[str, Any]) -> dict[str, Any]:

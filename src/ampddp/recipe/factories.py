@@ -341,7 +341,7 @@ def tp_options(config: RunConfig) -> TPOptions:
     if isinstance(plan, str):
         if not is_import_path(plan):
             raise ConfigError(f"distributed.tp_plan={plan!r} is not valid; give a table "
-                              "{module name: colwise | rowwise | sequence | vocab}, "
+                              "{module name: colwise | rowwise | sequence | vocab | replicate}, "
                               f"a {IMPORT_PATH_FORM} that parallelizes the model, or null (the model's own plan)")  # fmt: skip
         plan = load_callable(plan, "distributed.tp_plan")
     try:
