@@ -7,16 +7,15 @@ stages)``, as ampddp's GPT carries, or a function of the user's), and the step's
 that the training loop asks for a window's gradients: the loop's batches are cut into micro-batches here, the first
 stage reads their inputs, the last stage scores its outputs with the loop's own loss (weighted by each micro-batch's
 share of the global batch, scaled by the precision engine) and every stage's backward is the schedule's. The loss
-scale's verdict is agreed over every rank before any stage steps (the strategy sets the engine up so).
+scale's verdict is agreed over every rank before any stage steps (the strategy sets the engine up so). A stage on a
+rank and what the stages send each other outside torch's schedules: ``ampddp.distributed.pipeline_stages``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +23,7 @@ import torch
 from torch import nn
 
 from ampddp.choices import PP_SCHEDULES
+from ampddp.distributed.pipeline_stages import Feed, ModelInputs, PipelineModel, PipelineParts, StagesInTurn
 from ampddp.distributed.schedule import Backward, LossOf, Result
 from ampddp.errors import ConfigError, choice_error, closest
 
@@ -192,174 +192,6 @@ def shapes_of(value: Any) -> tuple[Any, ...]:
     from torch.utils._pytree import tree_leaves
 
     return tuple((tuple(leaf.shape), leaf.dtype) for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor))
-
-
-Feed = Callable[[int], tuple[tuple[Any, ...], dict[str, Any]]]
-"""Micro-batch index -> the positional and keyword inputs the first stage's module is called with."""
-
-
-class StageHooks:
-    """What makes a set-up stage (bare, FSDP2's or DDP's module: torch's ``PipelineStage`` drives their gradient sync
-    itself when it holds them) a pipeline stage: its forward runs in the precision engine's context, and on the first
-    stage the micro-batch index torch feeds it becomes that micro-batch's inputs (``feed``: the loop's own way of
-    feeding a model, a dict batch as keywords, ``(inputs, targets)`` as inputs). Hooks on the module, so it stays the
-    module torch's stage and the strategy see."""
-
-    def __init__(self, module: nn.Module, forward_context: Callable[[], AbstractContextManager[Any]], first: bool) -> None:
-        self.module, self.forward_context, self.first = module, forward_context, first
-        self.feed: Feed | None = None
-        self._entered: list[AbstractContextManager[Any]] = []
-        module.register_forward_pre_hook(self._enter, with_kwargs=True, prepend=True)
-        module.register_forward_hook(self._leave, always_call=True)
-
-    def _enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        context = self.forward_context()
-        context.__enter__()
-        self._entered.append(context)
-        if not self.first:
-            return None
-        if self.feed is None:
-            raise RuntimeError("the pipeline's first stage ran without its inputs")
-        return self.feed(int(args[0].reshape(-1)[0]))
-
-    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._entered:
-            self._entered.pop().__exit__(None, None, None)
-
-    @contextlib.contextmanager
-    def feeding(self, feed: Feed) -> Iterator[None]:
-        self.feed = feed
-        try:
-            yield
-        finally:
-            self.feed = None
-
-
-class ModelInputs:
-    """Stands for a model where the loop feeds it a micro-batch: returns what it was called with."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        return args, kwargs
-
-
-@dataclass
-class PipelineParts:
-    """A rank's place in the pipeline, made by the strategy's set-up: its stage (in ``module``), the pipeline's process
-    group and this rank's device, and the global ranks of the stages (``ranks[i]``: stage ``i``'s)."""
-
-    stage_index: int
-    stages: int
-    stage: StageHooks
-    group: Any
-    device: torch.device
-    ranks: tuple[int, ...]
-
-    @property
-    def is_first(self) -> bool:
-        return self.stage_index == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage_index == self.stages - 1
-
-    def torch_stage(self) -> Any:
-        """A new torch ``PipelineStage`` over this rank's stage (it fixes its inputs' shapes at its first step)."""
-        from torch.distributed.pipelining import PipelineStage
-
-        return PipelineStage(self.stage.module, self.stage_index, self.stages, self.device, group=self.group)
-
-
-class StagesInTurn:
-    """One micro-batch through the stages in turn, the activations (and their gradients) sent point to point: a forward
-    of the whole model (its outputs sent to every stage), or a forward and backward for a batch the micro-batches cannot
-    cut into equal parts, at least one per stage (torch's schedules take neither on every release ampddp supports)."""
-
-    def __init__(self, parts: PipelineParts) -> None:
-        self.parts = parts
-
-    def _inputs(self, feed: Feed, keep_grad: bool) -> tuple[Any, tuple[torch.Tensor, ...]]:
-        """This stage's output and the inputs it received (made leaves needing gradients where ``keep_grad``)."""
-        parts = self.parts
-        if parts.is_first:
-            with parts.stage.feeding(feed):
-                return parts.stage.module(torch.zeros(1, dtype=torch.int64)), ()
-        received = tuple(tensor.requires_grad_(keep_grad and tensor.is_floating_point())
-                         for tensor in _receive(parts.ranks[parts.stage_index - 1], parts.group, parts.device))  # fmt: skip
-        return parts.stage.module(*received), received
-
-    def forward(self, feed: Feed) -> Any:
-        """The whole model's outputs of ``feed`` (the first stage's inputs), on every stage."""
-        import torch.distributed as dist
-
-        parts = self.parts
-        output, _ = self._inputs(feed, keep_grad=False)
-        if not parts.is_last:
-            _send(output, parts.ranks[parts.stage_index + 1], parts.group)
-        sent = [output if parts.is_last else None]
-        dist.broadcast_object_list(sent, src=parts.ranks[-1], group=parts.group)
-        return sent[0]
-
-    def forward_backward(self, feed: Feed, score: Callable[[Any], torch.Tensor]) -> None:
-        """The gradients of one micro-batch: ``score(outputs)`` on the last stage is the (scaled) loss it runs the backward
-        of; each stage's backward starts from the gradients the next one sends."""
-        parts = self.parts
-        output, received = self._inputs(feed, keep_grad=True)
-        if parts.is_last:
-            score(output).backward()
-        else:
-            _send(output, parts.ranks[parts.stage_index + 1], parts.group)
-            outputs = _tensors(output)
-            grads = _receive(parts.ranks[parts.stage_index + 1], parts.group, parts.device)
-            torch.autograd.backward(outputs, grads)
-        if not parts.is_first:
-            _send(tuple(tensor.grad if tensor.grad is not None else torch.zeros_like(tensor) for tensor in received),
-                  parts.ranks[parts.stage_index - 1], parts.group)  # fmt: skip
-
-
-def _tensors(value: Any) -> tuple[torch.Tensor, ...]:
-    return (value,) if isinstance(value, torch.Tensor) else tuple(value)
-
-
-def _send(value: Any, to: int, group: Any) -> None:
-    """A stage's tensor (or tuple of tensors) to global rank ``to``: their shapes and dtypes first, then the data."""
-    import torch.distributed as dist
-
-    tensors = _tensors(value)
-    dist.send_object_list([[(tuple(tensor.shape), tensor.dtype) for tensor in tensors]], dst=to, group=group)
-    for tensor in tensors:
-        dist.send(tensor.detach().contiguous(), dst=to, group=group)
-
-
-def _receive(source: int, group: Any, device: torch.device) -> tuple[torch.Tensor, ...]:
-    import torch.distributed as dist
-
-    described: list[Any] = [None]
-    dist.recv_object_list(described, src=source, group=group)
-    received = []
-    for shape, dtype in described[0]:
-        tensor = torch.empty(shape, dtype=dtype, device=device)
-        dist.recv(tensor, src=source, group=group)
-        received.append(tensor)
-    return tuple(received)
-
-
-class PipelineModel(nn.Module):
-    """What the training loop calls as its model under pipeline parallelism. Inside a training step, on the last stage:
-    the outputs the pipeline computed for the micro-batch being scored (so the loop's own loss reads them as a whole
-    model's). Outside one (evaluation, the last-batch check, the diagnosis of a non-finite step), called on every rank of
-    the pipeline with the same batch: a forward of the whole model through the stages in turn (the first reads the
-    inputs, the last computes the outputs), the outputs sent to every stage, so every rank scores them as one model
-    would."""
-
-    def __init__(self, parts: PipelineParts) -> None:
-        super().__init__()
-        self.parts = parts
-        self.current: Any = None
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.current is not None:
-            return self.current
-        return StagesInTurn(self.parts).forward(lambda index: (args, kwargs))
 
 
 class PipelineSchedule:

@@ -11,16 +11,8 @@ from torch import nn
 from ampddp.distributed.env import DistEnv
 from ampddp.distributed.mesh import ParallelDims
 from ampddp.distributed.meta_init import InitProgram, ModelBuild
-from ampddp.distributed.pipeline import (
-    PipelineModel,
-    PipelineParts,
-    PipelineSchedule,
-    PPOptions,
-    StageHooks,
-    refuse_ties_across_stages,
-    split_stage,
-    tied_names,
-)
+from ampddp.distributed.pipeline import PipelineSchedule, PPOptions, refuse_ties_across_stages, split_stage, tied_names
+from ampddp.distributed.pipeline_stages import PipelineModel, PipelineParts, StageHooks
 from ampddp.distributed.schedule import StepSchedule
 from ampddp.distributed.strategies.base import MakeOptimizer, SetUp, Strategy
 from ampddp.distributed.wrap import GradSync
