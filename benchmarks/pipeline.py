@@ -20,7 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from harness import Budget, Row, paired_ratio, spread
+from harness import Budget, Row, adamw_losses, paired_ratio, spread
 
 from ampddp import Parallel
 from ampddp.distributed import launch_local
@@ -184,17 +184,9 @@ def _speed(env, width: int, layers: int, steps: int, repeats: int) -> dict[str, 
 
 
 def _unsplit_fp32_losses(width: int, layers: int, steps: int) -> list[float]:
-    model = _model(width, layers)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = []
-    for index in range(steps):
-        ids = _batch(index)
-        loss = _lm_loss(model(ids)["logits"], ids)
-        losses.append(loss.item())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return losses
+    return adamw_losses(
+        _model(width, layers), (_batch(index) for index in range(steps)), lambda model, ids: _lm_loss(model(ids)["logits"], ids)
+    )
 
 
 def run(device: str, budget: Budget) -> list[Row]:

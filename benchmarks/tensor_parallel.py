@@ -21,7 +21,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from harness import Budget, Row, paired_ratio, spread
+from harness import Budget, Row, adamw_losses, paired_ratio, spread
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ampddp import Parallel
@@ -158,16 +158,8 @@ def _speed(env, width: int, layers: int, steps: int, repeats: int) -> dict[str, 
 
 
 def _unsplit_fp32_losses(width: int, layers: int, steps: int) -> list[float]:
-    model, ids = _model(width, layers), _batch(0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = []
-    for _ in range(steps + 1):
-        loss = model(input_ids=ids, labels=ids)["loss"]
-        losses.append(loss.item())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return losses
+    ids = _batch(0)
+    return adamw_losses(_model(width, layers), [ids] * (steps + 1), lambda model, batch: model(input_ids=batch, labels=batch)["loss"])
 
 
 def run(device: str, budget: Budget) -> list[Row]:
