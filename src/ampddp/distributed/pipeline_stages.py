@@ -20,8 +20,8 @@ Feed = Callable[[int], tuple[tuple[Any, ...], dict[str, Any]]]
 
 
 class StageHooks:
-    """What makes a set-up stage (bare, FSDP2's or DDP's module: torch's ``PipelineStage`` drives their gradient sync
-    itself when it holds them) a pipeline stage: its forward runs in the precision engine's context, and on the first
+    """What makes a set-up stage (bare, or FSDP2's module: torch's ``PipelineStage`` drives its gradient sync and
+    resharding itself when it holds it) a pipeline stage: its forward runs in the precision engine's context, and on the first
     stage the micro-batch index torch feeds it becomes that micro-batch's inputs (``feed``: the loop's own way of
     feeding a model, a dict batch as keywords, ``(inputs, targets)`` as inputs). Hooks on the module, so it stays the
     module torch's stage and the strategy see."""
@@ -34,14 +34,13 @@ class StageHooks:
         module.register_forward_hook(self._leave, always_call=True)
 
     def _enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if self.first and self.feed is None:
+            raise RuntimeError("the pipeline's first stage ran without its inputs")
+        inputs = self.feed(int(args[0].reshape(-1)[0])) if self.first and self.feed is not None else None
         context = self.forward_context()
         context.__enter__()
         self._entered.append(context)
-        if not self.first:
-            return None
-        if self.feed is None:
-            raise RuntimeError("the pipeline's first stage ran without its inputs")
-        return self.feed(int(args[0].reshape(-1)[0]))
+        return inputs
 
     def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._entered:
