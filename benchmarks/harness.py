@@ -66,6 +66,23 @@ def adamw_losses(model: torch.nn.Module, batches: Iterable[Any], loss_of: Callab
     return losses
 
 
+def held_bytes(run: Any) -> int:
+    """Bytes of a prepared run's parameters (and masters), gradients and optimizer state on this rank, each storage once
+    (a DTensor's local shard): the training state a layout leaves each rank."""
+    seen: set[int] = set()
+    total = 0
+    stepped = [param for group in run.optimizer.param_groups for param in group["params"]]
+    tensors = [*run.module.parameters(), *stepped, *(p.grad for p in stepped if p.grad is not None)]
+    tensors += [value for entry in run.optimizer.state.values() for value in entry.values() if isinstance(value, torch.Tensor)]
+    for tensor in tensors:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        pointer = local.untyped_storage().data_ptr()
+        if pointer not in seen:
+            seen.add(pointer)
+            total += local.untyped_storage().nbytes()
+    return total
+
+
 def timed(fn: Callable[[], None]) -> float:
     """Wall time of ``fn``, including the GPU work it queued (CUDA runs asynchronously)."""
     start = time.perf_counter()

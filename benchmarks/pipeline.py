@@ -20,7 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from harness import Budget, Row, adamw_losses, paired_ratio, spread
+from harness import Budget, Row, adamw_losses, held_bytes, paired_ratio, spread
 
 from ampddp import Parallel
 from ampddp.distributed import launch_local
@@ -128,20 +128,6 @@ def _bubble(env, schedule: str, micro: int, width: int, layers: int, steps: int)
     return {"idle": 1 - spent[0] / wall}
 
 
-def _held_bytes(run) -> int:
-    """Bytes of this stage's parameters (and masters), gradients and optimizer state, each storage once."""
-    seen: set[int] = set()
-    total = 0
-    stepped = [param for group in run.optimizer.param_groups for param in group["params"]]
-    tensors = [*run.module.parameters(), *stepped, *(p.grad for p in stepped if p.grad is not None)]
-    tensors += [value for entry in run.optimizer.state.values() for value in entry.values() if isinstance(value, torch.Tensor)]
-    for tensor in tensors:
-        if tensor.untyped_storage().data_ptr() not in seen:
-            seen.add(tensor.untyped_storage().data_ptr())
-            total += tensor.untyped_storage().nbytes()
-    return total
-
-
 def _o2(env, width: int, layers: int, steps: int) -> dict[str, object]:
     """O2 through the pipeline: the losses, and the training state each stage holds (measured after a step's backward)."""
     torch.set_num_threads(1)
@@ -149,7 +135,7 @@ def _o2(env, width: int, layers: int, steps: int) -> dict[str, object]:
     losses = [step(_batch(index)) for index in range(steps)]
     run.schedule.forward_backward([_batch(steps)], _Loss(run), _Backward(run.engine))
     run.engine.unscale_(run.optimizer)  # the masters' fp32 gradients made, as at every step
-    held = _held_bytes(run)
+    held = held_bytes(run)
     whole = sum(param.numel() for param in _model(width, layers).parameters())
     return {"losses": losses, "held": held / whole}
 

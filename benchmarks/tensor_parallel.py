@@ -21,7 +21,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from harness import Budget, Row, adamw_losses, paired_ratio, spread
+from harness import Budget, Row, adamw_losses, held_bytes, paired_ratio, spread
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ampddp import Parallel
@@ -72,22 +72,6 @@ def _batch(rank: int) -> torch.Tensor:
     return torch.randint(VOCABULARY, (4, 64), generator=torch.Generator().manual_seed(rank))
 
 
-def _held_bytes(run) -> int:
-    """Bytes of this rank's parameters (and masters), gradients and optimizer state, each storage once."""
-    seen: set[int] = set()
-    total = 0
-    stepped = [param for group in run.optimizer.param_groups for param in group["params"]]
-    tensors = [*run.module.parameters(), *stepped, *(p.grad for p in stepped if p.grad is not None)]
-    tensors += [value for entry in run.optimizer.state.values() for value in entry.values() if isinstance(value, torch.Tensor)]
-    for tensor in tensors:
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        pointer = local.untyped_storage().data_ptr()
-        if pointer not in seen:
-            seen.add(pointer)
-            total += local.untyped_storage().nbytes()
-    return total
-
-
 def _layout(env, strategy: str, tp: int, width: int, layers: int, steps: int, loss_parallel: bool = False) -> dict[str, float]:
     """O2 training of the GPT under one layout, stepped through the run's schedule as the Trainer does: bytes held and
     exchanged per step by rank 0, and its losses."""
@@ -106,7 +90,7 @@ def _layout(env, strategy: str, tp: int, width: int, layers: int, steps: int, lo
         with counter if step else contextlib.nullcontext():  # the first step warms up: not counted
             loss = run.schedule.forward_backward([ids], loss_of, lambda loss, count: run.engine.backward(loss)) / len(ids)
             if step == steps:
-                held = _held_bytes(run)  # gradients present
+                held = held_bytes(run)  # gradients present
             run.engine.step(run.optimizer)
             run.engine.zero_grad(run.optimizer)
         losses.append(loss.item())
