@@ -4,7 +4,8 @@ Contenders (``peer_loops``): a hand-written torch loop (the reference), ampddp's
 ``prepare``, apex's API on ampddp (``amp.initialize`` + ``amp.scale_loss`` around the hand loop),
 Lightning 2.x's ``Trainer`` and ``Fabric``, Hugging Face Accelerate and Hugging Face's ``Trainer``.
 Work: an MLP 256 -> 4 x 1024 -> 10 (batch 64) and ampddp.zoo's GPT (4 blocks, width 128, 4 heads,
-64 tokens, vocabulary 256; batch 8), each from one seeded set of initial weights, on the same
+64 tokens, vocabulary 256; batch 8), and, in fp32 only, a ``tiny`` MLP with next to no arithmetic (16 -> 2 x 32 ->
+10, batch 128: what a step costs around the model), each from one seeded set of initial weights, on the same
 synthetic tensors in the same order (every rank sees the same batches whichever sampler shards them),
 with AdamW (lr 1e-3, torch's defaults otherwise) and one loss (fp32 cross-entropy).
 
@@ -159,8 +160,12 @@ class Work:
 
 
 def work(name: str, size: str) -> Work:
-    """The MLP and the GPT at their benchmark size, or toy sizes for ``smoke``."""
+    """The MLP and the GPT at their benchmark size, or toy sizes for ``smoke``; ``tiny``: an MLP with next to
+    no arithmetic (16 -> 2 x 32 -> 10, 1.9k parameters) on 128-sample batches, where a step costs what the
+    framework around it costs (issue #48's fixed per-step cost)."""
     smoke = size == "smoke"
+    if name == "tiny":
+        return Work(functools.partial(mlp, 16, 32, 2, 10), (16,), 10, 8 if smoke else 128)
     if name == "mlp":
         inputs, width = (16, 32) if smoke else (256, 1024)
         return Work(functools.partial(mlp, inputs, width, 4, 10), (inputs,), 10, 4 if smoke else 64)
@@ -540,6 +545,7 @@ def plan(device: str, budget: Budget) -> list[Group]:
     precisions = ["fp32", "bf16", "o5"] + (["fp16", "o2"] if device == "cuda" else [])
     steps, rounds = budget.pick((2, 1), (10, 5), (20, 9))
     groups = [Group(name, precision, device, budget.size, steps, rounds) for name in ("mlp", "gpt") for precision in precisions]
+    groups.append(Group("tiny", "fp32", device, budget.size, steps, rounds))  # the fixed cost of a step
     if device == "cpu" or torch.cuda.device_count() >= 2:
         groups += [dataclasses.replace(group, world=2) for group in groups]
     if budget.size == "smoke":  # each path once, in seconds: processes of their own take seconds to start, so two contenders

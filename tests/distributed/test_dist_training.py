@@ -14,9 +14,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from helpers import make_batches, make_mlp
 
-from ampddp import Parallel, Precision
-from ampddp.distributed import global_batch_loss_weight, launch_local, unwrap_model
+from ampddp import Parallel, Precision, Trainer
+from ampddp.distributed import detect_env, global_batch_loss_weight, launch_local, unwrap_model
 from ampddp.prepare import prepare
+from ampddp.training.batches import BatchAdapter
 
 MODES = ["O0", "O1", "O2", "native-bf16"]
 TOLERANCE = {"O0": 1e-6, "O1": 2e-2, "O2": 2e-2, "native-bf16": 5e-2}
@@ -139,8 +140,6 @@ def o2_dataparallel_worker():
 
 
 def test_o2_with_dataparallel_trains():
-    from ampddp.distributed import detect_env
-
     env = detect_env({}, device="cpu")
     prepared = prepare(make_mlp(), sgd, env, precision=Precision("O2", overrides={"verbosity": 0}), parallel=Parallel("dp"))
     before = copy.deepcopy([p.detach() for p in prepared.module.parameters()])
@@ -152,3 +151,44 @@ def test_o2_with_dataparallel_trains():
     assert isinstance(prepared.model, torch.nn.DataParallel)
     assert not all(torch.equal(a, b) for a, b in zip(before, prepared.module.parameters()))
     assert not dist.is_initialized()
+
+
+class KeptSamples(torch.utils.data.Dataset):
+    """16 samples (inputs, target, keep); the odd ones (rank 1's under 2-rank DDP) mostly not kept."""
+
+    def __init__(self) -> None:
+        (self.x, self.y), self.keep = make_batches(1, batch=16, seed=3)[0], torch.tensor([1, 1, 1, 0] * 4)
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index):
+        return self.x[index], self.y[index], self.keep[index]
+
+
+class KeptAdapter(BatchAdapter):
+    """Counts only the kept samples: a count that differs between ranks, so the loop must sum it."""
+
+    def count(self, batch) -> int:
+        return int(batch[2].sum())
+
+
+def kept_loss(outputs, batch):
+    return F.cross_entropy(outputs, batch[1], reduction="none")[batch[2].bool()].mean()
+
+
+def kept_worker(env, batch_size):
+    trainer = Trainer(make_mlp(batchnorm=False), sgd, KeptSamples(), env=env, precision="O0", batches=KeptAdapter(), loss_fn=kept_loss,
+                      metrics=None, batch_size=batch_size, shuffle=False, max_steps=2, report=None, stop_signals=())  # fmt: skip
+    trainer.fit()
+    return [p.detach().clone() for p in trainer.run.module.parameters()]
+
+
+def test_a_count_of_its_own_is_summed_over_the_ranks():
+    """An adapter's own count (kept samples: 4 + 1 and 3 + 1 over two ranks) weights each rank's mean by its
+    share of the global count, as one process over the whole batch does (the default count, every rank as
+    many samples, needs no sum: the other tests of this file)."""
+    two = launch_local(kept_worker, 2, (4,), device="cpu", timeout_s=90)
+    one = kept_worker(detect_env({}, device="cpu"), 8)
+    for ddp_param, param in zip(two[0], one):
+        torch.testing.assert_close(ddp_param, param, rtol=1e-6, atol=1e-7)

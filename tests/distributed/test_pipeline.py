@@ -21,7 +21,7 @@ from torch.utils.data import Subset
 from ampddp import Parallel, Precision, prepare
 from ampddp.checkpoint.export import export_weights
 from ampddp.checkpoint.inspect import format_summary, summarize
-from ampddp.distributed import launch_local
+from ampddp.distributed import FSDPOptions, launch_local
 from ampddp.distributed.pipeline import PPOptions
 from ampddp.distributed.tensor_parallel import TPOptions
 from ampddp.errors import ConfigError
@@ -219,8 +219,8 @@ def composed_worker(env, root: str, layouts: list[tuple[str, int, str]]) -> dict
     torch.set_num_threads(1)
     found = {}
     for strategy, tp_size, mode in layouts:
-        records, pp = Records(), PPOptions(2, microbatches=2 if strategy == "fsdp2" else 4)
-        parallel = Parallel(strategy, pp=pp, tp=TPOptions(tp_size))
+        records, pp = Records(), PPOptions(2, microbatches=4 if strategy == "none" else 2)
+        parallel = Parallel(strategy, pp=pp, tp=TPOptions(tp_size), fsdp=FSDPOptions(shard_size=1 if strategy == "hsdp" else None))
         data_ranks = env.world_size // (pp.size * tp_size)
         run = trainer(Path(root) / f"{strategy}-{tp_size}-{mode}", env, mode, pp, records=records, batch_size=8 // data_ranks,
                       parallel=parallel)  # fmt: skip
@@ -231,10 +231,11 @@ def composed_worker(env, root: str, layouts: list[tuple[str, int, str]]) -> dict
     return found
 
 
-def test_the_pipeline_composes_with_fsdp2_and_with_tensor_parallelism_on_four_processes(tmp_path):
-    # 2 stages x FSDP2 over 2 data ranks (4 samples each, 2 micro-batches of 2); 2 stages x tensor parallelism of 2 (8
-    # samples, 4 micro-batches of 2): the unsplit model's 8 samples in 4 accumulated batches of 2 is the reference
-    layouts = [(strategy, tp, mode) for strategy, tp in (("fsdp2", 1), ("none", 2)) for mode in ("O0", "O2")]
+def test_the_pipeline_composes_with_fsdp2_hsdp_and_tensor_parallelism_on_four_processes(tmp_path):
+    # 2 stages x FSDP2 over 2 data ranks (4 samples each, 2 micro-batches of 2), the same replicated (HSDP with shards of
+    # one rank: DDP's data parallelism); 2 stages x tensor parallelism of 2 (8 samples, 4 micro-batches of 2): the
+    # unsplit model's 8 samples in 4 accumulated batches of 2 is the reference
+    layouts = [("fsdp2", 1, "O2"), ("hsdp", 1, "O2"), ("none", 2, "O0"), ("none", 2, "O2")]
     results = launch_local(composed_worker, 4, (str(tmp_path), layouts), device="cpu", timeout_s=60, job_timeout_s=400)
     assert all(result == results[0] for result in results)  # every rank logs the same records: one loss, one verdict
     unsplit = {mode: unsplit_run(tmp_path, mode) for mode in ("O0", "O2")}

@@ -26,8 +26,10 @@ from ampddp.zoo.models import GPT
         (lambda: PPOptions(2, schedule="Interleaved1F1B"), "places several stages on each rank, which ampddp does not run yet"),
         (lambda: PPOptions(2, microbatches=0), "pp_microbatches=0 is not valid"),
         (lambda: PPOptions(2, split="mypkg:split"), "pp_split='mypkg:split' is not valid"),
-        (lambda: Parallel("ddp", pp=PPOptions(2)), "strategy=ddp over pipeline stages is not built yet"),
-        (lambda: Parallel("hsdp", pp=PPOptions(2)), "strategy=hsdp over pipeline stages is not built yet"),
+        (
+            lambda: Parallel("ddp", pp=PPOptions(2)),
+            "for strategy=ddp's data parallelism over the stages use strategy hsdp with FSDPOptions(shard_size=1)",
+        ),
         (lambda: Parallel("none", pp=PPOptions(2)).dims(DistEnv(world_size=4, local_world_size=4)), "leaves 2 pipelines training apart"),
         (lambda: Parallel("fsdp2", pp=PPOptions(3)).dims(DistEnv(world_size=4, local_world_size=4)), "pp_size=3 does not divide"),
         (lambda: Parallel("none", sync_bn="portable", pp=PPOptions(2)), "sync_bn=portable with pp_size=2: a synchronised BatchNorm"),

@@ -140,12 +140,13 @@ def sum_across_ranks(value: torch.Tensor | float, group: Any = None) -> torch.Te
 
 class PendingSum:
     """``value`` summed over ranks, the all-reduce started now and awaited at the first ``result()``:
-    work the caller does meanwhile (a forward) hides its latency. Identity in a single process."""
+    work the caller does meanwhile (a forward) hides its latency. Identity in a single process, and
+    where ``reduce`` is False (a sum every rank already knows)."""
 
-    def __init__(self, value: torch.Tensor | float, group: Any = None) -> None:
+    def __init__(self, value: torch.Tensor | float | list[float], group: Any = None, reduce: bool = True) -> None:
         self._tensor = torch.as_tensor(value, dtype=torch.float64).clone()
         self._work: Any = None
-        if dist.is_available() and dist.is_initialized():
+        if reduce and dist.is_available() and dist.is_initialized():
             backend_device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
             self._tensor = self._tensor.to(backend_device)
             self._work = dist.all_reduce(self._tensor, group=group, async_op=True)

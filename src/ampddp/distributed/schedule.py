@@ -5,8 +5,8 @@ micro-batches: a pipeline schedule runs forwards and backwards itself, micro-bat
 across stages, and computes the loss on the last stage only. So the loop asks the schedule its
 strategy gives: ``forward_backward`` for a window's gradients, ``forward`` for a forward of the
 whole model outside training (the last-batch check, the diagnosis of a non-finite step, evaluation).
-``MicroBatches``, every strategy's today, runs each micro-batch's forward then backward on this
-rank, the gradient sync only on the last.
+``MicroBatches``, every strategy's but a pipeline's, runs each micro-batch's forward then backward on this
+rank, the gradient sync only on the last, and hands the loop the window's loss before that last backward.
 """
 
 from __future__ import annotations
@@ -45,6 +45,12 @@ class Backward(Protocol):
     def done(self) -> None:
         """Say the schedule ran its backwards (a pipeline stage without a loss of its own says so too)."""
 
+    def losses_known(self, loss_sum: torch.Tensor) -> None:
+        """This rank's sum of per-sample losses of the window, known before its last backward runs: the loop may start
+        agreeing on the step then (its reduce travels while the backward computes). A schedule calls it on every rank
+        at the same point of the window, or not at all (the loop then starts after ``forward_backward``). Optional: a
+        backward without it (a plain function of a ``prepare`` user) is not told."""
+
 
 class StepSchedule(Protocol):
     """How a window of micro-batches becomes gradients, and how a whole-model forward is run."""
@@ -69,11 +75,14 @@ class MicroBatches:
     def forward_backward(self, window: Sequence[Any], loss_of: LossOf, backward: Backward) -> torch.Tensor:
         loss_sum: torch.Tensor | None = None
         for index, batch in enumerate(window):
-            with self.grad_sync.micro_step(is_last=index == len(window) - 1):
+            last = index == len(window) - 1
+            with self.grad_sync.micro_step(is_last=last):
                 loss, count = loss_of(index, batch)
+                share = loss.detach().float() * count
+                loss_sum = share if loss_sum is None else loss_sum + share
+                if last and hasattr(backward, "losses_known"):  # a plain function (a prepare user's) has none
+                    backward.losses_known(loss_sum)
                 backward(loss, count)
-            share = loss.detach().float() * count
-            loss_sum = share if loss_sum is None else loss_sum + share
         if loss_sum is None:
             raise ValueError("a step's window holds no micro-batch")
         return loss_sum

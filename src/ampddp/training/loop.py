@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 from torch.utils.data import Dataset
 
 from ampddp.checkpoint.store import CheckpointRef
-from ampddp.distributed.data import PendingSum, ResumableSampler, gather_objects, sum_across_ranks
+from ampddp.distributed.data import PendingSum, ResumableSampler, gather_objects
 from ampddp.errors import BadSamplesError, ConfigError
 from ampddp.precision.engine import PrecisionEngine
 from ampddp.preemption import StopSignals
@@ -36,6 +36,7 @@ from ampddp.training.nonfinite import NonFiniteGuard, blame_inputs, non_finite_r
 from ampddp.training.phase import AGREEING, BACKWARD, CHECKPOINT, EVALUATION, FORWARD, OPTIMIZER, StepPhase, out_of_memory
 from ampddp.training.progress import Progress, finished
 from ampddp.training.settings import LoopSettings
+from ampddp.training.step_agreement import StepAgreement
 from ampddp.training.stopping import StopAgreement
 
 logger = logging.getLogger("ampddp.trainer")
@@ -208,11 +209,13 @@ class TrainingLoop:
         """One optimizer step over ``window`` (batches ``first``... of this pass); returns True when
         every rank should stop (a signal)."""
         step = self._step_number()
-        counts = self._global_counts(window)  # in flight while the first forward runs
-        loss_sum = self._forward_backward(window, first, counts)
-        total, tokens = (float(count) for count in counts.result().tolist())
+        counts = self._global_counts(window)  # in flight while the first forward runs (when it needs a reduce)
+        agreement = self._agreement(window)
+        loss_sum = self._forward_backward(window, first, counts, agreement)
+        total = float(counts.result()[0])
         self.phase.enter(AGREEING, step)
-        loss_value, stop_agreed = self._agree(loss_sum, total)
+        agreement.start(loss_sum)  # where the schedule did not start it before its last backward (a pipeline's)
+        loss_value, stop_agreed, tokens = agreement.result(total)
         self.log_window.add(loss_value, tokens)
         self.guard.check(loss_value, self.progress.global_step + 1, lambda: self._diagnose(window, first))
         logging_step = (self.progress.global_step + 1) % self.settings.log_every == 0 or not self._first_step_logged
@@ -228,12 +231,17 @@ class TrainingLoop:
         return stop_agreed
 
     def _global_counts(self, window: list[Any]) -> PendingSum:
-        """Samples and tokens (0 for data that is not token ids) of the window over every rank: one
-        all-reduce, started now and awaited by the first backward (which needs the total)."""
-        local = [sum(self.batches.count(batch) for batch in window), sum(self.batches.tokens(batch) for batch in window)]
-        return PendingSum(local, self.run.data_shard.group)
+        """The window's samples over every data rank, which the first backward needs. Counted as the
+        default adapter counts (a batch's leading size), every data rank holds as many: the sampler pads
+        each rank's share of an epoch to the same length, and the loader cuts it into the same batches, so
+        the total is known here. An adapter counting its own way (samples it keeps, say) may count
+        differently on each rank: then one all-reduce, started now and awaited by the first backward."""
+        local = sum(self.batches.count(batch) for batch in window)
+        if type(self.batches).count is BatchAdapter.count:
+            return PendingSum([local * self.run.data_shard.size], reduce=False)
+        return PendingSum([local], self.run.data_shard.group)
 
-    def _forward_backward(self, window: list[Any], first: int, counts: PendingSum) -> torch.Tensor:
+    def _forward_backward(self, window: list[Any], first: int, counts: PendingSum, agreement: StepAgreement) -> torch.Tensor:
         """The window's gradients, run by the step's schedule (the strategy's: ``run.schedule``), each
         micro-batch's loss weighted by its share of the global batch (exact with uneven counts:
         ``counts`` summed over the data ranks); returns the local sum of per-sample losses."""
@@ -241,22 +249,14 @@ class TrainingLoop:
         self.optimizer.zero_grad(set_to_none=True)
         step = self._step_number()
 
-        return self.run.schedule.forward_backward(window, MicroBatchLoss(self, step, first),
-                                                  WeightedBackward(self.engine, self.phase, step, counts, data_ranks))  # fmt: skip
+        weighted = WeightedBackward(self.engine, self.phase, step, counts, data_ranks, agreement)
+        return self.run.schedule.forward_backward(window, MicroBatchLoss(self, step, first), weighted)
 
-    def _agree(self, loss_sum: torch.Tensor, total: float) -> tuple[float, bool]:
-        """The global mean loss and whether any rank received a stop signal (the stop part's vote), in
-        one all-reduce, read before the step: every rank takes the same decisions, and a non-finite
-        loss is traced to its module while the weights are still those that made it."""
-        local_stop = self.stopping.vote()
-        if self.run.env.distributed:
-            reduced = sum_across_ranks(torch.tensor([loss_sum.item(), local_stop], dtype=torch.float64))
-            # ranks of one data coordinate (a tensor-parallel group, a pipeline's last stage) hold the same loss: counted once
-            copies = self.run.schedule.loss_copies(self.run.env.world_size // self.run.data_shard.size)
-            loss_total, stop_agreed = float(reduced[0]) / copies, bool(reduced[1] > 0)
-        else:
-            loss_total, stop_agreed = loss_sum.item(), local_stop > 0
-        return loss_total / max(total, 1.0), stop_agreed
+    def _agreement(self, window: list[Any]) -> StepAgreement:
+        """The step's loss, stop vote and tokens, to be summed over every rank in one all-reduce."""
+        readers = self.run.env.world_size // self.run.data_shard.size
+        tokens = sum(self.batches.tokens(batch) for batch in window)
+        return StepAgreement(self.run.env, self.stopping, tokens, readers, self.run.schedule.loss_copies(readers))
 
     def _apply(self, logging_step: bool) -> tuple[torch.Tensor | None, bool]:
         """Clip (or measure, on logging steps) the gradient norm, step, advance the LR schedule."""
@@ -363,8 +363,10 @@ class WeightedBackward:
     """A micro-batch's backward, its mean loss weighted by its share of the global batch: ``count`` samples of the
     ``counts`` summed over the ``data_ranks`` (exact with uneven micro-batches), as a step's schedule asks for it."""
 
-    def __init__(self, engine: PrecisionEngine, phase: StepPhase, step: int, counts: PendingSum, data_ranks: int) -> None:
+    def __init__(self, engine: PrecisionEngine, phase: StepPhase, step: int, counts: PendingSum, data_ranks: int,
+                 agreement: StepAgreement) -> None:  # fmt: skip
         self.engine, self.phase, self.step, self.counts, self.data_ranks = engine, phase, step, counts, data_ranks
+        self.agreement = agreement
 
     def _weighted(self, loss: torch.Tensor, count: int) -> torch.Tensor:
         self.phase.enter(AGREEING, self.step)
@@ -380,3 +382,6 @@ class WeightedBackward:
 
     def done(self) -> None:
         self.engine.backward_done()
+
+    def losses_known(self, loss_sum: torch.Tensor) -> None:
+        self.agreement.start(loss_sum)

@@ -99,7 +99,6 @@ class HSDP(FSDP2):
 
     name = "hsdp"
     mesh_dims = ("dp_replicate", "dp_shard")
-    pipelines = False
 
     def check_settings(self, where: str = "") -> None:
         """Its shard size is its own (checked against the world when the mesh is made)."""

@@ -54,8 +54,10 @@ def make_strategy(name: str, *, ddp: DDPOptions | None = None, fsdp: FSDPOptions
     if tp.enabled:
         kind = kind.with_tensor_parallel(where)
     if pp.enabled and not kind.pipelines:
-        raise ConfigError(f"{where}pp_size > 1: pipeline parallelism runs with strategy none or fsdp2 (either with tp_size) so "
-                          f"far; {where}strategy={name} over pipeline stages is not built yet")  # fmt: skip
+        shard = f"{where}fsdp_shard_size=1" if where else "FSDPOptions(shard_size=1)"
+        raise ConfigError(f"{where}pp_size > 1: pipeline parallelism runs with strategy none, fsdp2 or hsdp (each with tp_size); for "
+                          f"{where}strategy={name}'s data parallelism over the stages use strategy hsdp with {shard} (each stage "
+                          "whole on every data rank, its gradients all-reduced across them, as DDP does)")  # fmt: skip
     given = {"ddp": ddp if ddp is not None else DDPOptions(), "fsdp": fsdp if fsdp is not None else FSDPOptions(),
              "wrap_options": dict(wrap_options or {}), "tp": tp, "pp": pp}  # fmt: skip
     for setting, value in given.items():
