@@ -365,16 +365,21 @@ class DistributedConfig:
     plan is asked to split them (ampddp.zoo.models:gpt does); a tp_plan table marks its head vocab."""
     pp_size: int = field(default=1, metadata=_between(1, MAX_PROCESSES))
     """Pipeline parallelism: the stages the model's layers are split into (the outermost mesh dimension), with strategy
-    none (a process per stage and tensor-parallel rank) or fsdp2 (each stage sharded over its data ranks); 1: none.
+    none (a process per stage and tensor-parallel rank), fsdp2 (each stage sharded over its data ranks) or hsdp (with
+    fsdp_shard_size 1: each stage replicated over its data ranks, DDP's data parallelism); 1: none.
     The model's own split (ampddp.zoo.models:gpt splits its blocks evenly) or pp_split; the parameters keep the whole
     model's names (checkpoints read as the whole model's)."""
     pp_schedule: str = field(default="1F1B", metadata=_choices(*PP_SCHEDULES))
     """The order micro-batches go through the stages: 1F1B (a micro-batch's backward as soon as it can: activations of at
-    most pp_size micro-batches held), GPipe (every forward, then every backward); Interleaved1F1B, InterleavedZeroBubble,
-    ZBVZeroBubble (several stages per rank) are not run yet."""
+    most pp_size micro-batches held), GPipe (every forward, then every backward); Interleaved1F1B, InterleavedZeroBubble
+    (pp_stages_per_rank stages on each rank, looped: a smaller idle share), ZBVZeroBubble (2 stages per rank in a V, the
+    backward split into its input and weight parts to fill the idle time); the looped ones with strategy none so far."""
     pp_microbatches: int | None = field(default=None, metadata=_at_least(1))
     """The micro-batches each batch (data.batch_size, per data-parallel rank) is cut into: more shrink the pipeline's idle
     share ((pp_size-1)/(microbatches+pp_size-1)); null: pp_size. Fewer than pp_size go through the stages one by one."""
+    pp_stages_per_rank: int | None = field(default=None, metadata=_at_least(1))
+    """The stages each rank holds: null is the schedule's own (1 for GPipe and 1F1B, 2 for the looped schedules;
+    ZBVZeroBubble takes exactly 2). The model is cut into pp_size x pp_stages_per_rank stages."""
     pp_split: list[list[str]] | str | None = None
     """How the model is cut into stages: null (the model's own pipeline_stage(stage, stages)), the module names of each
     stage (a list per stage, e.g. [[embed, layers.0, layers.1], [layers.2, layers.3, head]]: for a model written as

@@ -253,3 +253,45 @@ def casts_before_gathers(module: Any) -> bool:
         return False
     casts = (module.config.cast_config_input, module.config.cast_config_weight, module.config.cast_config_grad_output)
     return all(cast.scaling_type.value == "dynamic" and cast.scaling_granularity.value == "tensorwise" for cast in casts)
+
+
+# ---- compiled graphs under a split backward ---------------------------------------------------------------
+
+
+def graphs_kept_between_backwards() -> Any:
+    """A context in which blocks compiled meanwhile keep their graph's buffers: torch's zero-bubble pipeline schedules
+    run each backward in two parts (the inputs' gradients, later the weights'), keeping the graph between them
+    (``retain_graph``), which a backward aot_autograd compiled with donated buffers refuses. Private config (torch
+    2.6+); scoped: graphs compiled outside it keep torch's default."""
+    from torch._functorch import config
+
+    return config.patch(donated_buffer=False)
+
+
+ZBV_TORCH = (2, 14)
+"""The oldest torch ZBVZeroBubble, and compiled blocks under a zero-bubble schedule, were measured to run on (2.10 sends
+between the two stages one rank holds, which gloo refuses: "Pair is not connected"; and its weight-gradient pass reads
+``_input_metadata`` of a compiled block's backward, which it refuses); releases between were not measured."""
+
+
+def zbv_schedule_problem(version: str | None = None) -> str | None:
+    """Why torch's ZBVZeroBubble schedule cannot run here, or None when it can."""
+    version = str(torch.__version__) if version is None else version
+    if torch_release(version) >= ZBV_TORCH:
+        return None
+    return (
+        f"pp_schedule=ZBVZeroBubble needs torch >= {ZBV_TORCH[0]}.{ZBV_TORCH[1]} (on torch {version} a rank sends to itself "
+        "between its two stages and gloo refuses); use InterleavedZeroBubble or Interleaved1F1B, or a newer torch"
+    )
+
+
+def compiled_split_backward_problem(version: str | None = None) -> str | None:
+    """Why blocks compiled by torch.compile cannot run under a zero-bubble schedule here, or None when they can."""
+    version = str(torch.__version__) if version is None else version
+    if torch_release(version) >= ZBV_TORCH:
+        return None
+    return (
+        f"trainer.compile under a zero-bubble pipeline schedule needs torch >= {ZBV_TORCH[0]}.{ZBV_TORCH[1]} (torch {version}'s "
+        "weight-gradient pass cannot read a compiled block's backward); leave compile off, use Interleaved1F1B or 1F1B, or a "
+        "newer torch"
+    )

@@ -276,5 +276,5 @@ def _with_run_dir(checkpoints: CheckpointSettings, run_dir: RunDirLike | None) -
 
 def stage_view(run: Prepared, env: DistEnv) -> StageView | None:
     """Where the run's module is a pipeline stage, its part of the whole model's checkpoint (collective: every rank)."""
-    stage = run.strategy.stage_index()
-    return None if stage is None else StageView.agreed(run.module, run.optimizer, stage, env)
+    stages = run.strategy.optimizer_stages()
+    return None if stages is None else StageView.agreed(run.module, run.optimizer, stages, env)

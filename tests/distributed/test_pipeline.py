@@ -25,6 +25,7 @@ from ampddp.distributed import FSDPOptions, launch_local
 from ampddp.distributed.pipeline import PPOptions
 from ampddp.distributed.tensor_parallel import TPOptions
 from ampddp.errors import ConfigError
+from ampddp.torch_compat import zbv_schedule_problem
 from ampddp.trainer import Trainer
 from ampddp.training import CheckpointSettings
 from ampddp.training.batches import cross_entropy, logits_of
@@ -40,6 +41,9 @@ TOLERANCE = {"O0": 1e-5, "O1": 1e-3, "O2": 1e-3, "O3": 1e-3, "native-fp16": 1e-3
 a pipeline computes the same products in the same order, micro-batch by micro-batch; fp16/bf16 activations cross the
 stage boundary as they would cross a block, so what differs is the summation order of the micro-batches' gradients."""
 LOSS_SCALED = ("O1", "O2", "native-fp16")
+ZBV = "ZBVZeroBubble" if zbv_schedule_problem() is None else "Interleaved1F1B"
+"""The V-shaped zero-bubble schedule where this torch runs it (and compiled blocks under it: 2.14+), else a looped one
+without a split backward (both refused below 2.14: tests/unit)."""
 
 
 def build() -> GPT:
@@ -134,7 +138,8 @@ def unsplit_run(root: Path, mode: str) -> list[dict[str, object]]:
 
 def test_every_mode_trains_through_the_pipeline_like_the_unsplit_model(tmp_path):
     modes = ("O0", "O1", "O2", "O3", "O4", "O5", "native-fp16", "native-bf16", *(("O6",) if HAS_TORCHAO else ()))
-    runs = [(mode, "1F1B") for mode in modes] + [("O0", "GPipe"), ("O2", "GPipe")]
+    looped = tuple(dict.fromkeys(("Interleaved1F1B", "InterleavedZeroBubble", ZBV)))  # 2 stages on each rank: 4 of one block
+    runs = [(mode, "1F1B") for mode in modes] + [(mode, schedule) for schedule in ("GPipe", *looped) for mode in ("O0", "O2")]
     results = launch_local(train_worker, 2, (str(tmp_path), runs), device="cpu", timeout_s=60, job_timeout_s=400)
     assert results[0] == results[1]  # both stages log the same records: the last stage's loss, one agreed verdict
     unsplit = {mode: unsplit_run(tmp_path, mode) for mode in modes}
@@ -152,18 +157,18 @@ def test_every_mode_trains_through_the_pipeline_like_the_unsplit_model(tmp_path)
             assert not any(step["skipped"] for step in steps), name
 
 
-def fit_worker(env, run_dir: str, pp_size: int, steps: int, compiled: bool = False) -> dict[str, object]:
+def fit_worker(env, run_dir: str, pp_size: int, steps: int, compiled: bool = False, schedule: str = "1F1B") -> dict[str, object]:
     """Trains (O0, batches of 8 of 53 samples: the epoch's seventh holds 5, one micro-batch through the stages in turn)
     under the pipeline (``pp_size`` 2) or on one process, evaluated at the epoch's end (10 samples: batches of 8 and 2, through the
-    pipeline), ``compiled``: each stage's blocks one by one; returns the resume's layout line, the evaluation and which
-    blocks were compiled."""
+    pipeline), ``compiled``: each stage's blocks one by one (``schedule``'s: a looped one holds 2 stages on each rank);
+    returns the resume's layout line, the evaluation and which blocks were compiled."""
     torch.set_num_threads(1)
     said: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: said.append(record.getMessage())
     logging.getLogger("ampddp").addHandler(handler)
     logging.getLogger("ampddp").setLevel(logging.INFO)
-    pp = PPOptions(pp_size, microbatches=4) if pp_size > 1 else None
+    pp = PPOptions(pp_size, schedule=schedule, microbatches=4) if pp_size > 1 else None
     run = trainer(Path(run_dir), env, "O0", pp, steps=steps, batch_size=8, samples=53, evaluated=True, compiled=compiled)
     evaluation = run.fit()["eval"]
     compiled_blocks = [block._compiled_call_impl is not None for block in run.run.module.blocks.values()] if pp else []
@@ -172,15 +177,16 @@ def fit_worker(env, run_dir: str, pp_size: int, steps: int, compiled: bool = Fal
 
 def test_a_pipeline_checkpoint_resumes_on_one_process_and_back_and_exports_whole(tmp_path):
     straight, across = tmp_path / "straight", tmp_path / "across"
-    # 7 steps (an epoch) on one process; and 2 under the pipeline, 2 more on one process (a pipeline's checkpoint read
-    # whole), 3 more under the pipeline again (a whole model's checkpoint cut into stages, compiled block by block), each
-    # resuming the one before
+    # 7 steps (an epoch) on one process; and 2 under the pipeline with 2 stages on each rank (Interleaved1F1B), 2 more on
+    # one process (a pipeline's checkpoint read whole), 1 more in 2 stages (1F1B: a whole model's checkpoint cut into
+    # stages), 2 more under ZBV (2 stages on each rank again, compiled block by block), each resuming the one before
     alone = launch_local(fit_worker, 1, (str(straight), 1, 7), device="cpu", timeout_s=60, job_timeout_s=300)[0]
-    launch_local(fit_worker, 2, (str(across), 2, 2), device="cpu", timeout_s=60, job_timeout_s=300)
+    launch_local(fit_worker, 2, (str(across), 2, 2, False, "Interleaved1F1B"), device="cpu", timeout_s=60, job_timeout_s=300)
     resumed_alone = launch_local(fit_worker, 1, (str(across), 1, 4), device="cpu", timeout_s=60, job_timeout_s=300)[0]
     assert resumed_alone["layouts"] == "its tensors were written by strategy none, pp 2 and read into strategy none"
-    piped = launch_local(fit_worker, 2, (str(across), 2, 7, True), device="cpu", timeout_s=60, job_timeout_s=300)
-    assert [rank["compiled"] for rank in piped] == [[True, True], [True, True]]
+    launch_local(fit_worker, 2, (str(across), 2, 5), device="cpu", timeout_s=60, job_timeout_s=300)
+    piped = launch_local(fit_worker, 2, (str(across), 2, 7, True, ZBV), device="cpu", timeout_s=60, job_timeout_s=300)
+    assert [rank["compiled"] for rank in piped] == [[True, True], [True, True]]  # blocks 0, 3 on rank 0; 1, 2 on rank 1
     assert piped[0]["eval"] == piped[1]["eval"] and piped[0]["eval"].keys() == alone["eval"].keys()
     for name, value in alone["eval"].items():  # evaluated through the pipeline as on one process
         assert piped[0]["eval"][name] == pytest.approx(value, rel=1e-4), name

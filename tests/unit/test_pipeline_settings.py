@@ -12,9 +12,10 @@ from ampddp import Parallel
 from ampddp.checkpoint import keys
 from ampddp.checkpoint.stage_view import StageView
 from ampddp.distributed.env import DistEnv
-from ampddp.distributed.pipeline import PPOptions, split_batch, split_stage
+from ampddp.distributed.pipeline import PPOptions, split_batch, split_stage, united
 from ampddp.distributed.tensor_parallel import TPOptions
 from ampddp.errors import CheckpointError, ConfigError
+from ampddp.torch_compat import compiled_split_backward_problem, zbv_schedule_problem
 from ampddp.zoo.models import GPT
 
 
@@ -23,7 +24,10 @@ from ampddp.zoo.models import GPT
     [
         (lambda: PPOptions(0), "pp_size=0 is not valid"),
         (lambda: PPOptions(2, schedule="Zigzag"), "pp_schedule='Zigzag' is not valid"),
-        (lambda: PPOptions(2, schedule="Interleaved1F1B"), "places several stages on each rank, which ampddp does not run yet"),
+        (lambda: PPOptions(2, schedule="ZBVZeroBubble", stages_per_rank=3), "which runs exactly 2 stages per rank"),
+        (lambda: PPOptions(2, schedule="1F1B", stages_per_rank=2), "pp_schedule=1F1B, which runs one stage per rank"),
+        (lambda: PPOptions(2, schedule="Interleaved1F1B", microbatches=5), "take whole rounds of micro-batches"),
+        (lambda: Parallel("fsdp2", pp=PPOptions(2, schedule="Interleaved1F1B")), "runs with strategy none without tp_size so far"),
         (lambda: PPOptions(2, microbatches=0), "pp_microbatches=0 is not valid"),
         (lambda: PPOptions(2, split="mypkg:split"), "pp_split='mypkg:split' is not valid"),
         (
@@ -158,3 +162,31 @@ def test_a_split_by_module_names_keeps_each_stages_modules_and_refuses_what_does
                     "blocks.0"], ["blocks.1", "final_norm", "head"]]))  # fmt: skip
     with pytest.raises(ConfigError, match="give 2 lists of module names, one per stage"):
         PPOptions(2, split=[["embed"]])
+
+
+def test_a_rank_holding_several_stages_trains_them_as_one_module_under_the_whole_models_names():
+    """Looped schedules: rank r of p holds stages r, r + p (ZBV: r and 2p - 1 - r); its stages, cut from copies of the
+    model, are held together by one module (the optimizer's, the checkpoint's) sharing their tensors."""
+    options = PPOptions(2, schedule="Interleaved1F1B")
+    assert (options.per_rank, options.stages, options.stages_of(0), options.stages_of(1)) == (2, 4, (0, 2), (1, 3))
+    if zbv_schedule_problem() is None:  # torch 2.14+
+        assert PPOptions(2, schedule="ZBVZeroBubble").stages_of(0) == (0, 3)
+    assert [count for count in range(1, 9) if options.schedule_fits(count)] == [2, 3, 4, 6, 8]  # whole rounds of 2
+    torch.manual_seed(0)
+    whole = GPT(32, layers=4, width=16, heads=2, context=8)
+    held = [split_stage(GPT(32, layers=4, width=16, heads=2, context=8), index, options) for index in (0, 2)]
+    union = united(held)
+    assert {name.split(".")[1] for name in union.state_dict() if name.startswith("blocks.")} == {"0", "2"}
+    assert set(union.state_dict()) == set(held[0].state_dict()) | set(held[1].state_dict()) < set(whole.state_dict())
+    assert {id(param) for param in union.parameters()} == {id(param) for part in held for param in part.parameters()}
+    assert list(held[1].blocks) == ["2"] and held[1].token_embedding is None  # the stages themselves left as cut
+    twice = [split_stage(GPT(32, layers=4, width=16, heads=2, context=8), 0, options) for _ in range(2)]
+    with pytest.raises(ConfigError, match=r"two pipeline stages of one rank both hold token_embedding\.weight"):
+        united(twice)
+
+
+def test_zbv_and_compiled_zero_bubble_are_refused_on_a_torch_they_were_not_measured_to_run_on():
+    assert zbv_schedule_problem("2.14.1") is None
+    assert "pp_schedule=ZBVZeroBubble needs torch >= 2.14 (on torch 2.10.0 a rank sends to itself" in zbv_schedule_problem("2.10.0")
+    assert compiled_split_backward_problem("2.14.1") is None
+    assert "trainer.compile under a zero-bubble pipeline schedule needs torch >= 2.14" in compiled_split_backward_problem("2.10.0")

@@ -11,7 +11,7 @@ the numbering (agreed by every stage when it is made) and translates the state b
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,20 +35,27 @@ class StageView:
     names: frozenset[str]
 
     @classmethod
-    def agreed(cls, module: nn.Module, optimizer: Optimizer, stage: int, env: DistEnv) -> StageView:
-        """The view of ``stage`` (this rank's), every stage's group sizes gathered once (collective)."""
-        sizes = [len(group["params"]) for group in optimizer.param_groups]
-        every = gather_objects((stage, sizes), env)
-        stages = sorted({at: found for at, found in every}.items())
-        if len({len(found) for _, found in stages}) != 1:
+    def agreed(cls, module: nn.Module, optimizer: Optimizer, stage_of: Sequence[int], env: DistEnv) -> StageView:
+        """The view of this rank's stages (one, or several under a looped schedule, ``module`` holding them all; ``stage_of``:
+        the stage of each of the optimizer's parameters, in param-group order), every stage's group sizes gathered once
+        (collective)."""
+        groups = len(optimizer.param_groups)
+        sizes = {index: [0] * groups for index in stage_of}
+        places = []  # (stage, group, position in that stage's share of the group) of each optimizer parameter, in order
+        owners = iter(stage_of)
+        for group, found in enumerate(optimizer.param_groups):
+            for _ in found["params"]:
+                index = next(owners)
+                places.append((index, group, sizes[index][group]))
+                sizes[index][group] += 1
+        every = dict(pair for pairs in gather_objects(sorted(sizes.items()), env) for pair in pairs)
+        if len({len(found) for found in every.values()}) != 1:
             raise CheckpointError(f"the pipeline's stages made optimizers of different numbers of parameter groups "
-                                  f"({', '.join(f'stage {at}: {len(found)}' for at, found in stages)}); give every stage the same "
-                                  "groups (a group may be empty) so their checkpoint reads as one model's")  # fmt: skip
-        whole, offset = [], 0
-        for group in range(len(sizes)):
-            before = sum(found[group] for at, found in stages if at < stage)
-            whole += [offset + before + position for position in range(sizes[group])]
-            offset += sum(found[group] for _, found in stages)
+                                  f"({', '.join(f'stage {at}: {len(found)}' for at, found in sorted(every.items()))}); give every "
+                                  "stage the same groups (a group may be empty) so their checkpoint reads as one model's")  # fmt: skip
+        offsets = [sum(found[earlier] for found in every.values() for earlier in range(group)) for group in range(groups)]
+        whole = [offsets[group] + sum(found[group] for at, found in every.items() if at < index) + position
+                 for index, group, position in places]  # fmt: skip
         return cls(tuple(whole), frozenset(module.state_dict()))
 
     @property

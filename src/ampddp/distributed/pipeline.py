@@ -13,6 +13,8 @@ rank and what the stages send each other outside torch's schedules: ``ampddp.dis
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
@@ -26,6 +28,7 @@ from ampddp.choices import PP_SCHEDULES
 from ampddp.distributed.pipeline_stages import Feed, ModelInputs, PipelineModel, PipelineParts, StagesInTurn
 from ampddp.distributed.schedule import Backward, LossOf, Result
 from ampddp.errors import ConfigError, choice_error, closest
+from ampddp.torch_compat import graphs_kept_between_backwards, zbv_schedule_problem
 
 logger = logging.getLogger("ampddp.distributed")
 
@@ -37,6 +40,9 @@ skipping a module that is None); or None: the model's own ``pipeline_stage(stage
 
 SCHEDULE_CLASSES = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B"}
 """The schedules that run one stage per rank, by their recipe names (torch's classes)."""
+LOOPED_CLASSES = {"Interleaved1F1B": "ScheduleInterleaved1F1B", "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble",
+                  "ZBVZeroBubble": "ScheduleZBVZeroBubble"}  # fmt: skip
+"""The schedules that run several stages per rank (looped: rank r holds stages r, r + p, ...; ZBV: r and 2p - 1 - r)."""
 
 
 @dataclass(frozen=True)
@@ -49,17 +55,60 @@ class PPOptions:
     schedule: str = "1F1B"
     microbatches: int | None = None
     split: StageSplit = None
+    stages_per_rank: int | None = None
+    """The stages each rank holds: 1 for GPipe and 1F1B; 2 by default for the looped schedules (ZBVZeroBubble: exactly 2)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
             raise ConfigError(f"pp_size={self.size!r} is not valid; it must be an integer >= 1 (1: no pipeline parallelism)")
         if self.schedule not in PP_SCHEDULES:
             raise choice_error("pp_schedule", self.schedule, PP_SCHEDULES)
-        if self.schedule not in SCHEDULE_CLASSES:
-            raise ConfigError(f"pp_schedule={self.schedule!r} places several stages on each rank, which ampddp does not run yet; "
-                              f"use {' or '.join(SCHEDULE_CLASSES)} (one stage per rank)")  # fmt: skip
+        self._check_stages_per_rank()
+        if self.schedule == "ZBVZeroBubble" and zbv_schedule_problem() is not None:
+            raise ConfigError(zbv_schedule_problem())
         self._check_microbatches()
         self._check_split()
+
+    def _check_stages_per_rank(self) -> None:
+        given, looped = self.stages_per_rank, self.schedule in LOOPED_CLASSES
+        if given is None:
+            return
+        if isinstance(given, bool) or not isinstance(given, int) or given < 1:
+            raise ConfigError(f"pp_stages_per_rank={given!r} is not valid; it must be an integer >= 1, or null (the schedule's own)")
+        if not looped and given != 1:
+            raise ConfigError(f"pp_stages_per_rank={given} with pp_schedule={self.schedule}, which runs one stage per rank; use "
+                              f"{', '.join(LOOPED_CLASSES)} for several")  # fmt: skip
+        if (looped and given < 2) or (self.schedule == "ZBVZeroBubble" and given != 2):
+            needs = "exactly 2" if self.schedule == "ZBVZeroBubble" else "at least 2"
+            raise ConfigError(f"pp_stages_per_rank={given} with pp_schedule={self.schedule}, which runs {needs} stages per rank; "
+                              "give 2 or null, or use GPipe or 1F1B for one")  # fmt: skip
+
+    @property
+    def per_rank(self) -> int:
+        """The stages each rank holds."""
+        if self.stages_per_rank is not None:
+            return self.stages_per_rank
+        return 2 if self.schedule in LOOPED_CLASSES else 1
+
+    @property
+    def stages(self) -> int:
+        """The stages the model is cut into: ``size`` ranks holding ``per_rank`` each."""
+        return self.size * self.per_rank
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The stages pipeline rank ``rank`` holds, in the model's order (torch's placement for the schedule)."""
+        if self.schedule == "ZBVZeroBubble":
+            return (rank, 2 * self.size - 1 - rank)
+        return tuple(rank + self.size * loop for loop in range(self.per_rank))
+
+    def schedule_fits(self, micro_batches: int) -> bool:
+        """Whether torch's schedule takes ``micro_batches`` (at least one per rank; the interleaved ones, a whole number of
+        rounds of ``size``); otherwise they go through the stages one by one."""
+        if micro_batches < self.size:
+            return False
+        if self.schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+            return micro_batches % max(1, micro_batches // self.size) == 0
+        return True
 
     def _check_microbatches(self) -> None:
         micro = self.microbatches
@@ -68,12 +117,16 @@ class PPOptions:
         if micro is not None and micro < self.size:
             logger.warning("pp_microbatches=%d < pp_size=%d: each micro-batch goes through the stages in turn, every stage idle "
                            "while the others work; give at least pp_size", micro, self.size)  # fmt: skip
+        elif micro is not None and not self.schedule_fits(micro):
+            raise ConfigError(f"pp_microbatches={micro} with pp_schedule={self.schedule} on pp_size={self.size}: torch's interleaved "
+                              f"schedules take whole rounds of micro-batches ({micro} // {self.size} rounds must divide {micro}); "
+                              f"give a multiple of {self.size}")  # fmt: skip
 
     def _check_split(self) -> None:
         split = self.split
         if isinstance(split, Sequence) and not isinstance(split, str):
-            if len(split) != self.size or not all(_names(names) for names in split):
-                raise ConfigError(f"pp_split={split!r} is not valid; give {self.size} lists of module names, one per stage "
+            if len(split) != self.stages or not all(_names(names) for names in split):
+                raise ConfigError(f"pp_split={split!r} is not valid; give {self.stages} lists of module names, one per stage "
                                   "(each naming at least one module)")  # fmt: skip
             object.__setattr__(self, "split", tuple(tuple(names) for names in split))
         elif split is not None and not callable(split):
@@ -101,12 +154,12 @@ def _names(value: Any) -> bool:
 
 
 def split_stage(model: nn.Module, stage: int, options: PPOptions) -> nn.Module:
-    """``model`` cut down to its stage ``stage`` of ``options.size``: by ``options.split``, else by the model's own
+    """``model`` cut down to its stage ``stage`` of ``options.stages``: by ``options.split``, else by the model's own
     ``pipeline_stage``; a model with neither is refused in one line."""
     if isinstance(options.split, tuple):
         return keep_modules(model, options.split, stage)
     if options.split is not None:
-        part = options.split(model, stage, options.size)
+        part = options.split(model, stage, options.stages)
         if not isinstance(part, nn.Module):
             raise ConfigError(f"pp_split returned a {type(part).__name__} for stage {stage}; it must return the stage's nn.Module")
         return part
@@ -114,7 +167,7 @@ def split_stage(model: nn.Module, stage: int, options: PPOptions) -> nn.Module:
     if not callable(own):
         raise ConfigError(f"{type(model).__name__} has no pipeline split: give distributed.pp_split as a function (model, stage, "
                           "stages) that returns the stage's module (ampddp.zoo.models:gpt splits its blocks by itself)")  # fmt: skip
-    return own(stage, options.size)
+    return own(stage, options.stages)
 
 
 def keep_modules(model: nn.Module, stages: Sequence[Sequence[str]], stage: int) -> nn.Module:
@@ -149,6 +202,45 @@ def _check_names(model: nn.Module, stages: Sequence[Sequence[str]]) -> None:
                               "stage's module names")  # fmt: skip
 
 
+def united(stages: Sequence[nn.Module]) -> nn.Module:
+    """One module holding the modules, parameters and buffers of ``stages`` (cut from copies of one model) under the
+    whole model's names: what a rank holding several stages trains, checkpoints and steps (its optimizer, its precision
+    engine's masters), sharing their tensors. Its containers are copies (the stages' own are left as they are), so its
+    forward is not the stages': each runs its own."""
+    whole = _container_copy(stages[0])
+    for stage in stages[1:]:
+        _graft(whole, stage)
+    return whole
+
+
+def _container_copy(module: nn.Module) -> nn.Module:
+    copied = copy.copy(module)
+    copied._modules, copied._parameters, copied._buffers = dict(module._modules), dict(module._parameters), dict(module._buffers)
+    return copied
+
+
+def _graft(into: nn.Module, part: nn.Module, prefix: str = "") -> None:
+    """``part``'s modules, parameters and buffers added to ``into`` where it has none under that name; a parameter both hold
+    apart is refused (two stages would train it apart); of a buffer both hold (a constant each stage keeps), the first."""
+    for table in ("_parameters", "_buffers"):
+        mine = getattr(into, table)
+        for name, value in getattr(part, table).items():
+            if value is not None and mine.get(name) is None:
+                mine[name] = value
+            elif value is not None and mine[name] is not value and table == "_parameters":
+                raise ConfigError(f"two pipeline stages of one rank both hold {prefix}{name}; a split must give each parameter and "
+                                  "buffer to one stage")  # fmt: skip
+    for name, child in part._modules.items():
+        held = into._modules.get(name)
+        if child is None or held is child:
+            continue
+        if held is None:
+            into._modules[name] = child
+        else:
+            into._modules[name] = _container_copy(held)
+            _graft(into._modules[name], child, f"{prefix}{name}.")
+
+
 def tied_names(model: nn.Module) -> list[set[str]]:
     """The names of each parameter ``model`` holds under several names (tied weights: an embedding shared with a head)."""
     names: dict[int, set[str]] = {}
@@ -157,13 +249,15 @@ def tied_names(model: nn.Module) -> list[set[str]]:
     return [found for found in names.values() if len(found) > 1]
 
 
-def refuse_ties_across_stages(tied: list[set[str]], stage: nn.Module, index: int, env: Any) -> None:
-    """Refuse, on every rank at once (the stages' names gathered), weights tied across stages: each stage would train its
-    own copy and they would part."""
+def refuse_ties_across_stages(tied: list[set[str]], held: dict[int, nn.Module], env: Any) -> None:
+    """Refuse, on every rank at once (the stages' names gathered), weights tied across stages (``held``: this rank's, by
+    index): each stage would train its own copy and they would part."""
     from ampddp.distributed.data import gather_objects
 
-    kept = {name for name, _ in stage.named_parameters(remove_duplicate=False)}
-    where = {at: names for at, names in gather_objects((index, sorted(kept & set().union(*tied))), env)} if tied else {}
+    tied_anywhere = set().union(*tied) if tied else set()
+    mine = [(index, sorted({name for name, _ in stage.named_parameters(remove_duplicate=False)} & tied_anywhere))
+            for index, stage in held.items()]  # fmt: skip
+    where = {at: names for every in gather_objects(mine, env) for at, names in every} if tied else {}
     for names in tied:
         stages = sorted(at for at, held in where.items() if names & set(held))
         if len(stages) > 1:
@@ -205,8 +299,9 @@ class PipelineSchedule:
 
     torch's stages fix the shapes of their micro-batches at their first step, so each shape gets its own (made when
     first met, on every stage at once: they read the same batch); a batch the micro-batches do not divide (an epoch's
-    last) is cut into as many equal micro-batches as divide it, and fewer micro-batches than stages (asked for, or an
-    odd batch's) go through the stages in turn, one by one (``StagesInTurn``)."""
+    last) is cut into as many equal micro-batches as divide it, and a count torch's schedule does not take (fewer than
+    the pipeline's ranks, asked for or an odd batch's; for an interleaved schedule, not whole rounds) goes through the
+    stages in turn, one by one (``StagesInTurn``)."""
 
     def __init__(self, parts: PipelineParts, model: PipelineModel, options: PPOptions) -> None:
         self.parts, self.model, self.options = parts, model, options
@@ -215,7 +310,7 @@ class PipelineSchedule:
 
     def loss_copies(self, ranks_per_data_rank: int) -> int:
         """How many ranks of one data coordinate hold its loss: the last stage's."""
-        return max(ranks_per_data_rank // self.parts.stages, 1)
+        return max(ranks_per_data_rank // self.parts.ranks, 1)
 
     def _loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
         if self._scores is None:
@@ -229,12 +324,20 @@ class PipelineSchedule:
         from torch.distributed.pipelining import schedules
 
         def make() -> Any:
-            kind = getattr(schedules, SCHEDULE_CLASSES[self.options.schedule])
-            return kind(self.parts.torch_stage(), len(micro), loss_fn=self._loss, scale_grads=False)
+            looped = self.options.schedule in LOOPED_CLASSES
+            kind = getattr(schedules, LOOPED_CLASSES[self.options.schedule] if looped else SCHEDULE_CLASSES[self.options.schedule])
+            stages = self.parts.torch_stages()
+            return kind(stages if looped else stages[0], len(micro), loss_fn=self._loss, scale_grads=False)
 
         return self._schedules.get((len(micro), shapes_of(micro[0])), make)
 
     def forward_backward(self, window: Sequence[Any], loss_of: LossOf, backward: Backward) -> torch.Tensor:
+        """The window's gradients (compiled blocks met here under a zero-bubble schedule: compiled for its split backward)."""
+        split = "ZeroBubble" in self.options.schedule
+        with graphs_kept_between_backwards() if split else contextlib.nullcontext():
+            return self._forward_backward(window, loss_of, backward)
+
+    def _forward_backward(self, window: Sequence[Any], loss_of: LossOf, backward: Backward) -> torch.Tensor:
         parts, total = self.parts, torch.zeros((), dtype=torch.float64)
         for batch in window:
             micro = split_batch(batch, self.options.micro_batches)
@@ -250,7 +353,7 @@ class PipelineSchedule:
                 return backward.scaled(loss, count)
 
             feed = lambda index, micro=micro: loss_of.forward(ModelInputs(), micro[index])  # noqa: E731 - the first stage's
-            if len(micro) < parts.stages:  # fewer micro-batches than stages (asked for, or an odd batch's): one by one
+            if not self.options.schedule_fits(len(micro)):  # fewer than ranks (asked for, or an odd batch's): one by one
                 for index in range(len(micro)):
                     StagesInTurn(parts).forward_backward(lambda _, index=index, feed=feed: feed(index),
                                                          lambda output, index=index: score(index, output))  # fmt: skip
@@ -267,7 +370,7 @@ class PipelineSchedule:
         indices = torch.arange(count)
         self._scores = score
         try:
-            with parts.stage.feeding(feed):
+            with parts.feeding(feed):
                 if parts.is_first:
                     schedule.step(indices, target=indices if parts.is_last else None)
                 else:

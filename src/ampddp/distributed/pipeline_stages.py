@@ -64,76 +64,109 @@ class ModelInputs:
 
 @dataclass
 class PipelineParts:
-    """A rank's place in the pipeline, made by the strategy's set-up: its stage (in ``module``), the pipeline's process
-    group and this rank's device, and the global ranks of the stages (``ranks[i]``: stage ``i``'s)."""
+    """A rank's place in the pipeline, made by the strategy's set-up: the stages it holds (``held``: stage index -> its
+    hooks, the stage's module in ``hooks.module``; several under a looped schedule), the number of stages, the pipeline's
+    process group and this rank's device, and the global rank holding each stage (``owners[i]``: stage ``i``'s)."""
 
-    stage_index: int
+    held: dict[int, StageHooks]
     stages: int
-    stage: StageHooks
     group: Any
     device: torch.device
-    ranks: tuple[int, ...]
+    owners: tuple[int, ...]
+    rank: int
+    """This process's global rank."""
 
     @property
     def is_first(self) -> bool:
-        return self.stage_index == 0
+        return 0 in self.held
 
     @property
     def is_last(self) -> bool:
-        return self.stage_index == self.stages - 1
+        return self.stages - 1 in self.held
 
-    def torch_stage(self) -> Any:
-        """A new torch ``PipelineStage`` over this rank's stage (it fixes its inputs' shapes at its first step)."""
+    @property
+    def ranks(self) -> int:
+        """The pipeline's ranks (each holding one stage or several)."""
+        return len(set(self.owners))
+
+    @property
+    def indices(self) -> tuple[int, ...]:
+        """The stages this rank holds, in the model's order."""
+        return tuple(sorted(self.held))
+
+    def feeding(self, feed: Feed) -> AbstractContextManager[None]:
+        """The first stage's inputs taken from ``feed`` meanwhile (on the rank holding it; nothing elsewhere)."""
+        return self.held[0].feeding(feed) if self.is_first else contextlib.nullcontext()
+
+    def torch_stages(self) -> list[Any]:
+        """New torch ``PipelineStage`` objects over this rank's stages (each fixes its inputs' shapes at its first step)."""
         from torch.distributed.pipelining import PipelineStage
 
-        return PipelineStage(self.stage.module, self.stage_index, self.stages, self.device, group=self.group)
+        return [PipelineStage(self.held[index].module, index, self.stages, self.device, group=self.group) for index in self.indices]
 
 
 class StagesInTurn:
-    """One micro-batch through the stages in turn, the activations (and their gradients) sent point to point: a forward
-    of the whole model (its outputs sent to every stage), or a forward and backward for a batch the micro-batches cannot
-    cut into equal parts, at least one per stage (torch's schedules take neither on every release ampddp supports)."""
+    """One micro-batch through the stages in turn (the model's order, whichever rank holds each), the activations (and
+    their gradients) sent point to point between ranks and handed over within one: a forward of the whole model (its
+    outputs sent to every rank), or a forward and backward for a batch the micro-batches cannot cut into a count torch's
+    schedule takes (torch's schedules take neither on every release ampddp supports)."""
 
     def __init__(self, parts: PipelineParts) -> None:
         self.parts = parts
 
-    def _inputs(self, feed: Feed, keep_grad: bool) -> tuple[Any, tuple[torch.Tensor, ...]]:
-        """This stage's output and the inputs it received (made leaves needing gradients where ``keep_grad``)."""
-        parts = self.parts
-        if parts.is_first:
-            with parts.stage.feeding(feed):
-                return parts.stage.module(torch.zeros(1, dtype=torch.int64)), ()
-        received = tuple(tensor.requires_grad_(keep_grad and tensor.is_floating_point())
-                         for tensor in _receive(parts.ranks[parts.stage_index - 1], parts.group, parts.device))  # fmt: skip
-        return parts.stage.module(*received), received
+    def _forwards(self, feed: Feed, keep_grad: bool) -> dict[int, tuple[Any, tuple[torch.Tensor, ...]]]:
+        """Each held stage's output and the inputs it received (leaves needing gradients where ``keep_grad``)."""
+        parts, runs = self.parts, {}
+        handed: tuple[torch.Tensor, ...] = ()
+        for index in parts.indices:
+            hooks = parts.held[index]
+            if index == 0:
+                with hooks.feeding(feed):
+                    output, received = hooks.module(torch.zeros(1, dtype=torch.int64)), ()
+            else:
+                before = parts.owners[index - 1]
+                incoming = handed if before == parts.rank else _receive(before, parts.group, parts.device)
+                received = tuple(tensor.detach().requires_grad_(keep_grad and tensor.is_floating_point()) for tensor in incoming)
+                output = hooks.module(*received)
+            runs[index] = (output, received)
+            if index < parts.stages - 1:
+                after = parts.owners[index + 1]
+                if after == parts.rank:
+                    handed = _tensors(output)
+                else:
+                    _send(output, after, parts.group)
+        return runs
 
     def forward(self, feed: Feed) -> Any:
-        """The whole model's outputs of ``feed`` (the first stage's inputs), on every stage."""
+        """The whole model's outputs of ``feed`` (the first stage's inputs), on every rank."""
         import torch.distributed as dist
 
         parts = self.parts
-        output, _ = self._inputs(feed, keep_grad=False)
-        if not parts.is_last:
-            _send(output, parts.ranks[parts.stage_index + 1], parts.group)
-        sent = [output if parts.is_last else None]
-        dist.broadcast_object_list(sent, src=parts.ranks[-1], group=parts.group)
+        runs = self._forwards(feed, keep_grad=False)
+        sent = [runs[parts.stages - 1][0] if parts.is_last else None]
+        dist.broadcast_object_list(sent, src=parts.owners[-1], group=parts.group)
         return sent[0]
 
     def forward_backward(self, feed: Feed, score: Callable[[Any], torch.Tensor]) -> None:
         """The gradients of one micro-batch: ``score(outputs)`` on the last stage is the (scaled) loss it runs the backward
-        of; each stage's backward starts from the gradients the next one sends."""
+        of; each stage's backward starts from the gradients the next one hands or sends."""
         parts = self.parts
-        output, received = self._inputs(feed, keep_grad=True)
-        if parts.is_last:
-            score(output).backward()
-        else:
-            _send(output, parts.ranks[parts.stage_index + 1], parts.group)
-            outputs = _tensors(output)
-            grads = _receive(parts.ranks[parts.stage_index + 1], parts.group, parts.device)
-            torch.autograd.backward(outputs, grads)
-        if not parts.is_first:
-            _send(tuple(tensor.grad if tensor.grad is not None else torch.zeros_like(tensor) for tensor in received),
-                  parts.ranks[parts.stage_index - 1], parts.group)  # fmt: skip
+        runs = self._forwards(feed, keep_grad=True)
+        handed: dict[int, tuple[torch.Tensor, ...]] = {}
+        for index in reversed(parts.indices):
+            output, received = runs[index]
+            if index == parts.stages - 1:
+                score(output).backward()
+            else:
+                after = parts.owners[index + 1]
+                grads = handed.pop(index) if after == parts.rank else _receive(after, parts.group, parts.device)
+                torch.autograd.backward(_tensors(output), grads)
+            if index > 0:
+                back = tuple(tensor.grad if tensor.grad is not None else torch.zeros_like(tensor) for tensor in received)
+                if parts.owners[index - 1] == parts.rank:
+                    handed[index - 1] = back
+                else:
+                    _send(back, parts.owners[index - 1], parts.group)
 
 
 def _tensors(value: Any) -> tuple[torch.Tensor, ...]:

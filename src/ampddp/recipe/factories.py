@@ -353,7 +353,8 @@ def tp_options(config: RunConfig) -> TPOptions:
 
 
 def pp_options(config: RunConfig) -> PPOptions:
-    """distributed.pp_size / pp_schedule / pp_microbatches / pp_split (a package.module:function, imported here)."""
+    """distributed.pp_size / pp_schedule / pp_microbatches / pp_split (a package.module:function, imported here) /
+    pp_stages_per_rank."""
     dist_cfg = config.distributed
     split = dist_cfg.pp_split
     if isinstance(split, str):
@@ -363,7 +364,8 @@ def pp_options(config: RunConfig) -> PPOptions:
                               "(the model's own pipeline_stage)")  # fmt: skip
         split = load_callable(split, "distributed.pp_split")
     try:
-        return PPOptions(size=dist_cfg.pp_size, schedule=dist_cfg.pp_schedule, microbatches=dist_cfg.pp_microbatches, split=split)
+        return PPOptions(size=dist_cfg.pp_size, schedule=dist_cfg.pp_schedule, microbatches=dist_cfg.pp_microbatches, split=split,
+                         stages_per_rank=dist_cfg.pp_stages_per_rank)  # fmt: skip
     except ConfigError as error:
         raise ConfigError(f"distributed.{error}") from None
 

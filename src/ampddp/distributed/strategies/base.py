@@ -120,9 +120,9 @@ class Strategy:
         """``model`` (placed, cast and bound to its optimizer) in this strategy's wrapper."""
         return model
 
-    def stage_index(self) -> int | None:
-        """This rank's pipeline stage once set up (None: the model is not cut into stages); a checkpoint then reads
-        the stage's part as the whole model's (``ampddp.checkpoint.stage_view``)."""
+    def optimizer_stages(self) -> list[int] | None:
+        """Once set up, the pipeline stage of each of the optimizer's parameters, in param-group order (None: the model is
+        not cut into stages); a checkpoint then reads this rank's part as the whole model's (``ampddp.checkpoint.stage_view``)."""
         return None
 
     def grad_sync(self, model: nn.Module) -> GradSync:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch.distributed as dist
@@ -11,14 +12,16 @@ from torch import nn
 from ampddp.distributed.env import DistEnv
 from ampddp.distributed.mesh import ParallelDims
 from ampddp.distributed.meta_init import InitProgram, ModelBuild
-from ampddp.distributed.pipeline import PipelineSchedule, PPOptions, refuse_ties_across_stages, split_stage, tied_names
+from ampddp.distributed.pipeline import PipelineSchedule, PPOptions, refuse_ties_across_stages, split_stage, tied_names, united
 from ampddp.distributed.pipeline_stages import PipelineModel, PipelineParts, StageHooks
 from ampddp.distributed.schedule import StepSchedule
 from ampddp.distributed.strategies.base import MakeOptimizer, SetUp, Strategy
+from ampddp.distributed.strategies.replicated import Unwrapped
 from ampddp.distributed.wrap import GradSync
 from ampddp.errors import ConfigError
 from ampddp.precision.choice import Precision
 from ampddp.precision.engine import PrecisionEngine
+from ampddp.torch_compat import compiled_split_backward_problem
 
 
 class Pipelined(Strategy):
@@ -34,10 +37,15 @@ class Pipelined(Strategy):
     forwards_through_model = True
 
     def __init__(self, inner: Strategy, pp: PPOptions) -> None:
+        if pp.per_rank > 1 and not isinstance(inner, Unwrapped):
+            raise ConfigError(f"pp_schedule={pp.schedule} holds {pp.per_rank} stages on each rank, which runs with strategy none "
+                              f"without tp_size so far; with strategy {inner.name}"
+                              f"{' and tp_size' if getattr(inner, 'tp', None) and inner.tp.enabled else ''} use GPipe or 1F1B")  # fmt: skip
         self.inner, self.pp = inner, pp
         inner.stages = pp.size
         self._parts: PipelineParts | None = None
         self._model: PipelineModel | None = None
+        self._optimizer_stages: list[int] | None = None
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -76,19 +84,47 @@ class Pipelined(Strategy):
     def set_up(self, model: nn.Module, make_optimizer: MakeOptimizer, env: DistEnv, engine: PrecisionEngine,
                init: InitProgram | None = None) -> SetUp:  # fmt: skip
         dims = self.mesh_of(env)
-        index = dims.coordinates(env.rank)["pp"]
+        indices = self.pp.stages_of(dims.coordinates(env.rank)["pp"])
         tied = tied_names(model)
-        stage = split_stage(model, index, self.pp)
-        refuse_ties_across_stages(tied, stage, index, env)
-        inside = self.inner.set_up(stage, make_optimizer, env, engine, init)
+        copies = [copy.deepcopy(model) for _ in indices[1:]] + [model]  # each stage cut from a model of its own
+        held = {index: split_stage(whole, index, self.pp) for index, whole in zip(indices, copies)}
+        refuse_ties_across_stages(tied, held, env)
+        if len(held) == 1:
+            inside = self.inner.set_up(held[indices[0]], make_optimizer, env, engine, init)
+            held = {indices[0]: inside.model}
+            self._optimizer_stages = [indices[0]] * sum(len(group["params"]) for group in inside.optimizer.param_groups)
+        else:
+            inside = self._set_up_held(held, make_optimizer, env, engine, init)
         group = dims.submesh("pp").get_group()
         engine.agree_over(dist.group.WORLD)  # the stages hold different gradients: every rank takes the same verdict
         engine.norm_across(group)  # and different parts of the model: the gradient norm is their norms' combination
-        ranks = tuple(dist.get_global_rank(group, at) for at in range(self.pp.size))
-        self._parts = PipelineParts(index, self.pp.size, StageHooks(inside.model, engine.forward_context, first=index == 0),
-                                    group, env.device, ranks)  # fmt: skip
+        owners = tuple(dist.get_global_rank(group, holder) for holder in self._holders())
+        hooks = {index: StageHooks(module, engine.forward_context, first=index == 0) for index, module in held.items()}
+        self._parts = PipelineParts(hooks, self.pp.stages, group, env.device, owners, env.rank)
         self._model = PipelineModel(self._parts)
         return SetUp(self._model, inside.module, inside.optimizer)
+
+    def _holders(self) -> list[int]:
+        """The pipeline rank holding each stage, in the model's order."""
+        holders = [0] * self.pp.stages
+        for rank in range(self.pp.size):
+            for index in self.pp.stages_of(rank):
+                holders[index] = rank
+        return holders
+
+    def _set_up_held(self, held: dict[int, nn.Module], make_optimizer: MakeOptimizer, env: DistEnv, engine: PrecisionEngine,
+                     init: InitProgram | None) -> SetUp:  # fmt: skip
+        """Several stages on this rank (strategy none): one optimizer over all of them (their parameters under the whole
+        model's names: ``united``) and the precision engine over each stage's module, which runs its own forward. Which
+        stage each optimizer parameter belongs to is read before the engine puts masters in their places."""
+        for module in held.values() if init is not None else ():
+            init.materialise(module, env.device)  # a meta build's values, named as the whole model's in each stage
+        whole = united(list(held.values()))
+        optimizer = make_optimizer(whole.parameters())
+        stage_of = {id(param): index for index, module in held.items() for param in module.parameters()}
+        self._optimizer_stages = [stage_of[id(param)] for group in optimizer.param_groups for param in group["params"]]
+        engine.setup(list(held.values()), [optimizer])
+        return SetUp(whole, whole, optimizer)
 
     def grad_sync(self, model: nn.Module) -> GradSync:
         return GradSync(model)
@@ -96,6 +132,8 @@ class Pipelined(Strategy):
     def compile_units(self, module: nn.Module) -> list[nn.Module]:
         """The stage's blocks compiled one by one (FSDP2's units, or the members of its module lists and dicts): the
         pipeline's own model runs the stages through torch's schedules and cannot be compiled whole."""
+        if "ZeroBubble" in self.pp.schedule and compiled_split_backward_problem() is not None:
+            raise ConfigError(compiled_split_backward_problem())
         blocks = self.inner.compile_units(module) or [
             block for child in module.modules() if isinstance(child, (nn.ModuleList, nn.ModuleDict)) for block in child.children()
         ]
@@ -105,10 +143,10 @@ class Pipelined(Strategy):
                               "compile off")  # fmt: skip
         return blocks
 
-    def stage_index(self) -> int | None:
-        if self._parts is None:
-            raise RuntimeError("the pipeline's stage is known after its set-up")
-        return self._parts.stage_index
+    def optimizer_stages(self) -> list[int] | None:
+        if self._optimizer_stages is None:
+            raise RuntimeError("the pipeline's stages are known after its set-up")
+        return self._optimizer_stages
 
     def schedule(self, model: nn.Module, grad_sync: GradSync) -> StepSchedule:
         if self._parts is None or self._model is None:
