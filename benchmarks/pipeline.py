@@ -1,7 +1,8 @@
 """Pipeline parallelism on CPU processes (gloo, one thread each), ampddp's GPT cut into 2 stages (issue #51 item 5).
 
-- The bubble of GPipe and 1F1B: each stage's idle share of a step (1 - the time it spends in its forwards and
-  backwards / the step's time, both measured), against the theory (p - 1) / (m + p - 1) for p stages, m micro-batches.
+- The bubble of each schedule: each rank's idle share of a step (1 - the time its stages spend in their forwards and
+  backwards / the step's time, both measured), against the theory (p - 1) / (m + p - 1) for p ranks, m micro-batches
+  (GPipe, 1F1B), (p - 1) / (v m + p - 1) with v = 2 stages per rank (the looped schedules; zero bubble: about 0).
 - Training state one stage holds per parameter of the whole model (params, masters, gradients, AdamW state) in O2,
   against one process holding it all.
 - Step time of ampddp's set-up (``prepare(..., Parallel("none", pp=PPOptions(2)))`` and its schedule part, O0)
@@ -14,6 +15,7 @@ CPU times are overhead on shared cores, not pipeline parallelism's speed on GPUs
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 
@@ -26,10 +28,14 @@ from ampddp import Parallel
 from ampddp.distributed import launch_local
 from ampddp.distributed.pipeline import PPOptions
 from ampddp.prepare import prepare
+from ampddp.torch_compat import zbv_schedule_problem
 from ampddp.zoo.models import GPT
 
 VOCABULARY = 256
 BATCH = 16
+CHUNK_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+"""A torch stage's work: forwards, backwards, and (zero-bubble schedules) the weight parts of backwards done apart."""
+LOOPED = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 
 
 def _model(width: int, layers: int) -> GPT:
@@ -95,8 +101,7 @@ def _busy_time(run) -> list[float]:
     chunk methods (instance attributes: nothing global changes)."""
     spent = [0.0]
     for schedule in run.schedule._schedules._held.values():
-        stage = schedule._stage
-        for name in ("forward_one_chunk", "backward_one_chunk"):
+        for stage, name in itertools.product(getattr(schedule, "_stages", None) or [schedule._stage], CHUNK_METHODS):
             original = getattr(stage, name)
 
             def timed(*args, original=original, **kwargs):
@@ -182,14 +187,19 @@ def run(device: str, budget: Budget) -> list[Row]:
     label = f"GPT of {sum(p.numel() for p in _model(width, layers).parameters()) / 1e6:.2f}M params, 2 stages, batch {BATCH} x 64"
     rows = []
     every = [(schedule, micro) for schedule in ("GPipe", "1F1B") for micro in (2, 4, 8)]
+    every += [(schedule, micro) for schedule in LOOPED if zbv_schedule_problem() is None or schedule != "ZBVZeroBubble" for micro in (4, 8)]
     for schedule, micro in budget.pick([("1F1B", 2)], every, every):
         found = launch_local(_bubble, 2, (schedule, micro, width, layers, steps * 2), device="cpu", timeout_s=900)
         idle = statistics.mean(rank["idle"] for rank in found)
-        theory = 1 / (micro + 1)  # (p - 1) / (m + p - 1) with p = 2
-        rows.append(Row(f"pipeline/{schedule}/{micro}-microbatches/idle-share", idle, theory, "share of step", theory / idle,
+        looped = schedule in LOOPED  # 2 stages on each rank: (p - 1) / (v m + p - 1), v = 2; else (p - 1) / (m + p - 1), p = 2
+        theory = 1 / (2 * micro + 1) if looped else 1 / (micro + 1)
+        rows.append(Row(f"pipeline/{schedule}/{micro}-microbatches/idle-share", idle, theory, "share of rank's step", theory / idle,
                         steps * 2, abs(found[0]["idle"] - found[1]["idle"]),
-                        f"{label}: each stage's time in the schedule's step outside its forwards and backwards (mean of the 2; "
-                        "spread: their difference) vs (p-1)/(m+p-1); the p2p sends and receives add to it"))  # fmt: skip
+                        f"{label}{', 4 stages of one block, 2 on each rank' if looped else ''}: each rank's time in the "
+                        "schedule's step outside its stages' forwards and backwards (mean of the 2; spread: their difference) "
+                        f"vs {'interleaved 1F1B (p-1)/(vm+p-1)' if looped else '(p-1)/(m+p-1)'}"
+                        f"{' (zero bubble: 0 where forward, input and weight backwards take equal time)' if 'Zero' in schedule else ''}; "
+                        "the p2p sends and receives add to it"))  # fmt: skip
     o2 = launch_local(_o2, 2, (width, layers, steps * 3), device="cpu", timeout_s=900)
     for stage, found in enumerate(o2):
         rows.append(Row(f"pipeline/stage{stage}/O2/training-state-bytes-per-param", found["held"], 16.0, "bytes/param of the model",
