@@ -373,7 +373,7 @@ class DistributedConfig:
     """The order micro-batches go through the stages: 1F1B (a micro-batch's backward as soon as it can: activations of at
     most pp_size micro-batches held), GPipe (every forward, then every backward); Interleaved1F1B, InterleavedZeroBubble
     (pp_stages_per_rank stages on each rank, looped: a smaller idle share), ZBVZeroBubble (2 stages per rank in a V, the
-    backward split into its input and weight parts to fill the idle time); the looped ones with strategy none so far."""
+    backward split into its input and weight parts to fill the idle time)."""
     pp_microbatches: int | None = field(default=None, metadata=_at_least(1))
     """The micro-batches each batch (data.batch_size, per data-parallel rank) is cut into: more shrink the pipeline's idle
     share ((pp_size-1)/(microbatches+pp_size-1)); null: pp_size. Fewer than pp_size go through the stages one by one."""

@@ -220,12 +220,12 @@ def test_weights_tied_across_stages_are_refused_on_every_stage():
         launch_local(tied_worker, 2, (), device="cpu", timeout_s=60, job_timeout_s=120)
 
 
-def composed_worker(env, root: str, layouts: list[tuple[str, int, str]]) -> dict[str, list[dict[str, object]]]:
-    """Trainer runs of the pipeline composed with another dimension on 4 processes: (strategy, tp_size, mode)."""
+def composed_worker(env, root: str, layouts: list[tuple[str, int, str, str]]) -> dict[str, list[dict[str, object]]]:
+    """Trainer runs of the pipeline composed with another dimension on 4 processes: (strategy, tp_size, mode, schedule)."""
     torch.set_num_threads(1)
     found = {}
-    for strategy, tp_size, mode in layouts:
-        records, pp = Records(), PPOptions(2, microbatches=4 if strategy == "none" else 2)
+    for strategy, tp_size, mode, schedule in layouts:
+        records, pp = Records(), PPOptions(2, schedule=schedule, microbatches=4 if strategy == "none" else 2)
         parallel = Parallel(strategy, pp=pp, tp=TPOptions(tp_size), fsdp=FSDPOptions(shard_size=1 if strategy == "hsdp" else None))
         data_ranks = env.world_size // (pp.size * tp_size)
         run = trainer(Path(root) / f"{strategy}-{tp_size}-{mode}", env, mode, pp, records=records, batch_size=8 // data_ranks,
@@ -233,15 +233,16 @@ def composed_worker(env, root: str, layouts: list[tuple[str, int, str]]) -> dict
         if mode in LOSS_SCALED and env.rank == 0:
             plant_inf_at_last_step(run, pp.micro_batches)
         run.fit()
-        found[f"{strategy}/tp{tp_size}/{mode}"] = records.steps
+        found[f"{strategy}/tp{tp_size}/{schedule}/{mode}"] = records.steps
     return found
 
 
 def test_the_pipeline_composes_with_fsdp2_hsdp_and_tensor_parallelism_on_four_processes(tmp_path):
-    # 2 stages x FSDP2 over 2 data ranks (4 samples each, 2 micro-batches of 2), the same replicated (HSDP with shards of
-    # one rank: DDP's data parallelism); 2 stages x tensor parallelism of 2 (8 samples, 4 micro-batches of 2): the
-    # unsplit model's 8 samples in 4 accumulated batches of 2 is the reference
-    layouts = [("fsdp2", 1, "O2"), ("hsdp", 1, "O2"), ("none", 2, "O0"), ("none", 2, "O2")]
+    # 2 stages x FSDP2 over 2 data ranks (4 samples each, 2 micro-batches of 2), 4 stages (2 on each rank, looped) the
+    # same replicated (HSDP with shards of one rank: DDP's data parallelism); 2 and 4 stages x tensor parallelism of 2
+    # (8 samples, 4 micro-batches of 2): the unsplit model's 8 samples in 4 accumulated batches of 2 is the reference
+    layouts = [("fsdp2", 1, "O2", "1F1B"), ("hsdp", 1, "O2", "Interleaved1F1B"), ("none", 2, "O0", "1F1B"),
+               ("none", 2, "O2", "InterleavedZeroBubble")]  # fmt: skip
     results = launch_local(composed_worker, 4, (str(tmp_path), layouts), device="cpu", timeout_s=60, job_timeout_s=400)
     assert all(result == results[0] for result in results)  # every rank logs the same records: one loss, one verdict
     unsplit = {mode: unsplit_run(tmp_path, mode) for mode in ("O0", "O2")}

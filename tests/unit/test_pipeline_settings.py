@@ -27,7 +27,6 @@ from ampddp.zoo.models import GPT
         (lambda: PPOptions(2, schedule="ZBVZeroBubble", stages_per_rank=3), "which runs exactly 2 stages per rank"),
         (lambda: PPOptions(2, schedule="1F1B", stages_per_rank=2), "pp_schedule=1F1B, which runs one stage per rank"),
         (lambda: PPOptions(2, schedule="Interleaved1F1B", microbatches=5), "take whole rounds of micro-batches"),
-        (lambda: Parallel("fsdp2", pp=PPOptions(2, schedule="Interleaved1F1B")), "runs with strategy none without tp_size so far"),
         (lambda: PPOptions(2, microbatches=0), "pp_microbatches=0 is not valid"),
         (lambda: PPOptions(2, split="mypkg:split"), "pp_split='mypkg:split' is not valid"),
         (

@@ -14,7 +14,6 @@ rank and what the stages send each other outside torch's schedules: ``ampddp.dis
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
@@ -214,7 +213,10 @@ def united(stages: Sequence[nn.Module]) -> nn.Module:
 
 
 def _container_copy(module: nn.Module) -> nn.Module:
-    copied = copy.copy(module)
+    """``module`` copied with tables of its own (its hooks shared), made without its class's constructor: FSDP2's module
+    classes run it from ``__new__``."""
+    copied = object.__new__(type(module))
+    copied.__dict__.update(module.__dict__)
     copied._modules, copied._parameters, copied._buffers = dict(module._modules), dict(module._parameters), dict(module._buffers)
     return copied
 

@@ -36,6 +36,30 @@ class SetUp(NamedTuple):
     optimizer: Optimizer
 
 
+class HeldStages(NamedTuple):
+    """Several pipeline stages set up on one rank (a looped schedule): the set-up (``module``: one module holding them
+    all under the whole model's names), each stage's module as it runs its forward (by index), and the stage of each of
+    the optimizer's parameters in param-group order."""
+
+    set_up: SetUp
+    modules: dict[int, nn.Module]
+    optimizer_stages: list[int]
+
+
+def bind_stages(held: dict[int, nn.Module], make_optimizer: MakeOptimizer, engine: PrecisionEngine) -> HeldStages:
+    """One optimizer over the parameters of every stage in ``held`` (held together by ``united``) and the precision
+    engine over each stage's module; which stage each optimizer parameter belongs to is read before the engine puts
+    masters in their places."""
+    from ampddp.distributed.pipeline import united
+
+    whole = united(list(held.values()))
+    optimizer = make_optimizer(whole.parameters())
+    stage_of = {id(param): index for index, module in held.items() for param in module.parameters()}
+    stages = [stage_of[id(param)] for group in optimizer.param_groups for param in group["params"]]
+    engine.setup(list(held.values()), [optimizer])
+    return HeldStages(SetUp(whole, whole, optimizer), held, stages)
+
+
 class Strategy:
     """A whole-model strategy: the engine sets up the placed model and its optimizer (cast, masters),
     then the wrapper takes the model. Subclasses give ``name``, ``takes`` and what differs."""
@@ -115,6 +139,14 @@ class Strategy:
         optimizer = make_optimizer(model.parameters())
         engine.setup([model], [optimizer])
         return SetUp(self.wrap(model, env), model, optimizer)
+
+    def set_up_held(self, held: dict[int, nn.Module], make_optimizer: MakeOptimizer, env: DistEnv, engine: PrecisionEngine,
+                    init: InitProgram | None = None) -> HeldStages:  # fmt: skip
+        """Several pipeline stages of the model on this rank, each cut from a copy of it (by index), set up as this
+        strategy sets up a model (here: materialised), then bound to one optimizer and the engine (``bind_stages``)."""
+        for module in held.values() if init is not None else ():
+            init.materialise(module, env.device)  # a meta build's values, named as the whole model's in each stage
+        return bind_stages(held, make_optimizer, engine)
 
     def wrap(self, model: nn.Module, env: DistEnv) -> nn.Module:
         """``model`` (placed, cast and bound to its optimizer) in this strategy's wrapper."""

@@ -12,11 +12,10 @@ from torch import nn
 from ampddp.distributed.env import DistEnv
 from ampddp.distributed.mesh import ParallelDims
 from ampddp.distributed.meta_init import InitProgram, ModelBuild
-from ampddp.distributed.pipeline import PipelineSchedule, PPOptions, refuse_ties_across_stages, split_stage, tied_names, united
+from ampddp.distributed.pipeline import PipelineSchedule, PPOptions, refuse_ties_across_stages, split_stage, tied_names
 from ampddp.distributed.pipeline_stages import PipelineModel, PipelineParts, StageHooks
 from ampddp.distributed.schedule import StepSchedule
 from ampddp.distributed.strategies.base import MakeOptimizer, SetUp, Strategy
-from ampddp.distributed.strategies.replicated import Unwrapped
 from ampddp.distributed.wrap import GradSync
 from ampddp.errors import ConfigError
 from ampddp.precision.choice import Precision
@@ -37,10 +36,6 @@ class Pipelined(Strategy):
     forwards_through_model = True
 
     def __init__(self, inner: Strategy, pp: PPOptions) -> None:
-        if pp.per_rank > 1 and not isinstance(inner, Unwrapped):
-            raise ConfigError(f"pp_schedule={pp.schedule} holds {pp.per_rank} stages on each rank, which runs with strategy none "
-                              f"without tp_size so far; with strategy {inner.name}"
-                              f"{' and tp_size' if getattr(inner, 'tp', None) and inner.tp.enabled else ''} use GPipe or 1F1B")  # fmt: skip
         self.inner, self.pp = inner, pp
         inner.stages = pp.size
         self._parts: PipelineParts | None = None
@@ -94,7 +89,7 @@ class Pipelined(Strategy):
             held = {indices[0]: inside.model}
             self._optimizer_stages = [indices[0]] * sum(len(group["params"]) for group in inside.optimizer.param_groups)
         else:
-            inside = self._set_up_held(held, make_optimizer, env, engine, init)
+            inside, held, self._optimizer_stages = self.inner.set_up_held(held, make_optimizer, env, engine, init)
         group = dims.submesh("pp").get_group()
         engine.agree_over(dist.group.WORLD)  # the stages hold different gradients: every rank takes the same verdict
         engine.norm_across(group)  # and different parts of the model: the gradient norm is their norms' combination
@@ -111,20 +106,6 @@ class Pipelined(Strategy):
             for index in self.pp.stages_of(rank):
                 holders[index] = rank
         return holders
-
-    def _set_up_held(self, held: dict[int, nn.Module], make_optimizer: MakeOptimizer, env: DistEnv, engine: PrecisionEngine,
-                     init: InitProgram | None) -> SetUp:  # fmt: skip
-        """Several stages on this rank (strategy none): one optimizer over all of them (their parameters under the whole
-        model's names: ``united``) and the precision engine over each stage's module, which runs its own forward. Which
-        stage each optimizer parameter belongs to is read before the engine puts masters in their places."""
-        for module in held.values() if init is not None else ():
-            init.materialise(module, env.device)  # a meta build's values, named as the whole model's in each stage
-        whole = united(list(held.values()))
-        optimizer = make_optimizer(whole.parameters())
-        stage_of = {id(param): index for index, module in held.items() for param in module.parameters()}
-        self._optimizer_stages = [stage_of[id(param)] for group in optimizer.param_groups for param in group["params"]]
-        engine.setup(list(held.values()), [optimizer])
-        return SetUp(whole, whole, optimizer)
 
     def grad_sync(self, model: nn.Module) -> GradSync:
         return GradSync(model)

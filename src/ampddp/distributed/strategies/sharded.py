@@ -16,7 +16,7 @@ from ampddp.distributed.fsdp2 import FSDPOptions, gradient_sync_off, shard_model
 from ampddp.distributed.mesh import ParallelDims
 from ampddp.distributed.meta_init import InitProgram, ModelBuild, build_on_meta
 from ampddp.distributed.schedule import StepSchedule
-from ampddp.distributed.strategies.base import MakeOptimizer, SetUp, Strategy
+from ampddp.distributed.strategies.base import HeldStages, MakeOptimizer, SetUp, Strategy, bind_stages
 from ampddp.distributed.tensor_parallel import LossParallel, TPOptions, apply_tensor_parallel
 from ampddp.distributed.wrap import GradSync
 from ampddp.errors import ConfigError
@@ -65,6 +65,24 @@ class FSDP2(Strategy):
 
     def set_up(self, model: nn.Module, make_optimizer: MakeOptimizer, env: DistEnv, engine: PrecisionEngine,
                init: InitProgram | None = None) -> SetUp:  # fmt: skip
+        model = self._sharded(model, env, engine, init)
+        optimizer = make_optimizer(model.parameters())
+        engine.setup([model], [optimizer])
+        # Each rank holds other shards of the gradients: the skip-or-step verdict is agreed over every rank,
+        # explicitly (DTensor's own agreement covers only the first gradient's mesh).
+        engine.agree_over(dist.group.WORLD if env.distributed else None)
+        return SetUp(model, model, optimizer)
+
+    def set_up_held(self, held: dict[int, nn.Module], make_optimizer: MakeOptimizer, env: DistEnv, engine: PrecisionEngine,
+                    init: InitProgram | None = None) -> HeldStages:  # fmt: skip
+        """Each stage split and sharded as a model of its own (its own FSDP2 root, as torch's pipeline stages drive
+        them), then one optimizer over them all; the verdict agreed over every rank."""
+        stages = bind_stages({index: self._sharded(module, env, engine, init) for index, module in held.items()}, make_optimizer, engine)
+        engine.agree_over(dist.group.WORLD if env.distributed else None)
+        return stages
+
+    def _sharded(self, model: nn.Module, env: DistEnv, engine: PrecisionEngine, init: InitProgram | None) -> nn.Module:
+        """``model`` in its stored dtypes, split over the ``tp`` ranks, sharded over the data ranks, materialised."""
         engine.convert_storage(model)
         dims = self.mesh_of(env)
         if self.tp.enabled:
@@ -72,12 +90,7 @@ class FSDP2(Strategy):
         model = shard_model(model, env, self.fsdp, engine.sharded_param_dtype, lambda: dims.submesh(*self.mesh_dims))
         if init is not None:
             init.materialise(model, env.device)
-        optimizer = make_optimizer(model.parameters())
-        engine.setup([model], [optimizer])
-        # Each rank holds other shards of the gradients: the skip-or-step verdict is agreed over every rank,
-        # explicitly (DTensor's own agreement covers only the first gradient's mesh).
-        engine.agree_over(dist.group.WORLD if env.distributed else None)
-        return SetUp(model, model, optimizer)
+        return model
 
     def grad_sync(self, model: nn.Module) -> GradSync:
         return ShardedGradSync(model)
