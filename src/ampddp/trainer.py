@@ -210,7 +210,7 @@ class Trainer(TrainingLoop):
             run, train_set, loop,
             checkpointer=Checkpointer(state, store, env, resume=checkpoints.resume, config=checkpoints.config, seed=loop.seed,
                                       layout=run.strategy.checkpoint_layout if checkpoints.layout == "auto" else checkpoints.layout,
-                                      mesh=None if run.dims is None else {"strategy": run.strategy.name, **run.dims.sizes()},
+                                      mesh=None if run.dims is None else run.strategy.recorded_layout(run.dims),
                                       view=stage_view(run, env)),
             loss_fn=loss_fn, batches=batches, loading=data,
             evaluator=evaluator,

@@ -183,7 +183,8 @@ def test_a_pipeline_checkpoint_resumes_on_one_process_and_back_and_exports_whole
     alone = launch_local(fit_worker, 1, (str(straight), 1, 7), device="cpu", timeout_s=60, job_timeout_s=300)[0]
     launch_local(fit_worker, 2, (str(across), 2, 2, False, "Interleaved1F1B"), device="cpu", timeout_s=60, job_timeout_s=300)
     resumed_alone = launch_local(fit_worker, 1, (str(across), 1, 4), device="cpu", timeout_s=60, job_timeout_s=300)[0]
-    assert resumed_alone["layouts"] == "its tensors were written by strategy none, pp 2 and read into strategy none"
+    written = "strategy none, pp 2 (Interleaved1F1B, 4 stages)"
+    assert resumed_alone["layouts"] == f"its tensors were written by {written} and read into strategy none"
     launch_local(fit_worker, 2, (str(across), 2, 5), device="cpu", timeout_s=60, job_timeout_s=300)
     piped = launch_local(fit_worker, 2, (str(across), 2, 7, True, ZBV), device="cpu", timeout_s=60, job_timeout_s=300)
     assert [rank["compiled"] for rank in piped] == [[True, True], [True, True]]  # blocks 0, 3 on rank 0; 1, 2 on rank 1
@@ -197,7 +198,7 @@ def test_a_pipeline_checkpoint_resumes_on_one_process_and_back_and_exports_whole
         assert torch.allclose(resumed["model"][name], value, rtol=1e-4, atol=1e-5), name
     for index, entries in expected["optimizer"].items():  # AdamW's state under the whole model's numbering
         assert torch.allclose(resumed["optimizer"][index]["exp_avg_sq"], entries["exp_avg_sq"], rtol=1e-3, atol=1e-9), index
-    assert "world size   2; strategy none, pp 2" in format_summary(summarize(across))
+    assert f"world size   2; strategy none, pp 2 ({ZBV}, 4 stages)" in format_summary(summarize(across))
     exported = export_weights(across, tmp_path / "whole.safetensors")
     weights = load_file(tmp_path / "whole.safetensors")
     assert exported["tensors"] == len(expected["model"]) and weights.keys() == expected["model"].keys()

@@ -82,11 +82,14 @@ def _summary_of(ref: CheckpointRef) -> dict[str, Any]:
 
 
 def layout_words(mesh: dict[str, Any] | None) -> str:
-    """``strategy fsdp2, dp_shard 2 x tp 2`` for a recorded mesh (its dimensions of more than one rank), or nothing."""
+    """``strategy fsdp2, dp_shard 2 x tp 2`` for a recorded mesh (its dimensions of more than one rank; a pipeline's
+    schedule and stages: ``strategy none, pp 2 (1F1B, 2 stages)``), or nothing."""
     if not isinstance(mesh, dict) or "strategy" not in mesh:
         return ""
-    spread = " x ".join(f"{name} {size}" for name, size in mesh.items() if name != "strategy" and isinstance(size, int) and size > 1)
-    return f"strategy {mesh['strategy']}" + (f", {spread}" if spread else "")
+    sizes = {name: size for name, size in mesh.items() if name not in ("strategy", "pp_stages") and isinstance(size, int)}
+    spread = " x ".join(f"{name} {size}" for name, size in sizes.items() if size > 1)
+    pipeline = f" ({mesh['pp_schedule']}, {mesh.get('pp_stages')} stages)" if "pp_schedule" in mesh else ""
+    return f"strategy {mesh['strategy']}" + (f", {spread}" if spread else "") + pipeline
 
 
 def format_summary(summary: dict[str, Any]) -> str:

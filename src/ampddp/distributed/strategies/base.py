@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable
-from typing import ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 from torch import nn
 from torch.optim import Optimizer
@@ -100,6 +100,10 @@ class Strategy:
     def dims(self, env: DistEnv) -> ParallelDims:
         """The mesh its ranks form: data parallelism over every rank, each a replica."""
         return ParallelDims.data_parallel(env)
+
+    def recorded_layout(self, dims: ParallelDims) -> dict[str, Any]:
+        """What a checkpoint records of the layout that wrote it: the strategy and the mesh's sizes."""
+        return {"strategy": self.name, **dims.sizes()}
 
     def mesh_of(self, env: DistEnv) -> ParallelDims:
         """``dims(env)``, made once for ``env``: whoever asks (``prepare`` for the data coordinates, the set-up

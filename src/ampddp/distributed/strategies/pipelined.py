@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 from torch import nn
@@ -69,6 +70,10 @@ class Pipelined(Strategy):
                               "pipelines training apart; use strategy fsdp2 for the data-parallel dimension, or pp_size x "
                               "tp_size processes")  # fmt: skip
         return dims
+
+    def recorded_layout(self, dims: ParallelDims) -> dict[str, Any]:
+        """The strategy and mesh, and the pipeline's schedule and its number of stages (several per rank: looped)."""
+        return {**self.inner.recorded_layout(dims), "pp_schedule": self.pp.schedule, "pp_stages": self.pp.stages}
 
     def engine_for(self, precision: Precision) -> PrecisionEngine:
         return self.inner.engine_for(precision)
