@@ -365,8 +365,8 @@ class DistributedConfig:
     plan is asked to split them (ampddp.zoo.models:gpt does); a tp_plan table marks its head vocab."""
     pp_size: int = field(default=1, metadata=_between(1, MAX_PROCESSES))
     """Pipeline parallelism: the stages the model's layers are split into (the outermost mesh dimension), with strategy
-    none (a process per stage and tensor-parallel rank), fsdp2 (each stage sharded over its data ranks) or hsdp (with
-    fsdp_shard_size 1: each stage replicated over its data ranks, DDP's data parallelism); 1: none.
+    none (a process per stage and tensor-parallel rank), ddp (each stage replicated over its data ranks: run as hsdp with
+    fsdp_shard_size 1), fsdp2 (each stage sharded over its data ranks) or hsdp; 1: none.
     The model's own split (ampddp.zoo.models:gpt splits its blocks evenly) or pp_split; the parameters keep the whole
     model's names (checkpoints read as the whole model's)."""
     pp_schedule: str = field(default="1F1B", metadata=_choices(*PP_SCHEDULES))

@@ -21,7 +21,7 @@ from torch.utils.data import Subset
 from ampddp import Parallel, Precision, prepare
 from ampddp.checkpoint.export import export_weights
 from ampddp.checkpoint.inspect import format_summary, summarize
-from ampddp.distributed import FSDPOptions, launch_local
+from ampddp.distributed import launch_local
 from ampddp.distributed.pipeline import PPOptions
 from ampddp.distributed.tensor_parallel import TPOptions
 from ampddp.errors import ConfigError
@@ -227,7 +227,7 @@ def composed_worker(env, root: str, layouts: list[tuple[str, int, str, str]]) ->
     found = {}
     for strategy, tp_size, mode, schedule in layouts:
         records, pp = Records(), PPOptions(2, schedule=schedule, microbatches=4 if strategy == "none" else 2)
-        parallel = Parallel(strategy, pp=pp, tp=TPOptions(tp_size), fsdp=FSDPOptions(shard_size=1 if strategy == "hsdp" else None))
+        parallel = Parallel(strategy, pp=pp, tp=TPOptions(tp_size))
         data_ranks = env.world_size // (pp.size * tp_size)
         run = trainer(Path(root) / f"{strategy}-{tp_size}-{mode}", env, mode, pp, records=records, batch_size=8 // data_ranks,
                       parallel=parallel)  # fmt: skip
@@ -240,9 +240,9 @@ def composed_worker(env, root: str, layouts: list[tuple[str, int, str, str]]) ->
 
 def test_the_pipeline_composes_with_fsdp2_hsdp_and_tensor_parallelism_on_four_processes(tmp_path):
     # 2 stages x FSDP2 over 2 data ranks (4 samples each, 2 micro-batches of 2), 4 stages (2 on each rank, looped) the
-    # same replicated (HSDP with shards of one rank: DDP's data parallelism); 2 and 4 stages x tensor parallelism of 2
-    # (8 samples, 4 micro-batches of 2): the unsplit model's 8 samples in 4 accumulated batches of 2 is the reference
-    layouts = [("fsdp2", 1, "O2", "1F1B"), ("hsdp", 1, "O2", "Interleaved1F1B"), ("none", 2, "O0", "1F1B"),
+    # same replicated (strategy ddp: run as HSDP with shards of one rank); 2 and 4 stages x tensor parallelism of 2 (8
+    # samples, 4 micro-batches of 2): the unsplit model's 8 samples in 4 accumulated batches of 2 is the reference
+    layouts = [("fsdp2", 1, "O2", "1F1B"), ("ddp", 1, "O2", "Interleaved1F1B"), ("none", 2, "O0", "1F1B"),
                ("none", 2, "O2", "InterleavedZeroBubble")]  # fmt: skip
     results = launch_local(composed_worker, 4, (str(tmp_path), layouts), device="cpu", timeout_s=60, job_timeout_s=400)
     assert all(result == results[0] for result in results)  # every rank logs the same records: one loss, one verdict

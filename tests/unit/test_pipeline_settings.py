@@ -14,6 +14,7 @@ from ampddp.checkpoint.stage_view import StageView
 from ampddp.distributed.env import DistEnv
 from ampddp.distributed.pipeline import PPOptions, split_batch, split_stage, united
 from ampddp.distributed.tensor_parallel import TPOptions
+from ampddp.distributed.wrap import DDPOptions
 from ampddp.errors import CheckpointError, ConfigError
 from ampddp.torch_compat import compiled_split_backward_problem, zbv_schedule_problem
 from ampddp.zoo.models import GPT
@@ -30,8 +31,13 @@ from ampddp.zoo.models import GPT
         (lambda: PPOptions(2, microbatches=0), "pp_microbatches=0 is not valid"),
         (lambda: PPOptions(2, split="mypkg:split"), "pp_split='mypkg:split' is not valid"),
         (
-            lambda: Parallel("ddp", pp=PPOptions(2)),
-            "for strategy=ddp's data parallelism over the stages use strategy hsdp with FSDPOptions(shard_size=1)",
+            lambda: Parallel("apex-ddp", pp=PPOptions(2)),
+            "runs with strategy none, ddp, fsdp2 or hsdp (each with tp_size), not strategy=apex-ddp",
+        ),
+        (
+            lambda: Parallel("ddp", pp=PPOptions(2), ddp=DDPOptions(static_graph=True)),
+            "static_graph=True: torch DDP settings, but "
+            "strategy=ddp with pp_size=2 runs each stage's data parallelism as hsdp with shards of one rank",
         ),
         (lambda: Parallel("none", pp=PPOptions(2)).dims(DistEnv(world_size=4, local_world_size=4)), "leaves 2 pipelines training apart"),
         (lambda: Parallel("fsdp2", pp=PPOptions(3)).dims(DistEnv(world_size=4, local_world_size=4)), "pp_size=3 does not divide"),
@@ -43,6 +49,14 @@ def test_what_the_pipeline_cannot_do_is_refused_in_one_line(make, message):
     with pytest.raises(ConfigError) as error:
         make()
     assert message in str(error.value)
+
+
+def test_ddp_over_pipeline_stages_replicates_each_stage_as_hsdp_with_shards_of_one_rank(caplog):
+    caplog.set_level("INFO", logger="ampddp.distributed")
+    parallel = Parallel("ddp", pp=PPOptions(2))
+    assert "each stage replicated over its data ranks and its gradients all-reduced" in caplog.text
+    dims = parallel.dims(DistEnv(world_size=4, local_world_size=4))
+    assert dims.sizes() == {"pp": 2, "dp_replicate": 2, "dp_shard": 1, "tp": 1}
 
 
 def test_fewer_micro_batches_than_stages_are_said_and_the_stages_are_the_outermost_dimension(caplog):

@@ -8,6 +8,7 @@ where the command line lists it without importing torch).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
@@ -27,6 +28,7 @@ STRATEGY_TABLE: Mapping[str, type[Strategy]] = MappingProxyType(
     {kind.name: kind for kind in (TorchDDP, ApexDDP, FSDP2, HSDP, DataParallel, Unwrapped)}
 )
 """Each strategy class by the name a recipe gives (``choices.STRATEGIES`` lists the same names without torch)."""
+logger = logging.getLogger("ampddp.distributed")
 
 
 def strategy_class(name: str) -> type[Strategy]:
@@ -50,14 +52,14 @@ def make_strategy(name: str, *, ddp: DDPOptions | None = None, fsdp: FSDPOptions
     prefix in messages (``distributed.`` for a recipe)."""
     tp = tp if tp is not None else TPOptions()
     pp = pp if pp is not None else PPOptions()
+    if pp.enabled and name == "ddp":
+        name, fsdp = "hsdp", _replicas_for_ddp(ddp, fsdp, pp, where)
     kind = strategy_class(name)
     if tp.enabled:
         kind = kind.with_tensor_parallel(where)
     if pp.enabled and not kind.pipelines:
-        shard = f"{where}fsdp_shard_size=1" if where else "FSDPOptions(shard_size=1)"
-        raise ConfigError(f"{where}pp_size > 1: pipeline parallelism runs with strategy none, fsdp2 or hsdp (each with tp_size); for "
-                          f"{where}strategy={name}'s data parallelism over the stages use strategy hsdp with {shard} (each stage "
-                          "whole on every data rank, its gradients all-reduced across them, as DDP does)")  # fmt: skip
+        raise ConfigError(f"{where}pp_size > 1: pipeline parallelism runs with strategy none, ddp, fsdp2 or hsdp (each with tp_size), "
+                          f"not {where}strategy={name}")  # fmt: skip
     given = {"ddp": ddp if ddp is not None else DDPOptions(), "fsdp": fsdp if fsdp is not None else FSDPOptions(),
              "wrap_options": dict(wrap_options or {}), "tp": tp, "pp": pp}  # fmt: skip
     for setting, value in given.items():
@@ -66,6 +68,23 @@ def make_strategy(name: str, *, ddp: DDPOptions | None = None, fsdp: FSDPOptions
     strategy = kind(**{setting: given[setting] for setting in kind.takes})
     strategy.check_settings(where)
     return Pipelined(strategy, pp) if pp.enabled else strategy
+
+
+def _replicas_for_ddp(ddp: DDPOptions | None, fsdp: FSDPOptions | None, pp: PPOptions, where: str) -> FSDPOptions:
+    """DDP's data parallelism over a pipeline's stages, run as HSDP with shards of one rank (each stage whole on every
+    data rank, its gradients all-reduced across them): torch's DDP reducer cannot follow a pipeline schedule's
+    backwards. DDP's own settings have no meaning there and FSDP2's are another strategy's: refused."""
+    for given, words in ((ddp if ddp is not None else DDPOptions()).changed(where), "torch DDP settings"), (
+            (fsdp if fsdp is not None else FSDPOptions()).changed(f"{where}fsdp_" if where else ""), "FSDP2 settings"):  # fmt: skip
+        if given:
+            raise ConfigError(f"{', '.join(given)}: {words}, but {where}strategy=ddp with {where}pp_size={pp.size} runs each stage's "
+                              "data parallelism as hsdp with shards of one rank; unset them, or use strategy hsdp or fsdp2")  # fmt: skip
+    logger.info(
+        "strategy ddp with pp_size=%d: each stage replicated over its data ranks and its gradients all-reduced, by FSDP2's "
+        "replicate dimension (hsdp with fsdp_shard_size=1; torch's DDP reducer cannot follow a pipeline's backwards)",
+        pp.size,
+    )
+    return FSDPOptions(shard_size=1)
 
 
 def _refuse_foreign(setting: str, value: Any, name: str, where: str) -> None:
