@@ -274,24 +274,26 @@ between the two stages one rank holds, which gloo refuses: "Pair is not connecte
 ``_input_metadata`` of a compiled block's backward, which it refuses); releases between were not measured."""
 
 
+def _before_zero_bubble_torch(version: str | None) -> str | None:
+    """``version`` (default: this torch's) where it is older than :data:`ZBV_TORCH`, else None."""
+    version = str(torch.__version__) if version is None else version
+    return version if torch_release(version) < ZBV_TORCH else None
+
+
 def zbv_schedule_problem(version: str | None = None) -> str | None:
     """Why torch's ZBVZeroBubble schedule cannot run here, or None when it can."""
-    version = str(torch.__version__) if version is None else version
-    if torch_release(version) >= ZBV_TORCH:
-        return None
-    return (
-        f"pp_schedule=ZBVZeroBubble needs torch >= {ZBV_TORCH[0]}.{ZBV_TORCH[1]} (on torch {version} a rank sends to itself "
+    older = _before_zero_bubble_torch(version)
+    return older and (
+        f"pp_schedule=ZBVZeroBubble needs torch >= {ZBV_TORCH[0]}.{ZBV_TORCH[1]} (on torch {older} a rank sends to itself "
         "between its two stages and gloo refuses); use InterleavedZeroBubble or Interleaved1F1B, or a newer torch"
     )
 
 
 def compiled_split_backward_problem(version: str | None = None) -> str | None:
     """Why blocks compiled by torch.compile cannot run under a zero-bubble schedule here, or None when they can."""
-    version = str(torch.__version__) if version is None else version
-    if torch_release(version) >= ZBV_TORCH:
-        return None
-    return (
-        f"trainer.compile under a zero-bubble pipeline schedule needs torch >= {ZBV_TORCH[0]}.{ZBV_TORCH[1]} (torch {version}'s "
+    older = _before_zero_bubble_torch(version)
+    return older and (
+        f"trainer.compile under a zero-bubble pipeline schedule needs torch >= {ZBV_TORCH[0]}.{ZBV_TORCH[1]} (torch {older}'s "
         "weight-gradient pass cannot read a compiled block's backward); leave compile off, use Interleaved1F1B or 1F1B, or a "
         "newer torch"
     )
