@@ -182,8 +182,10 @@ def test_a_rank_holding_several_stages_trains_them_as_one_module_under_the_whole
     model, are held together by one module (the optimizer's, the checkpoint's) sharing their tensors."""
     options = PPOptions(2, schedule="Interleaved1F1B")
     assert (options.per_rank, options.stages, options.stages_of(0), options.stages_of(1)) == (2, 4, (0, 2), (1, 3))
+    assert options.holders() == (0, 1, 0, 1) and PPOptions(2).holders() == (0, 1)
     if zbv_schedule_problem() is None:  # torch 2.14+
         assert PPOptions(2, schedule="ZBVZeroBubble").stages_of(0) == (0, 3)
+        assert PPOptions(2, schedule="ZBVZeroBubble").holders() == (0, 1, 1, 0)
     assert [count for count in range(1, 9) if options.schedule_fits(count)] == [2, 3, 4, 6, 8]  # whole rounds of 2
     torch.manual_seed(0)
     whole = GPT(32, layers=4, width=16, heads=2, context=8)

@@ -100,6 +100,10 @@ class PPOptions:
             return (rank, 2 * self.size - 1 - rank)
         return tuple(rank + self.size * loop for loop in range(self.per_rank))
 
+    def holders(self) -> tuple[int, ...]:
+        """The pipeline rank holding each stage, in the model's order (``stages_of`` turned around)."""
+        return tuple(next(rank for rank in range(self.size) if index in self.stages_of(rank)) for index in range(self.stages))
+
     def schedule_fits(self, micro_batches: int) -> bool:
         """Whether torch's schedule takes ``micro_batches`` (at least one per rank; the interleaved ones, a whole number of
         rounds of ``size``); otherwise they go through the stages one by one."""

@@ -98,19 +98,11 @@ class Pipelined(Strategy):
         group = dims.submesh("pp").get_group()
         engine.agree_over(dist.group.WORLD)  # the stages hold different gradients: every rank takes the same verdict
         engine.norm_across(group)  # and different parts of the model: the gradient norm is their norms' combination
-        owners = tuple(dist.get_global_rank(group, holder) for holder in self._holders())
+        owners = tuple(dist.get_global_rank(group, holder) for holder in self.pp.holders())
         hooks = {index: StageHooks(module, engine.forward_context, first=index == 0) for index, module in held.items()}
         self._parts = PipelineParts(hooks, self.pp.stages, group, env.device, owners, env.rank)
         self._model = PipelineModel(self._parts)
         return SetUp(self._model, inside.module, inside.optimizer)
-
-    def _holders(self) -> list[int]:
-        """The pipeline rank holding each stage, in the model's order."""
-        holders = [0] * self.pp.stages
-        for rank in range(self.pp.size):
-            for index in self.pp.stages_of(rank):
-                holders[index] = rank
-        return holders
 
     def grad_sync(self, model: nn.Module) -> GradSync:
         return GradSync(model)
