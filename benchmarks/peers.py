@@ -41,16 +41,18 @@ Accelerate's loader, which deals whole batches to the ranks, the samples laid ou
 gets the batches the others get. Logging, checkpoints, progress bars and summaries are off everywhere
 (ampddp: no console, loggers or per-step records).
 
-Before any time counts, every contender trains one round (the warm-up) and its weights' loss on a
-fixed batch (fp32, the same code for all: the "final loss") must equal its hand loop's: to the bit
-on the CPU (``RTOL`` says why CUDA gets 1e-5). It is checked again after the timed rounds; a
-contender that disagrees is reported as such and not timed. Then the contenders take turns, one
-round (one pass over the data: ``steps`` optimizer steps) each, the order rotating every round, so
-machine noise hits all alike. Per contender (rank 0): the median step time between the first and
-last step of a round (what runs between steps counts; entering a framework's fit does not), its
-paired ratio to the hand loop and to the fastest peer (> 1: this contender faster), process CPU time
-and minor page faults (``ru_minflt``) per step, and the peak resident set of its process
-(interpreter, torch and its framework included). The rows carry the load average seen and the CPU kind.
+Before any time counts, every contender trains one round (the warm-up) and its weights' loss on a fixed batch
+(fp32, the same code for all: the "final loss") must equal its hand loop's: to the bit on the CPU (``RTOL``
+says why CUDA gets 1e-5). It is checked again after the timed rounds; a contender that disagrees is reported
+as such and not timed. Then the contenders take turns, one round (one pass over the data: ``steps`` optimizer
+steps) each, the order rotating every round, so machine noise hits all alike. All of that is done ``draws``
+times, every contender started afresh each time (``full``: 3 draws of 3 rounds): a process's heap layout is
+luck that stays with it (the same loop faults 2,000 or 8,500 pages a step in two processes), so a row's rounds
+come from several processes. Per contender (rank 0): the median step time between the first and last step of a
+round (what runs between steps counts; entering a framework's fit does not), its paired ratio to the hand loop
+and to the fastest peer (> 1: this contender faster), process CPU time and minor page faults (``ru_minflt``)
+per step, and the peak resident set of its process (interpreter, torch and its framework included). The rows
+carry the load average seen and the CPU kind.
 """
 
 from __future__ import annotations
@@ -186,6 +188,10 @@ class Group:
     world: int = 1
     only: tuple[str, ...] = ()
     """The contenders to run (empty: every one)."""
+    draws: int = 1
+    """How many times every contender is started afresh, ``rounds`` timed rounds each (``fresh`` groups): a
+    process's heap layout is luck that lasts its life (one-process MLP rows: 2,000 or 8,500 page faults a step
+    for the same loop in two processes, 20 or 27 ms a step), so a row samples several processes, not one."""
 
     @property
     def label(self) -> str:
@@ -341,6 +347,29 @@ def serve(name: str, group: Group) -> int:
 
 # ---- the group: check, then interleave ----------------------------------------------------------------------
 def run_group(group: Group, fresh: bool) -> dict[str, Any]:
+    """Every contender, ``group.draws`` times in fresh processes (once here when not ``fresh``), its samples
+    from every draw together; a contender that failed or disagreed in any draw is reported so, not timed."""
+    draws = [_draw(group, fresh) for _ in range(group.draws if fresh else 1)]
+    skipped = {name: why for draw in draws for name, why in draw["skipped"].items()}
+    disagreed = {name: why for draw in draws for name, why in draw["disagreed"].items() if name not in skipped}
+    timed = [name for name in draws[0]["contenders"] if name not in skipped and name not in disagreed]
+
+    def merged(name: str) -> dict[str, Any]:
+        mine = [draw["contenders"][name] for draw in draws]
+        samples = [sample for entry in mine for sample in entry["samples"]]
+        return {**mine[-1], "samples": samples, "peak_rss_mib": _largest(entry["peak_rss_mib"] for entry in mine)}
+
+    entries = {name: merged(name) for name in timed}
+    load = [draws[0]["load"][0], draws[-1]["load"][-1]]
+    return {"group": dataclasses.asdict(group), "skipped": skipped, "disagreed": disagreed, "load": load, "contenders": entries}
+
+
+def _largest(values: Iterator[float | None]) -> float | None:
+    known = [value for value in values if value is not None]
+    return max(known) if known else None
+
+
+def _draw(group: Group, fresh: bool) -> dict[str, Any]:
     """Every contender built, one checked round each, ``rounds`` interleaved timed rounds, checked again.
     ``fresh``: each contender in processes of its own (``Remote``); else all in this one (``Local``)."""
     load = [os.getloadavg()[0]]
@@ -360,7 +389,7 @@ def run_group(group: Group, fresh: bool) -> dict[str, Any]:
     entries = {handle.name: {"samples": samples[handle.name], **info[handle.name], "loss": losses[handle.name],
                              "reference_loss": losses[info[handle.name]["reference"]], "peak_rss_mib": rss.get(handle.name)}
                for handle in handles}  # fmt: skip
-    return {"group": dataclasses.asdict(group), "skipped": skipped, "disagreed": {**disagreed, **late}, "load": load, "contenders": entries}
+    return {"skipped": skipped, "disagreed": {**disagreed, **late}, "load": load, "contenders": entries}
 
 
 def _start(group: Group, scratch: Path | None) -> tuple[list, dict[str, str]]:
@@ -543,9 +572,9 @@ def plan(device: str, budget: Budget) -> list[Group]:
     """Every work at every precision, one process and two; smoke: toy sizes, the one-process groups in
     this process, one DDP group of two contenders."""
     precisions = ["fp32", "bf16", "o5"] + (["fp16", "o2"] if device == "cuda" else [])
-    steps, rounds = budget.pick((2, 1), (10, 5), (20, 9))
-    groups = [Group(name, precision, device, budget.size, steps, rounds) for name in ("mlp", "gpt") for precision in precisions]
-    groups.append(Group("tiny", "fp32", device, budget.size, steps, rounds))  # the fixed cost of a step
+    steps, rounds, draws = budget.pick((2, 1, 1), (10, 5, 1), (20, 3, 3))
+    works = [("mlp", precision) for precision in precisions] + [("gpt", precision) for precision in precisions] + [("tiny", "fp32")]
+    groups = [Group(name, precision, device, budget.size, steps, rounds, draws=draws) for name, precision in works]  # tiny: fixed cost
     if device == "cpu" or torch.cuda.device_count() >= 2:
         groups += [dataclasses.replace(group, world=2) for group in groups]
     if budget.size == "smoke":  # each path once, in seconds: processes of their own take seconds to start, so two contenders

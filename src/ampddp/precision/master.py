@@ -13,7 +13,7 @@ next step faulted them back (thousands of page faults a step on a CPU, +20% step
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -21,7 +21,7 @@ from torch.optim import Optimizer
 
 from ampddp.errors import AmpUsageError
 from ampddp.precision.scaler import LossScaler
-from ampddp.precision.shards import like_layout, locals_of
+from ampddp.precision.shards import holds_dtensors, like_layout, locals_of
 
 
 class GradPhase(enum.Enum):
@@ -54,6 +54,8 @@ class OptimizerGrads:
         self._grad_buffers: dict[int, torch.Tensor] = {}
         """Each master's fp32 gradient buffer (by the master's id), reused step after step."""
         self._groups_seen = 0
+        self._sharded = False
+        """Whether any param is a DTensor: only then is each tensor's local shard looked up (a per-param cost every step)."""
         self._stash: list[torch.Tensor | None] = []
         self.phase = GradPhase.READY
         self.skip_pending = False
@@ -69,7 +71,12 @@ class OptimizerGrads:
                     group["params"][index] = self._new_master(param, (fp32_data or {}).get(id(param)))
                 else:
                     self.in_place.append(param)
+            self._sharded = self._sharded or holds_dtensors(group["params"])
         self._groups_seen = len(groups)
+
+    def _locals(self, tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """Each tensor's local shard, as the foreach kernels take them (the tensors themselves when none is a DTensor)."""
+        return locals_of(tensors) if self._sharded else list(tensors)
 
     def _new_master(self, param: nn.Parameter, fp32: torch.Tensor | None) -> nn.Parameter:
         master = nn.Parameter(fp32 if fp32 is not None else param.detach().float(), requires_grad=param.requires_grad)
@@ -105,21 +112,26 @@ class OptimizerGrads:
         """Unscale the grads produced since the last unscale; add them to any stashed/master grads."""
         self.sync_param_groups()
         new_in_place = [p.grad for p in self.in_place if p.grad is not None]
-        if any(g.is_sparse for g in new_in_place) or any(p.grad is not None and p.grad.is_sparse for p in self.model_params):
+        pairs = self._new_low_precision_grads()
+        if any(g.is_sparse for g in new_in_place) or any(grad.is_sparse for _, grad in pairs):
             raise AmpUsageError(
                 "sparse gradients (e.g. nn.Embedding(sparse=True)) are not supported by the opt-level engines; "
                 "use sparse=False, or the native-fp16 / native-bf16 modes"
             )
-        pairs = [(m, like_layout(p.grad, m)) for m, p in zip(self.masters, self.model_params) if p.grad is not None]
         fp32_copies = [self._fp32_grad_room(master) for master, _ in pairs]
         if fp32_copies:
-            torch._foreach_copy_(locals_of(fp32_copies), locals_of(g for _, g in pairs))
+            torch._foreach_copy_(self._locals(fp32_copies), self._locals(g for _, g in pairs))
         found = scaler.unscale_(new_in_place + fp32_copies)
         self._accumulate_masters(pairs, fp32_copies)
         self.restore_stash()
         if found is not None:
             self.found_inf = found if self.found_inf is None else self.found_inf + found
         self.phase = GradPhase.UNSCALED
+
+    def _new_low_precision_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """(master, its model param's new gradient laid out as the master is) for every model param with one."""
+        pairs = [(master, param.grad) for master, param in zip(self.masters, self.model_params) if param.grad is not None]
+        return [(master, like_layout(grad, master)) for master, grad in pairs] if self._sharded else pairs
 
     def _fp32_grad_room(self, master: nn.Parameter) -> torch.Tensor:
         """Where ``master``'s newly unscaled gradient is written: its own buffer, unless that already holds
@@ -140,7 +152,7 @@ class OptimizerGrads:
         for master, grad in fresh:
             master.grad = grad
         if existing:
-            torch._foreach_add_(locals_of(existing), locals_of(added))
+            torch._foreach_add_(self._locals(existing), self._locals(added))
         for param in self.model_params:
             param.grad = None
 
@@ -222,7 +234,7 @@ class OptimizerGrads:
     def copy_master_values_to_model(self) -> None:
         """Model params take their masters' values (grads untouched)."""
         if self.model_params:
-            torch._foreach_copy_(locals_of(self.model_params), locals_of(self.masters))
+            torch._foreach_copy_(self._locals(self.model_params), self._locals(self.masters))
 
     @torch.no_grad()
     def copy_masters_to_model(self) -> None:

@@ -111,15 +111,14 @@ class LossScaler:
         scale is static: a static scale never skips a step, so the check would be a wasted pass over
         every gradient (and at scale 1, as in O0/O4/O5, so would the multiply).
         """
-        if not grads:
+        if not grads or (not self.dynamic and self.loss_scale == 1.0):
             return None
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for grad in locals_of(grads):  # each rank its own shards; the verdict is agreed after (precision.verdict)
             groups.setdefault((grad.device, grad.dtype), []).append(grad)
         if not self.dynamic:
-            if self.loss_scale != 1.0:
-                for tensors in groups.values():
-                    torch._foreach_mul_(tensors, 1.0 / self.loss_scale)
+            for tensors in groups.values():
+                torch._foreach_mul_(tensors, 1.0 / self.loss_scale)
             return None
         found: list[torch.Tensor] = []
         for (device, _), tensors in groups.items():
