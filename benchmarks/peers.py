@@ -376,8 +376,7 @@ def _draw(group: Group, fresh: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="ampddp-peers-") as scratch, _peer_state_undone():
         handles, skipped = _start(group, Path(scratch) if fresh else None)
         try:
-            info = _ask_each(handles, "ready", skipped)
-            steps = _ask_each(handles, "warm", skipped)
+            info, steps = _warmed(handles, group, Path(scratch) if fresh else None, skipped)
             disagreed, _ = _check(handles, info, steps, group, skipped)
             samples = _rounds(handles, group.rounds, skipped)
             late, losses = _check(handles, info, steps, group, skipped)
@@ -390,6 +389,24 @@ def _draw(group: Group, fresh: bool) -> dict[str, Any]:
                              "reference_loss": losses[info[handle.name]["reference"]], "peak_rss_mib": rss.get(handle.name)}
                for handle in handles}  # fmt: skip
     return {"skipped": skipped, "disagreed": {**disagreed, **late}, "load": load, "contenders": entries}
+
+
+PORT_TAKEN = "EADDRINUSE"
+"""How torch's store says its port was taken (by another process, between the coordinator's pick and rank 0's bind)."""
+
+
+def _warmed(handles: list, group: Group, scratch: Path | None, skipped: dict[str, str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Each contender's description and warm-up step count. One whose port was taken before its rank 0 bound it (the
+    race of every launcher that picks a free port: three draws start every contender three times) starts once more,
+    on a new port; a second failure is its result."""
+    info, steps = _ask_each(handles, "ready", skipped), _ask_each(handles, "warm", skipped)
+    for name in [name for name, why in skipped.items() if PORT_TAKEN in why and scratch is not None]:
+        del skipped[name]
+        again = [Remote(name, group, scratch)]
+        info.update(_ask_each(again, "ready", skipped))
+        steps.update(_ask_each(again, "warm", skipped))
+        handles += again
+    return info, steps
 
 
 def _start(group: Group, scratch: Path | None) -> tuple[list, dict[str, str]]:

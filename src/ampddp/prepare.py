@@ -38,6 +38,7 @@ from ampddp.precision.auto import auto_choice
 from ampddp.precision.choice import Precision
 from ampddp.precision.engine import PrecisionEngine
 from ampddp.precision.hardware import cuda_build_bytes, cuda_build_note, nvidia_gpu_present
+from ampddp.precision.host_heap import settle_host_heap
 from ampddp.precision.speed_warning import warn_if_slower_than_fp32
 
 logger = logging.getLogger("ampddp.precision")
@@ -181,6 +182,7 @@ def prepare(
                     PREPARE_TAKES)  # fmt: skip
     parallel = parallel if parallel is not None else Parallel()
     engine = _engine(precision, parallel, env)
+    settle_host_heap(env.device)
     built = parallel.build(model)
     model = parallel.synchronise_batchnorm(built.module, env.device)
     if built.init is None:

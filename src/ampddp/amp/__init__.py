@@ -50,6 +50,7 @@ from ampddp.precision import (
     check_models_and_optimizers,
     check_opt_level,
     group_for_sharded,
+    settle_host_heap,
     warn_if_slower_than_fp32,
 )
 from ampddp.precision.casting import (
@@ -201,6 +202,7 @@ class Amp:
         engine.setup(models, optimizers)
         device = next((param.device for model in models for param in model.parameters()), torch.device("cpu"))
         warn_if_slower_than_fp32(engine.mode, engine.compute_dtype, device, models)
+        settle_host_heap(device)
         if engine.casts_model_params:
             wrappers.rehook_after_cast()
 

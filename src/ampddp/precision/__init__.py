@@ -11,6 +11,7 @@ import ampddp.torch_compat  # noqa: F401  (first: it refuses a torch older than 
 from ampddp.precision.apex_backend import ApexEngine
 from ampddp.precision.compile_support import run_eagerly_as_own_frame
 from ampddp.precision.engine import PrecisionEngine, check_loss, check_models_and_optimizers
+from ampddp.precision.host_heap import settle_host_heap
 from ampddp.precision.master import GradPhase, OptimizerGrads
 from ampddp.precision.modes import MODES, build_engine, check_opt_level, resolve_policy
 from ampddp.precision.opt_level import OptLevelEngine
@@ -37,5 +38,6 @@ __all__ = [
     "group_for_sharded",
     "resolve_policy",
     "run_eagerly_as_own_frame",
+    "settle_host_heap",
     "warn_if_slower_than_fp32",
 ]
