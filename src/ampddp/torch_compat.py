@@ -56,13 +56,13 @@ def ddp_rebuild_problem(wrapper: DistributedDataParallel) -> str | None:
         return "it was built with delay_all_reduce_named_params"
     if any(hasattr(param, "_in_backward_optimizers") for param in wrapper.module.parameters()):
         return "an optimizer runs in its backward"
-    hook_name = _logged_comm_hook(wrapper)
+    hook_name = logged_comm_hook(wrapper)
     if hook_name and not getattr(wrapper, "_comm_hooks", None):
         return f"its built-in communication hook {hook_name} cannot be read back to register again"
     return None
 
 
-def _logged_comm_hook(wrapper: DistributedDataParallel) -> str:
+def logged_comm_hook(wrapper: DistributedDataParallel) -> str:
     """The communication hook DDP's logger recorded (built-in hooks leave no other trace), or ''."""
     try:
         return str(wrapper._get_ddp_logging_data().get("comm_hook", "") or "")

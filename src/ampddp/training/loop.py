@@ -1,16 +1,17 @@
 """The training loop: the one place that knows the order of a step; everything else is a part.
 
 Each optimizer step: forward in the engine's context, scaled backward per micro-batch (gradient sync
-only on the last), one all-reduce of the loss and of a stop request, unscale -> clip -> step -> scale
-update, and the LR scheduler advances only when the step was applied. The loop never branches on the
-precision mode: it calls the engine's interface.
+only on the last), two flags agreed over the ranks (a non-finite loss, a stop request; riding the
+gradients' all-reduce under torch DDP over gloo), unscale -> clip -> step -> scale update, and the LR
+scheduler advances only when the step was applied; the loss is summed over the ranks when a record is
+written. The loop never branches on the precision mode: it calls the engine's interface.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-import math
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from torch.utils.data import Dataset
 
 from ampddp.checkpoint.store import CheckpointRef
 from ampddp.distributed.data import PendingSum, ResumableSampler, gather_objects
+from ampddp.distributed.gradient_rider import GradientRider
 from ampddp.errors import BadSamplesError, ConfigError
 from ampddp.precision.engine import PrecisionEngine
 from ampddp.preemption import StopSignals
@@ -210,25 +212,25 @@ class TrainingLoop:
         every rank should stop (a signal)."""
         step = self._step_number()
         counts = self._global_counts(window)  # in flight while the first forward runs (when it needs a reduce)
-        agreement = self._agreement(window)
+        agreement = StepAgreement(self.run.env, self.stopping, self._gradient_rider)
         loss_sum = self._forward_backward(window, first, counts, agreement)
         total = float(counts.result()[0])
         self.phase.enter(AGREEING, step)
         agreement.start(loss_sum)  # where the schedule did not start it before its last backward (a pipeline's)
-        loss_value, stop_agreed, tokens = agreement.result(total)
-        self.log_window.add(loss_value, tokens)
-        self.guard.check(loss_value, self.progress.global_step + 1, lambda: self._diagnose(window, first))
+        verdict = agreement.verdict()
+        self.log_window.add(verdict.loss_sum, self.run.schedule.loss_copies(self._readers), total, verdict.finite, self._tokens(window))
+        self.guard.check(verdict.finite, self.progress.global_step + 1, lambda: self._diagnose(window, first))
         logging_step = (self.progress.global_step + 1) % self.settings.log_every == 0 or not self._first_step_logged
         self._first_step_logged = True  # the first step this process trains is recorded: progress shows at once
         self.phase.enter(OPTIMIZER, step)
         grad_norm, stepped = self._apply(logging_step)
-        if not stepped and math.isfinite(loss_value):
+        if not stepped and verdict.finite:
             logger.warning("step %d skipped: %s", self.progress.global_step + 1, self._diagnose(window, first))
         self._advance(int(total), stepped)
-        record = self._record(loss_value, stepped, grad_norm) if logging_step or not stepped else None
+        record = self._record(stepped, grad_norm) if logging_step or not stepped else None
         self.callbacks.on_step(self.progress, record)
         self._after_step(ends_epoch)
-        return stop_agreed
+        return verdict.stop
 
     def _global_counts(self, window: list[Any]) -> PendingSum:
         """The window's samples over every data rank, which the first backward needs. Counted as the
@@ -252,11 +254,18 @@ class TrainingLoop:
         weighted = WeightedBackward(self.engine, self.phase, step, counts, data_ranks, agreement)
         return self.run.schedule.forward_backward(window, MicroBatchLoss(self, step, first), weighted)
 
-    def _agreement(self, window: list[Any]) -> StepAgreement:
-        """The step's loss, stop vote and tokens, to be summed over every rank in one all-reduce."""
-        readers = self.run.env.world_size // self.run.data_shard.size
-        tokens = sum(self.batches.tokens(batch) for batch in window)
-        return StepAgreement(self.run.env, self.stopping, tokens, readers, self.run.schedule.loss_copies(readers))
+    @functools.cached_property
+    def _gradient_rider(self) -> GradientRider | None:
+        """Where the step's flags travel with the gradients (the strategy's say; a DDP hook, made at the first step)."""
+        return self.run.strategy.gradient_rider(self.run.model)
+
+    @functools.cached_property
+    def _readers(self) -> int:
+        """The ranks that read each data coordinate's batches (its tensor-parallel and pipeline ranks)."""
+        return self.run.env.world_size // self.run.data_shard.size
+
+    def _tokens(self, window: list[Any]) -> float:
+        return float(sum(self.batches.tokens(batch) for batch in window))
 
     def _apply(self, logging_step: bool) -> tuple[torch.Tensor | None, bool]:
         """Clip (or measure, on logging steps) the gradient norm, step, advance the LR schedule."""
@@ -277,15 +286,16 @@ class TrainingLoop:
         progress.samples_seen += samples
         progress.epoch_position = min(progress.epoch_position + samples, len(self.train_set))
 
-    def _record(self, loss_value: float, stepped: bool, grad_norm: torch.Tensor | None) -> dict[str, Any]:
+    def _record(self, stepped: bool, grad_norm: torch.Tensor | None) -> dict[str, Any]:
         progress = self.progress
+        window = self.log_window.take(self._readers)  # one all-reduce, at the same step on every rank
         return {
-            "step": progress.global_step, "epoch": progress.epoch, "loss": loss_value,
+            "step": progress.global_step, "epoch": progress.epoch, "loss": window.pop("loss"),
             "lr": self.optimizer.param_groups[0]["lr"], "loss_scale": self.engine.loss_scale(),
             "skipped": not stepped, "skipped_steps": progress.skipped_steps,
             "grad_norm": None if grad_norm is None or not stepped else float(grad_norm),
             "data_wait_s": self.input_timer.take(progress.global_step),
-            **self.log_window.take(),  # loss_mean over the steps since the last record; tokens (-> tokens/s)
+            **window,  # loss_mean over the steps since the last record; tokens (-> tokens/s)
         }  # fmt: skip
 
     def _after_step(self, ends_epoch: bool) -> None:
@@ -384,4 +394,4 @@ class WeightedBackward:
         self.engine.backward_done()
 
     def losses_known(self, loss_sum: torch.Tensor) -> None:
-        self.agreement.start(loss_sum)
+        self.agreement.start(loss_sum, backward_pending=True)

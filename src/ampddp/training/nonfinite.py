@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -44,9 +43,9 @@ class NonFiniteGuard:
             return f"the forward pass of module '{culprit}' produced inf/NaN"
         return f"gradients overflowed from {last_overflow or 'another rank (finite on this one)'}"
 
-    def check(self, loss_value: float, step: int, diagnose: Callable[[], str]) -> None:
-        """Count a non-finite global loss at ``step`` (warning with its origin); raise at the limit."""
-        if math.isfinite(loss_value):
+    def check(self, finite: bool, step: int, diagnose: Callable[[], str]) -> None:
+        """Count a non-finite global loss at ``step`` (``finite`` False; warning with its origin); raise at the limit."""
+        if finite:
             self._in_a_row = 0
             return
         self._in_a_row += 1

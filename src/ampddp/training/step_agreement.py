@@ -1,49 +1,75 @@
-"""A step's agreement: its loss, the stop vote and its tokens, summed over every rank in one all-reduce.
+"""A step's agreement: whether any rank's loss is non-finite and whether any rank was asked to stop.
 
-After a step's backward every rank must take the same decisions (stop on a signal, trace a non-finite loss while the
-weights are still those that made it, log one loss), so the loop sums three numbers over the ranks before the
-optimizer step. Started as late as possible, that reduce is a second wait beside the gradients' (1 ms a step of a
-3.8 ms step on two CPU processes, measured in ``benchmarks/peers.py``'s ``tiny`` groups). A schedule that knows its
-rank's loss before the window's last backward (``MicroBatches``) says so (``Backward.losses_known``), and the reduce
-travels while that backward computes, issued on every rank at the same point (under DDP, ahead of the gradients'
-buckets); a pipeline's loss is known after its schedule, and the reduce starts then. The values stay on the device
-(no host read before the backward is queued).
+After a step's backward every rank must take the same decisions before any steps (stop on a signal, trace a
+non-finite loss while the weights are still those that made it), so the loop sums two flags over the ranks every
+step. The loss and the tokens are summed only when a record is written (``log_window.LogWindow``): the flags alone
+must travel every step. Where the strategy offers it (torch DDP over gloo: ``Strategy.gradient_rider``), they ride the
+gradients' first all-reduce bucket, so a step makes no collective of its own: on two CPU processes a second
+all-reduce cost 0.6-0.9 ms a step, more than a small model's whole step (``benchmarks/peers.py``'s ``tiny`` groups).
+Otherwise they travel in one small all-reduce, started before the window's last backward where the schedule knows
+the loss by then (``Backward.losses_known``: every strategy's but a pipeline's), so it travels while the backward
+computes. The flags stay on the device until read (no host read before the backward is queued).
 """
 
 from __future__ import annotations
+
+import math
+from typing import NamedTuple
 
 import torch
 
 from ampddp.distributed.data import PendingSum
 from ampddp.distributed.env import DistEnv
+from ampddp.distributed.gradient_rider import GradientRider
 from ampddp.training.stopping import StopAgreement
 
 
+class StepVerdict(NamedTuple):
+    """What every rank decides the same way after a step's backward, and this rank's loss read on the host."""
+
+    finite: bool
+    """The loss was finite on every rank."""
+    stop: bool
+    """Some rank received a stop signal."""
+    loss_sum: float
+    """This rank's sum of per-sample losses (summed over the ranks only for a record: ``log_window``)."""
+
+
 class StepAgreement:
-    """One step's reduce. ``readers``: the ranks of one data coordinate (they read the same batches: tokens counted
-    once); ``loss_copies``: how many of them hold its loss (each counted once)."""
+    """One step's two flags, agreed over every rank of ``env`` (riding ``rider`` where there is one)."""
 
-    def __init__(self, env: DistEnv, stopping: StopAgreement, tokens: int, readers: int, loss_copies: int) -> None:
-        self.env, self.stopping, self.tokens = env, stopping, tokens
-        self.readers, self.loss_copies = readers, loss_copies
-        self._pending: PendingSum | None = None
+    def __init__(self, env: DistEnv, stopping: StopAgreement, rider: GradientRider | None = None) -> None:
+        self.env, self.stopping, self.rider = env, stopping, rider
         self._loss_sum: torch.Tensor | None = None
+        self._flags: torch.Tensor | None = None
+        self._pending: PendingSum | None = None
 
-    def start(self, loss_sum: torch.Tensor) -> None:
-        """Begin the reduce of this rank's sum of per-sample losses with its vote and tokens (the vote as it stands
-        now: a signal after this counts at the next step); a second call does nothing."""
+    def start(self, loss_sum: torch.Tensor, backward_pending: bool = False) -> None:
+        """Begin agreeing on this rank's loss (its sum of per-sample losses) and its vote as it stands now (a signal after
+        this counts at the next step); ``backward_pending``: the window's last backward has not run yet, so the flags
+        may ride its gradients. A second call does nothing."""
         if self._loss_sum is not None:
             return
         self._loss_sum = loss_sum.detach()
-        if self.env.distributed:
-            votes = torch.tensor([self.stopping.vote(), float(self.tokens)], dtype=torch.float64, device=loss_sum.device)
-            self._pending = PendingSum(torch.cat([self._loss_sum.double().reshape(1), votes]))
+        if not self.env.distributed:
+            return  # one process: its own vote and loss, read at the verdict
+        vote = torch.tensor(self.stopping.vote(), device=loss_sum.device)
+        self._flags = torch.stack([vote, (~torch.isfinite(self._loss_sum)).to(vote.dtype)])
+        if backward_pending and self.rider is not None:
+            self.rider.board(self._flags)
+        else:
+            self._pending = PendingSum(self._flags)
 
-    def result(self, total: float) -> tuple[float, bool, float]:
-        """The global mean loss over ``total`` samples, whether any rank voted to stop, and the step's tokens."""
+    def verdict(self) -> StepVerdict:
+        """The flags summed over the ranks (waits for them)."""
         if self._loss_sum is None:
             raise RuntimeError("a step's agreement was read before it started")
-        if self._pending is None:  # one process: its own vote, read now
-            return self._loss_sum.item() / max(total, 1.0), self.stopping.vote() > 0, float(self.tokens)
-        loss, votes, tokens = self._pending.result().tolist()
-        return loss / self.loss_copies / max(total, 1.0), votes > 0, tokens / self.readers
+        if self._flags is None:
+            loss_sum = self._loss_sum.item()
+            return StepVerdict(finite=math.isfinite(loss_sum), stop=self.stopping.vote() > 0, loss_sum=loss_sum)
+        if self._pending is None:  # riding: landed with the gradients
+            landed = self.rider.landed() if self.rider is not None else None
+            # No bucket took them (no backward synced): the same on every rank, so every rank reduces them here instead.
+            self._pending = PendingSum(self._flags) if landed is None else PendingSum(landed, reduce=False)
+        votes, non_finite = self._pending.result().tolist()
+        return StepVerdict(finite=non_finite == 0, stop=votes > 0, loss_sum=self._loss_sum.item())

@@ -17,6 +17,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ampddp.distributed.env import DistEnv
+from ampddp.distributed.gradient_rider import GradientRider
 from ampddp.distributed.mesh import ParallelDims
 from ampddp.distributed.meta_init import InitProgram, ModelBuild, model_from
 from ampddp.distributed.schedule import MicroBatches, StepSchedule
@@ -164,6 +165,11 @@ class Strategy:
     def grad_sync(self, model: nn.Module) -> GradSync:
         """Gradient sync skipped on an accumulation window's micro-steps but the last."""
         return GradSync(model)
+
+    def gradient_rider(self, model: nn.Module) -> GradientRider | None:
+        """Where a step's few agreed numbers can travel with ``model``'s gradients, for a loop that agrees some every step
+        (``ampddp.distributed.gradient_rider``); None: in an all-reduce of their own."""
+        return None
 
     def schedule(self, model: nn.Module, grad_sync: GradSync) -> StepSchedule:
         """Who runs a window's forwards and backwards of ``model`` (``ampddp.distributed.schedule``): each

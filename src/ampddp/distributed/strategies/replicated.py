@@ -8,9 +8,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from ampddp.distributed.apex_ddp import DistributedDataParallel as ApexDistributedDataParallel
 from ampddp.distributed.env import DistEnv
+from ampddp.distributed.gradient_rider import GradientRider, ride_gradients
 from ampddp.distributed.installed_apex import installed_apex_parallel
 from ampddp.distributed.model_agreement import check_models_agree
 from ampddp.distributed.strategies.base import Strategy
@@ -46,6 +48,12 @@ class TorchDDP(_Replicated):
 
     def _replicate(self, model: nn.Module, env: DistEnv) -> nn.Module:
         return self.ddp.wrap(model, [env.device.index] if env.device.type == "cuda" else None, **self.wrap_options)
+
+    def gradient_rider(self, model: nn.Module) -> GradientRider | None:
+        """The flags of a step ride torch DDP's first bucket over gloo (``ride_gradients`` says when); ``model`` may be
+        the compiled wrapper."""
+        wrapper = getattr(model, "_orig_mod", model)
+        return ride_gradients(wrapper) if isinstance(wrapper, DistributedDataParallel) else None
 
 
 class ApexDDP(_Replicated):
