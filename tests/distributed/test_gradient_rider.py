@@ -25,6 +25,7 @@ from ampddp.distributed import launch_local
 from ampddp.distributed.gradient_rider import ride_gradients
 from ampddp.errors import NonFiniteGradientsError
 from ampddp.training.callbacks import Callback
+from ampddp.training.compile_model import ModelCompiler
 
 
 def rider_worker(env) -> dict:
@@ -148,3 +149,20 @@ def test_through_the_trainer_a_non_finite_loss_on_one_rank_is_traced_by_both_bef
     assert [r["step"] for r in results] == [1, 1], "step 2 was not taken by either rank"
     for result in results:
         assert "the input batch itself holds inf/NaN (rank 1: training sample(s) 17 (epoch 0))" in result["error"], result["error"]
+
+
+def compiled_worker(env, compiled: bool) -> dict:
+    (x, y), = make_batches(1, batch=64, seed=9)  # fmt: skip
+    trainer = Trainer(make_mlp(batchnorm=False), lambda p: torch.optim.SGD(p, lr=0.05), torch.utils.data.TensorDataset(x, y), env=env,
+                      precision="O0", metrics=None, report=None, shuffle=False, batch_size=8, max_steps=3, stop_signals=(),
+                      compile=ModelCompiler("default", "aot_eager") if compiled else None)  # fmt: skip
+    trainer.fit()
+    wrapper = getattr(trainer.run.model, "_orig_mod", trainer.run.model)
+    return {"params": [p.detach().clone() for p in trainer.run.module.parameters()], "hooks": len(wrapper._comm_hooks)}
+
+
+@pytest.mark.timeout(240)
+def test_a_compiled_ddp_model_carries_the_rider_and_trains_as_the_eager_one():
+    compiled, eager = (launch_local(compiled_worker, 2, (flag,), device="cpu", timeout_s=150, job_timeout_s=200)[0] for flag in (1, 0))
+    assert compiled["hooks"] == eager["hooks"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(compiled["params"], eager["params"]))
