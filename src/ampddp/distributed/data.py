@@ -139,24 +139,27 @@ def sum_across_ranks(value: torch.Tensor | float, group: Any = None) -> torch.Te
 
 
 class PendingSum:
-    """``value`` summed over ranks, the all-reduce started now and awaited at the first ``result()``:
+    """``values`` summed over ranks, the all-reduce started now and awaited at the first ``result()``:
     work the caller does meanwhile (a forward) hides its latency. Identity in a single process, and
-    where ``reduce`` is False (a sum every rank already knows)."""
+    where ``reduce`` is False (a sum every rank already knows: then no tensor is made, as a step asks
+    for one every time)."""
 
-    def __init__(self, value: torch.Tensor | float | list[float], group: Any = None, reduce: bool = True) -> None:
-        self._tensor = torch.as_tensor(value, dtype=torch.float64).clone()
+    def __init__(self, values: torch.Tensor | list[float], group: Any = None, reduce: bool = True) -> None:
         self._work: Any = None
-        if reduce and dist.is_available() and dist.is_initialized():
-            backend_device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
-            self._tensor = self._tensor.to(backend_device)
-            self._work = dist.all_reduce(self._tensor, group=group, async_op=True)
-        self._result: torch.Tensor | None = None
+        self._tensor = torch.empty(0)
+        self._result: list[float] | None = None
+        if not (reduce and dist.is_available() and dist.is_initialized()):
+            self._result = values.double().tolist() if isinstance(values, torch.Tensor) else [float(value) for value in values]
+            return
+        backend_device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        self._tensor = torch.as_tensor(values, dtype=torch.float64).to(backend_device, copy=True)
+        self._work = dist.all_reduce(self._tensor, group=group, async_op=True)
 
-    def result(self) -> torch.Tensor:
+    def result(self) -> list[float]:
+        """The summed values, on the host."""
         if self._result is None:
-            if self._work is not None:
-                self._work.wait()
-            self._result = self._tensor.cpu()
+            self._work.wait()
+            self._result = self._tensor.tolist()
         return self._result
 
 

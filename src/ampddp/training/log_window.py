@@ -38,7 +38,7 @@ class LogWindow:
         non-finite) and ``tokens`` (when any; ``readers`` ranks read each data coordinate's), then start over. Every
         rank calls it at the same step (one all-reduce)."""
         loss_sum, copies, samples = self._step
-        step_sum, shares, tokens = PendingSum([loss_sum, self._shares, self._tokens]).result().tolist()
+        step_sum, shares, tokens = PendingSum([loss_sum, self._shares, self._tokens]).result()
         taken: dict[str, Any] = {"loss": step_sum / copies / samples, "loss_mean": shares / self._losses if self._losses else None}
         if tokens:
             taken["tokens"] = int(tokens / readers)

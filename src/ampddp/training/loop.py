@@ -214,7 +214,7 @@ class TrainingLoop:
         counts = self._global_counts(window)  # in flight while the first forward runs (when it needs a reduce)
         agreement = StepAgreement(self.run.env, self.stopping, self._gradient_rider)
         loss_sum = self._forward_backward(window, first, counts, agreement)
-        total = float(counts.result()[0])
+        total = counts.result()[0]
         self.phase.enter(AGREEING, step)
         agreement.start(loss_sum)  # where the schedule did not start it before its last backward (a pipeline's)
         verdict = agreement.verdict()
@@ -380,7 +380,7 @@ class WeightedBackward:
 
     def _weighted(self, loss: torch.Tensor, count: int) -> torch.Tensor:
         self.phase.enter(AGREEING, self.step)
-        weight = count * self.data_ranks / float(self.counts.result()[0])
+        weight = count * self.data_ranks / self.counts.result()[0]
         self.phase.enter(BACKWARD, self.step)
         return loss * weight if weight != 1.0 else loss
 

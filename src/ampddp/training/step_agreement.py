@@ -71,5 +71,5 @@ class StepAgreement:
             landed = self.rider.landed() if self.rider is not None else None
             # No bucket took them (no backward synced): the same on every rank, so every rank reduces them here instead.
             self._pending = PendingSum(self._flags) if landed is None else PendingSum(landed, reduce=False)
-        votes, non_finite = self._pending.result().tolist()
+        votes, non_finite = self._pending.result()
         return StepVerdict(finite=non_finite == 0, stop=votes > 0, loss_sum=self._loss_sum.item())
