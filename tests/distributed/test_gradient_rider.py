@@ -56,6 +56,7 @@ def rider_worker(env) -> dict:
 
     compressed.register_comm_hook(None, default_hooks.fp16_compress_hook)
     out["compressed"] = ride_gradients(compressed)
+    out["large"] = ride_gradients(DistributedDataParallel(torch.nn.Linear(1024, 300)))  # 1.2 MB of gradients
     return out
 
 
@@ -67,6 +68,7 @@ def test_the_rider_leaves_ddp_gradients_bit_equal_and_sums_what_boarded():
             assert result[dtype]["landed"] == [1.0, 2.0, 6.0], "the boarded values, summed over the two ranks"
             assert result[dtype]["again"] is None and result[dtype]["unboarded"] is None
         assert result["compressed"] is None, "a wrapper with a hook of its own keeps it"
+        assert result["large"] is None, "gradients over 1 MiB: an extra pass to divide them would cost more than it saves"
 
 
 class SignalAt(Callback):
