@@ -1,17 +1,17 @@
 """A few numbers summed over the DDP ranks in the all-reduce of the gradients' first bucket, not in one of their own.
 
 The Trainer agrees two flags every step (a stop signal came, the loss is not finite) before anyone steps. Over gloo
-each collective is a round trip through every rank's communication thread: on two CPU processes a second all-reduce
-cost 0.6-0.9 ms a step, more than the whole step of a small model (``benchmarks/peers.py``'s ``tiny`` groups). So the
-flags ride the gradients: a DDP communication hook appends them to the first bucket it all-reduces and reads them back
-when that bucket lands. It averages the gradients as DDP does (each rank's share multiplied by 1/ranks, then summed),
-so the trained weights are DDP's own.
+each collective is a round trip through every rank's communication thread: on two CPU processes (Intel Xeon with
+AMX, 2 cores) a second all-reduce cost 0.6-0.9 ms a step, more than the whole step of a small model
+(``benchmarks/peers.py``'s ``tiny`` groups). So the flags ride the gradients: a DDP communication hook appends them to
+the first bucket it all-reduces and reads them back when that bucket lands. It averages the gradients as DDP does
+(each rank's share multiplied by 1/ranks, then summed), so the trained weights are DDP's own.
 
 Only where that pays: over gloo, for a model whose gradients fit DDP's first bucket (1 MiB), on a wrapper the
 Trainer's strategy made without a hook of its own (a user's or ``comm_hook`` compression keeps its hook, and the flags
 their all-reduce). A Python hook gives up DDP's division fused into the gradients' copy, so it divides in one more pass
-over them: on 2 CPU processes, 3.6-4.5 ms of CPU a step on an MLP with 13.6 MB of gradients, more than the round trip
-it saves; NCCL's all-reduces of a few bytes cost microseconds.
+over them: on 2 CPU processes (Intel Xeon with AMX, 2 cores), 3.6-4.5 ms of CPU a step on an MLP with 13.6 MB of
+gradients, more than the round trip it saves; NCCL's all-reduces of a few bytes cost microseconds.
 """
 
 import torch
