@@ -29,7 +29,8 @@ from ampddp.training.compile_model import ModelCompiler
 
 
 def rider_worker(env) -> dict:
-    """Two copies of one model in DDP, one carrying a rider: the same backward on each, in fp32 and in bf16."""
+    """Two copies of one model in DDP, one carrying a rider: the same backward on each, in fp32 and in bf16; then the
+    rider's backward with each rank's loss weighted by its share (``summing``); then where it sits on a larger model."""
     out: dict = {}
     x, y = make_batches(1, batch=16, seed=5)[0]
     mine = slice(env.rank * 8, env.rank * 8 + 8)
@@ -51,12 +52,30 @@ def rider_worker(env) -> dict:
         }
         F.cross_entropy(carrying(x[mine].to(dtype)).float(), y[mine]).backward()  # nothing boarded: a plain average
         out[str(dtype)]["unboarded"] = rider.landed()
+        for model in (plain, carrying):
+            model.zero_grad(set_to_none=True)
+        F.cross_entropy(plain(x[mine].to(dtype)).float(), y[mine]).backward()
+        rider.board(torch.tensor([1.0, 0.0]))
+        with rider.summing():  # each rank's share of the global batch: half
+            (F.cross_entropy(carrying(x[mine].to(dtype)).float(), y[mine]) * 0.5).backward()
+        out[str(dtype)]["summed_equal"] = all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), carrying.parameters()))
+        out[str(dtype)]["summed_landed"] = rider.landed().float().tolist()
     compressed = DistributedDataParallel(make_mlp(batchnorm=False))
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     compressed.register_comm_hook(None, default_hooks.fp16_compress_hook)
     out["compressed"] = ride_gradients(compressed)
-    out["large"] = ride_gradients(DistributedDataParallel(torch.nn.Linear(1024, 300)))  # 1.2 MB of gradients
+    # Gradients ready last layer first: its 2.1 MB fill DDP's first bucket, over what the flags ride; the first
+    # layer's 17 kB its second, which they take once a backward has shown its size.
+    torch.manual_seed(0)
+    large = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8192)))
+    rider = ride_gradients(large)
+    out["large"] = []
+    for _ in range(3):  # the caller agrees what did not land
+        rider.board(torch.tensor([1.0]))
+        large(torch.randn(4, 64)).square().mean().backward()
+        landed = rider.landed()
+        out["large"].append(None if landed is None else landed.tolist())
     return out
 
 
@@ -67,8 +86,12 @@ def test_the_rider_leaves_ddp_gradients_bit_equal_and_sums_what_boarded():
             assert result[dtype]["equal"], f"{dtype}: gradients differ from DDP's own all-reduce"
             assert result[dtype]["landed"] == [1.0, 2.0, 6.0], "the boarded values, summed over the two ranks"
             assert result[dtype]["again"] is None and result[dtype]["unboarded"] is None
+            assert result[dtype]["summed_equal"], f"{dtype}: each rank's share summed differs from DDP's average"
+            assert result[dtype]["summed_landed"] == [2.0, 0.0]
         assert result["compressed"] is None, "a wrapper with a hook of its own keeps it"
-        assert result["large"] is None, "gradients over 1 MiB: an extra pass to divide them would cost more than it saves"
+        landed = result["large"]
+        assert landed[:2] == [None, None], "the buckets known are over 2 MiB (DDP lays them out anew after its first backward)"
+        assert landed[2] == [2.0], "then the smallest bucket (the first layer's, DDP's second) carries them"
 
 
 class SignalAt(Callback):
@@ -151,6 +174,33 @@ def test_through_the_trainer_a_non_finite_loss_on_one_rank_is_traced_by_both_bef
     assert [r["step"] for r in results] == [1, 1], "step 2 was not taken by either rank"
     for result in results:
         assert "the input batch itself holds inf/NaN (rank 1: training sample(s) 17 (epoch 0))" in result["error"], result["error"]
+
+
+def shares_worker(env, precision: str, ride: bool) -> list[torch.Tensor]:
+    """Two epochs of 44 samples in windows of 2 micro-batches of 4 a rank (the last window short), SGD with momentum;
+    without ``ride``, DDP's own averaging hook registered first keeps the rider off."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    (x, y), = make_batches(1, batch=44, seed=3)  # fmt: skip
+    trainer = Trainer(make_mlp(batchnorm=False), lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), torch.utils.data.TensorDataset(x, y),
+                      env=env, precision=precision, metrics=None, report=None, shuffle=False, batch_size=4, grad_accum_steps=2,
+                      max_epochs=2, stop_signals=())  # fmt: skip
+    if not ride:
+        trainer.run.model.register_comm_hook(None, default_hooks.allreduce_hook)
+    trainer.fit()
+    hooks = [hook for hook, _ in trainer.run.model._comm_hooks]
+    assert (hooks[0].__name__ == "_gradients_with_riders") == ride, hooks
+    return [p.detach().clone() for p in trainer.engine.master_params(trainer.optimizer)]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("precision", ["O0", "O2"])
+def test_each_ranks_share_summed_trains_bit_equal_to_ddps_average(precision):
+    """Riding, the Trainer weights each rank's loss by its share of the global batch and the hook sums (no pass to
+    divide): with accumulation, a short last window and fp16 gradients in the buckets (O2), the same weights."""
+    riding, averaged = (launch_local(shares_worker, 2, (precision, ride), device="cpu", timeout_s=120, job_timeout_s=200)[0]
+                        for ride in (True, False))  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in zip(riding, averaged))
 
 
 def compiled_worker(env, compiled: bool) -> dict:

@@ -246,13 +246,15 @@ class TrainingLoop:
     def _forward_backward(self, window: list[Any], first: int, counts: PendingSum, agreement: StepAgreement) -> torch.Tensor:
         """The window's gradients, run by the step's schedule (the strategy's: ``run.schedule``), each
         micro-batch's loss weighted by its share of the global batch (exact with uneven counts:
-        ``counts`` summed over the data ranks); returns the local sum of per-sample losses."""
-        data_ranks = self.run.data_shard.size
+        ``counts`` summed over the data ranks); returns the local sum of per-sample losses. Where the
+        gradients ride with the step's flags, their all-reduce sums these shares (nothing left to divide)."""
         self.optimizer.zero_grad(set_to_none=True)
         step = self._step_number()
-
-        weighted = WeightedBackward(self.engine, self.phase, step, counts, data_ranks, agreement)
-        return self.run.schedule.forward_backward(window, MicroBatchLoss(self, step, first), weighted)
+        rider = self._gradient_rider
+        averaged_over = 1 if rider is not None else self.run.data_shard.size
+        weighted = WeightedBackward(self.engine, self.phase, step, counts, averaged_over, agreement)
+        with rider.summing() if rider is not None else contextlib.nullcontext():
+            return self.run.schedule.forward_backward(window, MicroBatchLoss(self, step, first), weighted)
 
     @functools.cached_property
     def _gradient_rider(self) -> GradientRider | None:
@@ -371,16 +373,17 @@ class MicroBatchLoss:
 
 class WeightedBackward:
     """A micro-batch's backward, its mean loss weighted by its share of the global batch: ``count`` samples of the
-    ``counts`` summed over the ``data_ranks`` (exact with uneven micro-batches), as a step's schedule asks for it."""
+    ``counts`` summed over the data ranks (exact with uneven micro-batches), as a step's schedule asks for it, times
+    ``averaged_over``: the ranks the gradients' reduction then divides by (1 where it sums)."""
 
-    def __init__(self, engine: PrecisionEngine, phase: StepPhase, step: int, counts: PendingSum, data_ranks: int,
+    def __init__(self, engine: PrecisionEngine, phase: StepPhase, step: int, counts: PendingSum, averaged_over: int,
                  agreement: StepAgreement) -> None:  # fmt: skip
-        self.engine, self.phase, self.step, self.counts, self.data_ranks = engine, phase, step, counts, data_ranks
+        self.engine, self.phase, self.step, self.counts, self.averaged_over = engine, phase, step, counts, averaged_over
         self.agreement = agreement
 
     def _weighted(self, loss: torch.Tensor, count: int) -> torch.Tensor:
         self.phase.enter(AGREEING, self.step)
-        weight = count * self.data_ranks / self.counts.result()[0]
+        weight = count * self.averaged_over / self.counts.result()[0]
         self.phase.enter(BACKWARD, self.step)
         return loss * weight if weight != 1.0 else loss
 

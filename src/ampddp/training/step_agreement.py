@@ -3,10 +3,10 @@
 After a step's backward every rank must take the same decisions before any steps (stop on a signal, trace a
 non-finite loss while the weights are still those that made it), so the loop sums two flags over the ranks every
 step. The loss and the tokens are summed only when a record is written (``log_window.LogWindow``): the flags alone
-must travel every step. Where the strategy offers it (torch DDP over gloo, gradients up to 1 MiB:
-``Strategy.gradient_rider``), they ride the gradients' first all-reduce bucket, so a step makes no collective of its
-own: on two CPU processes (Intel Xeon with AMX, 2 cores) a second all-reduce cost 0.6-0.9 ms a step, more than a small model's whole step
-(``benchmarks/peers.py``'s ``tiny`` groups).
+must travel every step. Where the strategy offers it (torch DDP over gloo: ``Strategy.gradient_rider``), they
+ride one of the gradients' all-reduce buckets (the smallest, up to 2 MiB), so a step makes no collective of its own:
+on two CPU processes (Intel Xeon with AMX, 2 cores) a second all-reduce cost 0.6-0.9 ms a step, more than a small
+model's whole step (``benchmarks/peers.py``'s ``tiny`` groups).
 Otherwise they travel in one small all-reduce, started before the window's last backward where the schedule knows
 the loss by then (``Backward.losses_known``: every strategy's but a pipeline's), so it travels while the backward
 computes. The flags stay on the device until read (no host read before the backward is queued).

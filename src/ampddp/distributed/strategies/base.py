@@ -168,7 +168,8 @@ class Strategy:
 
     def gradient_rider(self, model: nn.Module) -> GradientRider | None:
         """Where a step's few agreed numbers can travel with ``model``'s gradients, for a loop that agrees some every step
-        (``ampddp.distributed.gradient_rider``); None: in an all-reduce of their own."""
+        (``ampddp.distributed.gradient_rider``), and which sums the gradients of the backwards it is ``summing`` (the loop
+        weights each rank's loss by its share of the global batch); None: in an all-reduce of their own."""
         return None
 
     def schedule(self, model: nn.Module, grad_sync: GradSync) -> StepSchedule:

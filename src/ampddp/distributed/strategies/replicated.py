@@ -50,7 +50,7 @@ class TorchDDP(_Replicated):
         return self.ddp.wrap(model, [env.device.index] if env.device.type == "cuda" else None, **self.wrap_options)
 
     def gradient_rider(self, model: nn.Module) -> GradientRider | None:
-        """The flags of a step ride torch DDP's first bucket over gloo (``ride_gradients`` says when); ``model`` may be
+        """The flags of a step ride torch DDP's gradient buckets over gloo (``ride_gradients`` says when); ``model`` may be
         the compiled wrapper."""
         wrapper = getattr(model, "_orig_mod", model)
         return ride_gradients(wrapper) if isinstance(wrapper, DistributedDataParallel) else None
