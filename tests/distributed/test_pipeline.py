@@ -36,10 +36,12 @@ from ampddp.zoo.text import python_docs
 
 pytestmark = pytest.mark.timeout(420)
 STEPS = 4
-TOLERANCE = {"O0": 1e-5, "O1": 1e-3, "O2": 1e-3, "O3": 1e-3, "native-fp16": 1e-3}
+TOLERANCE = {"O0": 1e-5, "O1": 1e-3, "O2": 1e-3, "O3": 5e-3, "native-fp16": 1e-3}
 """Relative distance of each step's loss from the unsplit model's in the same mode (bf16 modes, O6: 1e-2, the default):
 a pipeline computes the same products in the same order, micro-batch by micro-batch; fp16/bf16 activations cross the
-stage boundary as they would cross a block, so what differs is the summation order of the micro-batches' gradients."""
+stage boundary as they would cross a block, so what differs is the summation order of the micro-batches' gradients.
+O3 keeps no fp32 masters: each update rounds the weights to fp16 (1e-3 apart), and its fourth loss moved 3.6e-3 with
+ATen's AVX2 kernels (an AVX2-only CPU's)."""
 LOSS_SCALED = ("O1", "O2", "native-fp16")
 ZBV = "ZBVZeroBubble" if zbv_schedule_problem() is None else "Interleaved1F1B"
 """The V-shaped zero-bubble schedule where this torch runs it (and compiled blocks under it: 2.14+), else a looped one

@@ -113,9 +113,10 @@ class PrecisionEngine(ABC):
     def setup(self, models: list[nn.Module], optimizers: list[Optimizer]) -> tuple[list[nn.Module], list[Optimizer]]:
         """Convert models and optimizers in place for this mode; returns the objects to use."""
 
-    def convert_storage(self, model: nn.Module) -> None:  # noqa: B027 - most modes store fp32
+    def convert_storage(self, model: nn.Module, device: torch.device | None = None) -> None:  # noqa: B027 - most modes store fp32
         """Cast ``model`` to the dtypes this mode stores it in, ahead of ``setup`` (FSDP2 shards what
-        is stored, and a sharded model cannot be cast afterwards); ``setup`` then finds it cast."""
+        is stored, and a sharded model cannot be cast afterwards); ``setup`` then finds it cast.
+        ``device``: where it will train, for a model still on the meta device (O6 asks it for fp8 matmuls)."""
 
     @abstractmethod
     def forward_context(self) -> AbstractContextManager[Any]:

@@ -21,7 +21,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ampddp.choices import FP8_RECIPES
 from ampddp.errors import ConfigError
-from ampddp.precision.hardware import native_fp8
+from ampddp.precision.hardware import emulates_fp8
 
 logger = logging.getLogger("ampddp.precision")
 
@@ -150,9 +150,9 @@ def _alterations(module: nn.Linear) -> str:
 
 
 def float8_config(recipe: str, device: torch.device, all_gather: bool = False) -> Any:
-    """torchao's configuration for ``recipe``; emulated on a GPU without fp8 matmuls (torch's own CPU
-    fp8 matmul serves the CPU). ``all_gather``: FSDP2 will shard the layers and gather their weights
-    in fp8 (tensorwise only; under DDP such weights would not train)."""
+    """torchao's configuration for ``recipe``; emulated on a GPU without fp8 matmuls and on a CPU without torch's
+    fp8 matmul (``hardware.emulates_fp8``; torch's own serves the others). ``all_gather``: FSDP2 will shard the
+    layers and gather their weights in fp8 (tensorwise only; under DDP such weights would not train)."""
     if recipe not in FP8_RECIPES:
         raise ConfigError(f"fp8_recipe={recipe!r} is not valid; valid: {', '.join(FP8_RECIPES)}")
     if all_gather and recipe != "tensorwise":
@@ -162,7 +162,7 @@ def float8_config(recipe: str, device: torch.device, all_gather: bool = False) -
         config = replace(config, enable_fsdp_float8_all_gather=True)
     if device.type == "cuda":  # GPU fp8 matmuls need every inner dim a multiple of 16, the tokens of a batch too
         config = replace(config, pad_inner_dim=True)
-    return replace(config, emulate=True) if device.type == "cuda" and not native_fp8(device) else config
+    return replace(config, emulate=True) if emulates_fp8(device) else config
 
 
 def convert_to_fp8(model: nn.Module, verdicts: list[LinearVerdict], config: Any) -> int:

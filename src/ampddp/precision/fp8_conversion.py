@@ -35,7 +35,7 @@ class NoConversion:
     runs_fp8 = False
     verdicts: tuple[LinearVerdict, ...] = ()
 
-    def convert(self, model: nn.Module, prefix: str = "") -> None:
+    def convert(self, model: nn.Module, prefix: str = "", device: torch.device | None = None) -> None:
         """Nothing to convert."""
 
     def hooks(self, models: Sequence[nn.Module]) -> list[RemovableHandle]:
@@ -56,12 +56,14 @@ class Fp8Conversion:
         self.verdicts: list[LinearVerdict] = []
         """Every linear layer of the converted models, whether it runs in fp8 and why not."""
 
-    def convert(self, model: nn.Module, prefix: str = "") -> None:
-        """``model``'s eligible layers to fp8 (named with ``prefix``: ``models[i].`` when a set-up has several)."""
+    def convert(self, model: nn.Module, prefix: str = "", device: torch.device | None = None) -> None:
+        """``model``'s eligible layers to fp8 (named with ``prefix``: ``models[i].`` when a set-up has several), for
+        ``device`` (None: where its parameters are)."""
         policy = self._policy
         if any(model is seen for seen in self._models):
             return
-        device = next((param.device for param in model.parameters()), torch.device("cpu"))
+        if device is None:
+            device = next((param.device for param in model.parameters()), torch.device("cpu"))
         verdicts = plan_fp8(model, policy.fp8_recipe, policy.fp8_filter, policy.fp8_min_size)
         convert_to_fp8(model, verdicts, float8_config(policy.fp8_recipe, device, policy.fp8_all_gather))
         verdicts = [dataclasses.replace(verdict, name=prefix + verdict.name) for verdict in verdicts] if prefix else verdicts

@@ -10,6 +10,7 @@ capability 8.0, fp8 before 8.9) is refused where a run's precision is chosen: :f
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import platform
 from pathlib import Path
@@ -73,6 +74,32 @@ def native_fp8(device: torch.device) -> bool:
     if torch.version.hip:
         return torch.cuda.get_device_properties(device).gcnArchName.startswith(("gfx94", "gfx95"))
     return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@functools.cache
+def cpu_fp8_matmul() -> bool:
+    """Whether torch's CPU fp8 matmul (oneDNN's) runs on this CPU: it needs AVX512-FP16 (Intel Xeon from Sapphire
+    Rapids). With oneDNN held to AVX-512 BF16 without FP16 (``ONEDNN_MAX_CPU_ISA``, as AMD EPYC with AVX-512 BF16 is)
+    it refuses to build one; held to AVX2 with ATen's AVX2 kernels (as an AVX2-only CPU), it serves a product until the
+    first bf16 autocast region has closed, and refuses from then on. Asked of torch itself with a 16x16 product in
+    and after such a region, once a process: its rules are its own."""
+    operand = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
+    one = torch.ones((), dtype=torch.float32)
+    try:
+        for region in (torch.autocast("cpu", dtype=torch.bfloat16), contextlib.nullcontext()):
+            with region:
+                torch._scaled_mm(operand, operand.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def emulates_fp8(device: torch.device) -> bool:
+    """Whether fp8 matmuls on ``device`` must be emulated (cast to fp8, multiplied in bf16/fp32): a GPU without fp8
+    matmul hardware, a CPU without torch's fp8 matmul."""
+    if device.type == "cuda":
+        return not native_fp8(device)
+    return device.type == "cpu" and not cpu_fp8_matmul()
 
 
 def unsupported(mode: str, device: torch.device, bf16: bool, fp8: bool) -> str | None:

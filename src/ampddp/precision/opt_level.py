@@ -82,11 +82,11 @@ class OptLevelEngine(PrecisionEngine):
         return cls(spec.policy_with(settings), registry, allow_low_precision_models)
 
     # ---- set-up -------------------------------------------------------------------------------
-    def convert_storage(self, model: nn.Module) -> None:
+    def convert_storage(self, model: nn.Module, device: torch.device | None = None) -> None:
         if self.policy.enabled and self.policy.cast_model_type not in (None, torch.float32):
             convert_model(model, self.policy.cast_model_type, bool(self.policy.keep_batchnorm_fp32))
             self._allow_low_precision_models = True
-        self._conversion.convert(model)
+        self._conversion.convert(model, device=device)
 
     def setup(self, models: list[nn.Module], optimizers: list[Optimizer]) -> tuple[list[nn.Module], list[Optimizer]]:
         check_models_and_optimizers(models, optimizers, self._allow_low_precision_models, fp8=self.policy.fp8_recipe is not None)

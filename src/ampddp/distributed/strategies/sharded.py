@@ -83,7 +83,7 @@ class FSDP2(Strategy):
 
     def _sharded(self, model: nn.Module, env: DistEnv, engine: PrecisionEngine, init: InitProgram | None) -> nn.Module:
         """``model`` in its stored dtypes, split over the ``tp`` ranks, sharded over the data ranks, materialised."""
-        engine.convert_storage(model)
+        engine.convert_storage(model, env.device)
         dims = self.mesh_of(env)
         if self.tp.enabled:
             model = apply_tensor_parallel(model, dims.submesh("tp"), self.tp)
