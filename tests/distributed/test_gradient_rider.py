@@ -26,6 +26,8 @@ from ampddp.distributed.gradient_rider import ride_gradients
 from ampddp.errors import NonFiniteGradientsError
 from ampddp.training.callbacks import Callback
 from ampddp.training.compile_model import ModelCompiler
+from ampddp.training.step_agreement import StepAgreement
+from ampddp.training.stopping import StopAgreement
 
 
 def rider_worker(env) -> dict:
@@ -70,13 +72,43 @@ def rider_worker(env) -> dict:
     torch.manual_seed(0)
     large = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8192)))
     rider = ride_gradients(large)
-    out["large"] = []
+    out["large"], out["boarded"] = [], []
     for _ in range(3):  # the caller agrees what did not land
-        rider.board(torch.tensor([1.0]))
+        out["boarded"].append(rider.board(torch.tensor([1.0])))
         large(torch.randn(4, 64)).square().mean().backward()
         landed = rider.landed()
         out["large"].append(None if landed is None else landed.tolist())
+    # Through a step's agreement on a model whose only bucket is over 2 MiB: who called ``all_reduce``, in order.
+    torch.manual_seed(0)
+    only_large = DistributedDataParallel(torch.nn.Linear(64, 8192), bucket_cap_mb=64)
+    rider, out["order"], out["verdicts"] = ride_gradients(only_large), [], []
+    for _ in range(3):
+        agreement, callers = StepAgreement(env, StopAgreement(), rider), []
+        with traced(callers):
+            loss = only_large(torch.randn(4, 64)).square().mean()
+            agreement.start(loss, backward_pending=True)
+            loss.backward()
+            out["verdicts"].append(agreement.verdict()[:2])
+        out["order"].append(callers)
     return out
+
+
+def traced(callers: list[str]):
+    """Every all-reduce a process group starts from Python (``dist.all_reduce``'s, and the rider's own, not DDP's from
+    C++), the name of the function outside torch that asked for it noted in ``callers``."""
+    all_reduce = dist.ProcessGroup.allreduce
+
+    def noted(group, *args, **kwargs):
+        frame = sys._getframe(1)
+        while frame.f_code.co_filename.startswith(TORCH_DIR):
+            frame = frame.f_back
+        callers.append(frame.f_code.co_name)
+        return all_reduce(group, *args, **kwargs)
+
+    return mock.patch.object(dist.ProcessGroup, "allreduce", noted)
+
+
+TORCH_DIR = os.path.dirname(torch.__file__)
 
 
 def test_the_rider_leaves_ddp_gradients_bit_equal_and_sums_what_boarded():
@@ -92,6 +124,14 @@ def test_the_rider_leaves_ddp_gradients_bit_equal_and_sums_what_boarded():
         landed = result["large"]
         assert landed[:2] == [None, None], "the buckets known are over 2 MiB (DDP lays them out anew after its first backward)"
         assert landed[2] == [2.0], "then the smallest bucket (the first layer's, DDP's second) carries them"
+        # Before the first backward the layout is unknown (they board, and land nowhere); after it, the only bucket
+        # seen was over 2 MiB, so the caller is told at once to send them on their own, while the backward computes.
+        assert result["boarded"] == [True, False, True]
+        assert result["verdicts"] == [(True, False)] * 3
+        # The flags' own all-reduce ("__init__": PendingSum's): after the backward while the layout is unknown, then
+        # before it, so that it travels while the backward computes.
+        after, before = ["_gradients_with_riders", "__init__"], ["__init__", "_gradients_with_riders"]
+        assert result["order"] == [after, before, before]
 
 
 class SignalAt(Callback):
@@ -106,22 +146,19 @@ class SignalAt(Callback):
 
 
 class Records(Callback):
-    """The records, and the functions that called ``dist.all_reduce`` during each step."""
+    """The records, and the functions that started an all-reduce during each step (``traced``)."""
 
     def __init__(self) -> None:
         self.records: list[dict] = []
         self.callers: list[str] = []
         self.collectives: dict[int, list[str]] = {}
 
-    def traced(self, all_reduce):
-        def traced(*args, **kwargs):
-            self.callers.append(sys._getframe(1).f_code.co_name)
-            return all_reduce(*args, **kwargs)
-
-        return mock.patch.object(dist, "all_reduce", traced)
+    def traced(self):
+        return traced(self.callers)
 
     def on_step(self, progress, record) -> None:
-        self.collectives[progress.global_step], self.callers = self.callers, []
+        self.collectives[progress.global_step] = list(self.callers)
+        self.callers.clear()
         if record is not None:
             self.records.append({key: record[key] for key in ("step", "loss", "loss_mean")})
 
@@ -138,7 +175,7 @@ def trainer_worker(env, log_every: int, poison: bool, run_dir: str) -> dict:
                       callbacks=[records, SignalAt(env, rank=1, step=2)] if not poison and env.distributed else [records])  # fmt: skip
     hooks = len(getattr(trainer.run.model, "_comm_hooks", []))
     try:
-        with records.traced(dist.all_reduce):
+        with records.traced():
             result = trainer.fit()
     except NonFiniteGradientsError as error:
         return {"error": str(error), "step": trainer.progress.global_step}

@@ -145,21 +145,22 @@ class PendingSum:
     for one every time)."""
 
     def __init__(self, values: torch.Tensor | list[float], group: Any = None, reduce: bool = True) -> None:
-        self._work: Any = None
-        self._tensor = torch.empty(0)
-        self._result: list[float] | None = None
+        self._in_flight: tuple[Any, torch.Tensor] | None = None
         if not (reduce and dist.is_available() and dist.is_initialized()):
-            self._result = values.double().tolist() if isinstance(values, torch.Tensor) else [float(value) for value in values]
+            # tolist() gives Python floats of any floating dtype, exactly (an fp32, bf16 or fp16 value is a double).
+            self._result = values.tolist() if isinstance(values, torch.Tensor) else [float(value) for value in values]
             return
+        self._result = []
         backend_device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
-        self._tensor = torch.as_tensor(values, dtype=torch.float64).to(backend_device, copy=True)
-        self._work = dist.all_reduce(self._tensor, group=group, async_op=True)
+        tensor = torch.as_tensor(values, dtype=torch.float64).to(backend_device, copy=True)
+        self._in_flight = dist.all_reduce(tensor, group=group, async_op=True), tensor
 
     def result(self) -> list[float]:
         """The summed values, on the host."""
-        if self._result is None:
-            self._work.wait()
-            self._result = self._tensor.tolist()
+        if self._in_flight is not None:
+            work, tensor = self._in_flight
+            work.wait()
+            self._result, self._in_flight = tensor.tolist(), None
         return self._result
 
 

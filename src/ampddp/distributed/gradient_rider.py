@@ -5,7 +5,8 @@ each collective is a round trip through every rank's communication thread: on tw
 AMX, 2 cores) a second all-reduce cost 0.6-0.9 ms a step, more than the whole step of a small model
 (``benchmarks/peers.py``'s ``tiny`` groups). So the flags ride the gradients: a DDP communication hook appends them to
 the smallest bucket it all-reduces (its size known from the backward before; a copy of that bucket, so only up to
-``RIDES_UP_TO_BYTES``) and reads them back when that bucket lands.
+``RIDES_UP_TO_BYTES``; where it is larger, ``board`` says so and the caller sends them on their own before the backward)
+and reads them back when that bucket lands.
 
 A Python hook gives up DDP's division fused into its copy of the gradients into the buckets; a pass of its own to
 divide cost 3.6-4.5 ms of CPU a step on an MLP with 13.6 MB of gradients (same machine), more than the round trip it
@@ -43,12 +44,21 @@ class GradientRider:
         self._bucket_bytes: dict[int, int] = {}
         self._seat: int | None = None
 
-    def board(self, values: torch.Tensor) -> None:
+    def board(self, values: torch.Tensor) -> bool:
         """Send ``values`` (a flat tensor, each a non-negative count) with the next synced backward's smallest bucket;
-        every rank must board the same number of values before the same backward."""
-        self._boarded, self._landed = values.detach().flatten(), None
+        every rank must board the same number of values before the same backward. False, and nothing boarded, where
+        the last backward's smallest bucket was over ``RIDES_UP_TO_BYTES``: the same answer on every rank, whose caller
+        then sums them in an all-reduce of their own, started before the backward so that it travels while it computes
+        (boarding anyway would leave that all-reduce until after it)."""
+        self._landed = None
         # DDP lays its buckets out alike on every rank, and every rank's hook sees them in index order: the same seat.
-        self._seat = min(self._bucket_bytes, key=lambda index: (self._bucket_bytes[index], index)) if self._bucket_bytes else 0
+        sizes = self._bucket_bytes
+        self._seat = min(sizes, key=lambda index: (sizes[index], index)) if sizes else 0
+        if sizes and sizes[self._seat] > RIDES_UP_TO_BYTES:
+            self._boarded = None
+            return False
+        self._boarded = values.detach().flatten()
+        return True
 
     def landed(self) -> torch.Tensor | None:
         """The boarded values summed over the ranks once that backward ran (None: no bucket took them, e.g. no backward
@@ -68,6 +78,8 @@ class GradientRider:
             self._summing = False
 
     def _take(self, index: int, nbytes: int) -> torch.Tensor | None:
+        if index == 0:  # a backward's first bucket: DDP may have laid them out anew since (it does after its first)
+            self._bucket_bytes = {}
         self._bucket_bytes[index] = nbytes
         if self._boarded is None or index != self._seat or nbytes > RIDES_UP_TO_BYTES:
             return None
@@ -83,13 +95,14 @@ def _gradients_with_riders(rider: GradientRider, bucket: dist.GradBucket) -> tor
     carrying what boarded.
 
     The values ride in the bucket's dtype: counts of ranks, exact in bf16 and fp16 up to 256 and 2048 ranks, and above
-    zero whenever any rank's is."""
+    zero whenever any rank's is. Started on the group itself (a sum), not through ``dist.all_reduce``, whose checks
+    add 10-15 us to every bucket's 22 us start (two gloo processes, this machine's Xeon)."""
     buffer = bucket.buffer()
     if not rider._summing:
         buffer.mul_(1.0 / rider.ranks)  # as DDP multiplies each gradient into its bucket when no hook is registered
     boarded = rider._take(bucket.index(), buffer.numel() * buffer.element_size())
     if boarded is None:
-        return dist.all_reduce(buffer, group=rider.group, async_op=True).get_future().then(_only_tensor)
+        return rider.group.allreduce([buffer]).get_future().then(_only_tensor)
     size = buffer.numel()
     joined = torch.cat([buffer, boarded.to(device=buffer.device, dtype=buffer.dtype)])
 
@@ -98,7 +111,7 @@ def _gradients_with_riders(rider: GradientRider, bucket: dist.GradBucket) -> tor
         rider._arrived(summed[size:])
         return summed[:size]
 
-    return dist.all_reduce(joined, group=rider.group, async_op=True).get_future().then(unpack)
+    return rider.group.allreduce([joined]).get_future().then(unpack)
 
 
 def _only_tensor(future: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:

@@ -7,9 +7,10 @@ must travel every step. Where the strategy offers it (torch DDP over gloo: ``Str
 ride one of the gradients' all-reduce buckets (the smallest, up to 2 MiB), so a step makes no collective of its own:
 on two CPU processes (Intel Xeon with AMX, 2 cores) a second all-reduce cost 0.6-0.9 ms a step, more than a small
 model's whole step (``benchmarks/peers.py``'s ``tiny`` groups).
-Otherwise they travel in one small all-reduce, started before the window's last backward where the schedule knows
-the loss by then (``Backward.losses_known``: every strategy's but a pipeline's), so it travels while the backward
-computes. The flags stay on the device until read (no host read before the backward is queued).
+Otherwise (no rider, or a smallest bucket over 2 MiB) they travel in one small all-reduce, started before the window's
+last backward where the schedule knows the loss by then (``Backward.losses_known``: every strategy's but a pipeline's),
+so it travels while the backward computes (left until after it, it cost the MLP of ``benchmarks/peers.py`` 4% of its
+two-process O5 step). The flags stay on the device until read (no host read before the backward is queued).
 """
 
 from __future__ import annotations
@@ -56,9 +57,7 @@ class StepAgreement:
             return  # one process: its own vote and loss, read at the verdict
         vote = torch.tensor(self.stopping.vote(), device=loss_sum.device)
         self._flags = torch.stack([vote, (~torch.isfinite(self._loss_sum)).to(vote.dtype)])
-        if backward_pending and self.rider is not None:
-            self.rider.board(self._flags)
-        else:
+        if not (backward_pending and self.rider is not None and self.rider.board(self._flags)):
             self._pending = PendingSum(self._flags)
 
     def verdict(self) -> StepVerdict:
