@@ -55,8 +55,7 @@ class StepAgreement:
         self._loss_sum = loss_sum.detach()
         if not self.env.distributed:
             return  # one process: its own vote and loss, read at the verdict
-        vote = torch.tensor(self.stopping.vote(), device=loss_sum.device)
-        self._flags = torch.stack([vote, (~torch.isfinite(self._loss_sum)).to(vote.dtype)])
+        self._flags = _flags(self.stopping.vote(), self._loss_sum)
         if not (backward_pending and self.rider is not None and self.rider.board(self._flags)):
             self._pending = PendingSum(self._flags)
 
@@ -73,3 +72,13 @@ class StepAgreement:
             self._pending = PendingSum(self._flags) if landed is None else PendingSum(landed, reduce=False)
         votes, non_finite = self._pending.result()
         return StepVerdict(finite=non_finite == 0, stop=votes > 0, loss_sum=self._loss_sum.item())
+
+
+def _flags(vote: float, loss_sum: torch.Tensor) -> torch.Tensor:
+    """[this rank's stop vote, 1 if its loss is not finite], where the loss is. On the host its value is there to read:
+    one small tensor made from two numbers (five operations on the loss cost 35-40 us more a step, two gloo processes on
+    this machine's Xeon, 2% of the tiny model's step); on an accelerator reading it would wait for the forward, so the
+    flag is computed there."""
+    if loss_sum.device.type == "cpu":
+        return torch.tensor([vote, 0.0 if math.isfinite(loss_sum.item()) else 1.0])
+    return torch.stack([torch.tensor(vote, device=loss_sum.device), (~torch.isfinite(loss_sum)).to(torch.float32)])
