@@ -10,7 +10,8 @@ model's whole step (``benchmarks/peers.py``'s ``tiny`` groups).
 Otherwise (no rider, or a smallest bucket over 2 MiB) they travel in one small all-reduce, started before the window's
 last backward where the schedule knows the loss by then (``Backward.losses_known``: every strategy's but a pipeline's),
 so it travels while the backward computes (left until after it, it cost the MLP of ``benchmarks/peers.py`` 4% of its
-two-process O5 step). The flags stay on the device until read (no host read before the backward is queued).
+two-process O5 step). On an accelerator the flags stay on the device until read (no host read before the backward
+is queued); on the host the loss is read where the flags are made (``_flags``).
 """
 
 from __future__ import annotations
