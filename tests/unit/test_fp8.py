@@ -334,5 +334,6 @@ def test_o6_trains_emulated_on_a_cpu_without_torchs_fp8_matmul():
     served, layer, emulated, meta_emulated, finite = done.stdout.split()
     assert (layer, finite) == ("Float8Linear", "True")
     assert emulated == meta_emulated == str(served == "False"), done.stdout
-    if "avx512_fp16" in Path("/proc/cpuinfo").read_text().split():
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists() and "avx512_fp16" in cpuinfo.read_text().split():
         assert served == "False", "the cap takes oneDNN's fp8 matmul away on a CPU with AVX512-FP16"
