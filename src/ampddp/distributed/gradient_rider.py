@@ -29,7 +29,7 @@ from ampddp.torch_compat import logged_comm_hook
 
 RIDES_UP_TO_BYTES = 2 * 1024 * 1024
 """The largest bucket the flags ride: the hook copies it once to append them (a bucket of 1.2 MB, a few layers of a
-small GPT, 0.1 ms on this machine's Xeon; DDP's buckets after its first are 25 MiB)."""
+small GPT, 0.1 ms on an Intel Xeon with AMX; DDP's buckets after its first are 25 MiB)."""
 
 
 class GradientRider:
@@ -96,7 +96,7 @@ def _gradients_with_riders(rider: GradientRider, bucket: dist.GradBucket) -> tor
 
     The values ride in the bucket's dtype: counts of ranks, exact in bf16 and fp16 up to 256 and 2048 ranks, and above
     zero whenever any rank's is. Started on the group itself (a sum), not through ``dist.all_reduce``, whose checks
-    add 10-15 us to every bucket's 22 us start (two gloo processes, this machine's Xeon)."""
+    add 10-15 us to every bucket's 22 us start (two gloo processes, an Intel Xeon with AMX)."""
     buffer = bucket.buffer()
     if not rider._summing:
         buffer.mul_(1.0 / rider.ranks)  # as DDP multiplies each gradient into its bucket when no hook is registered

@@ -80,7 +80,7 @@ def native_fp8(device: torch.device) -> bool:
 def cpu_fp8_matmul() -> bool:
     """Whether torch's CPU fp8 matmul runs on this CPU. oneDNN's needs AVX512-FP16 (Intel Xeon from Sapphire Rapids);
     on such a CPU held to AVX-512 BF16 (``ONEDNN_MAX_CPU_ISA``, as AMD EPYC with AVX-512 BF16 is) it refuses to build
-    one, and held to AVX2 with ATen's AVX2 kernels (as an AVX2-only CPU) it serves a product until the first bf16
+    one, and held to AVX2 with ATen's AVX2 kernels (the AVX2 kind's proxy) it serves a product until the first bf16
     autocast region has closed, and refuses from then on. A CPU without AVX512-FP16 (an Intel Xeon with AVX-512 and
     no BF16) gets torch's own reference kernel, cap or not. Asked of torch itself with a 16x16 product in and after
     such a region, once a process: its rules are its own."""

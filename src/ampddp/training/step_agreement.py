@@ -78,7 +78,7 @@ class StepAgreement:
 def _flags(vote: float, loss_sum: torch.Tensor) -> torch.Tensor:
     """[this rank's stop vote, 1 if its loss is not finite], where the loss is. On the host its value is there to read:
     one small tensor made from two numbers (five operations on the loss cost 35-40 us more a step, two gloo processes on
-    this machine's Xeon, 2% of the tiny model's step); on an accelerator reading it would wait for the forward, so the
+    an Intel Xeon with AMX, 2% of the tiny model's step); on an accelerator reading it would wait for the forward, so the
     flag is computed there."""
     if loss_sum.device.type == "cpu":
         return torch.tensor([vote, 0.0 if math.isfinite(loss_sum.item()) else 1.0])
